@@ -1,0 +1,255 @@
+// topk CPU kernel: threshold selection on integer magnitude keys.
+//
+// The tensor is cut into fixed chunks (independent of the thread count, so
+// results never depend on it). Every full pass works chunk-parallel and
+// leaves per-chunk counts; a serial prefix over those counts gives each
+// chunk its output offset, so indices come out in ascending order without
+// a sort. Passes over n elements:
+//   approx: sample (s << n reads), fold + count (read g, r; write r),
+//           compact (read r, sparse writes) = ~16 bytes/element;
+//   exact:  fold, three radix-histogram passes (11/10/10 bits of the key),
+//           count, compact.
+#include <algorithm>
+#include <functional>
+#include <vector>
+
+#include "pycomm/compress_math.h"
+#include "pycomm/cpu.h"
+
+namespace pycomm {
+namespace cpu {
+namespace {
+
+constexpr int64_t kChunk = int64_t(1) << 16;
+
+struct Counts {
+  std::vector<int64_t> gt, eq;  // per chunk: keys > T and keys == T
+  int64_t total_gt = 0, total_eq = 0;
+};
+
+template <typename Load>
+void fold(Load g, float* c, bool has_residual, int64_t begin, int64_t end) {
+  if (has_residual) {
+#pragma omp simd
+    for (int64_t i = begin; i < end; ++i) c[i] = g(i) + c[i];
+  } else {
+#pragma omp simd
+    for (int64_t i = begin; i < end; ++i) c[i] = g(i);
+  }
+}
+
+struct LoadF32 {
+  const float* p;
+  float operator()(int64_t i) const { return p[i]; }
+};
+struct LoadF16 {
+  const uint16_t* p;
+  float operator()(int64_t i) const { return fp16_bits_to_float(p[i]); }
+};
+struct LoadBF16 {
+  const uint16_t* p;
+  float operator()(int64_t i) const { return bf16_bits_to_float(p[i]); }
+};
+
+// c[i] = grad[i] (+ c[i]) over [begin, end), for the given dtype.
+void fold_range(const void* grad, DType dtype, float* c, bool has_residual, int64_t begin,
+                int64_t end) {
+  switch (dtype) {
+    case DType::kFloat32:
+      fold(LoadF32{static_cast<const float*>(grad)}, c, has_residual, begin, end);
+      break;
+    case DType::kFloat16:
+      fold(LoadF16{static_cast<const uint16_t*>(grad)}, c, has_residual, begin, end);
+      break;
+    case DType::kBFloat16:
+      fold(LoadBF16{static_cast<const uint16_t*>(grad)}, c, has_residual, begin, end);
+      break;
+  }
+}
+
+float grad_at(const void* grad, DType dtype, int64_t i) {
+  switch (dtype) {
+    case DType::kFloat16:
+      return fp16_bits_to_float(static_cast<const uint16_t*>(grad)[i]);
+    case DType::kBFloat16:
+      return bf16_bits_to_float(static_cast<const uint16_t*>(grad)[i]);
+    default:
+      return static_cast<const float*>(grad)[i];
+  }
+}
+
+void count_chunk(const float* c, int64_t begin, int64_t end, uint32_t t, int64_t* gt,
+                 int64_t* eq) {
+  int64_t ngt = 0, neq = 0;
+#pragma omp simd reduction(+ : ngt, neq)
+  for (int64_t i = begin; i < end; ++i) {
+    const uint32_t key = topk_key(c[i]);
+    ngt += key > t;
+    neq += key == t;
+  }
+  *gt = ngt;
+  *eq = neq;
+}
+
+// Counts keys > t and == t per chunk; with `grad`, folds grad into c first
+// (the same pass, so c is read from memory once).
+Counts fold_and_count(const void* grad, DType dtype, float* c, bool has_residual, int64_t n,
+                      uint32_t t, const ParallelFor& pf) {
+  const int64_t chunks = ceil_div(n, kChunk);
+  Counts out;
+  out.gt.assign(chunks, 0);
+  out.eq.assign(chunks, 0);
+  pf(0, chunks, [&](int64_t cb, int64_t ce) {
+    for (int64_t ch = cb; ch < ce; ++ch) {
+      const int64_t b = ch * kChunk, e = std::min(n, b + kChunk);
+      if (grad) fold_range(grad, dtype, c, has_residual, b, e);
+      count_chunk(c, b, e, t, &out.gt[ch], &out.eq[ch]);
+    }
+  });
+  for (int64_t ch = 0; ch < chunks; ++ch) {
+    out.total_gt += out.gt[ch];
+    out.total_eq += out.eq[ch];
+  }
+  return out;
+}
+
+// Writes, in index order, every entry with key > t and the first eq_budget
+// entries with key == t (all of them if eq_budget < 0), zeroing them in c.
+int64_t compact(float* c, int64_t n, uint32_t t, int64_t eq_budget, const Counts& counts,
+                int32_t* indices, float* values, const ParallelFor& pf) {
+  const int64_t chunks = ceil_div(n, kChunk);
+  std::vector<int64_t> offset(chunks), eq_take(chunks);
+  int64_t pos = 0, eq_left = eq_budget < 0 ? counts.total_eq : eq_budget;
+  for (int64_t ch = 0; ch < chunks; ++ch) {
+    eq_take[ch] = std::min(eq_left, counts.eq[ch]);
+    eq_left -= eq_take[ch];
+    offset[ch] = pos;
+    pos += counts.gt[ch] + eq_take[ch];
+  }
+  pf(0, chunks, [&](int64_t cb, int64_t ce) {
+    for (int64_t ch = cb; ch < ce; ++ch) {
+      if (counts.gt[ch] + eq_take[ch] == 0) continue;
+      const int64_t b = ch * kChunk, e = std::min(n, b + kChunk);
+      int64_t o = offset[ch], eq_room = eq_take[ch];
+      for (int64_t i = b; i < e; ++i) {
+        const uint32_t key = topk_key(c[i]);
+        if (key > t || (key == t && eq_room-- > 0)) {
+          indices[o] = (int32_t)i;
+          values[o] = c[i];
+          c[i] = 0.0f;
+          ++o;
+        }
+      }
+    }
+  });
+  return pos;
+}
+
+// Radix select: the k-th largest key of c. Keys use 31 bits (the sign is
+// cleared), examined 11, 10, 10 bits at a time from the top.
+uint32_t kth_largest_key(const float* c, int64_t n, int64_t k, const ParallelFor& pf) {
+  static const int kShift[3] = {20, 10, 0};
+  static const int kBins[3] = {1 << 11, 1 << 10, 1 << 10};
+  const int64_t chunks = ceil_div(n, kChunk);
+  uint32_t prefix = 0;  // bits of the answer fixed so far
+  int64_t need = k;     // rank still to find among keys matching prefix
+  for (int level = 0; level < 3; ++level) {
+    const int shift = kShift[level], bins = kBins[level];
+    // Keys match when their bits above this level's digit equal prefix's.
+    const int high = shift + (level == 0 ? 11 : 10);
+    std::vector<uint32_t> hist((size_t)chunks * bins, 0);
+    pf(0, chunks, [&](int64_t cb, int64_t ce) {
+      for (int64_t ch = cb; ch < ce; ++ch) {
+        uint32_t* h = hist.data() + (size_t)ch * bins;
+        const int64_t b = ch * kChunk, e = std::min(n, b + kChunk);
+        for (int64_t i = b; i < e; ++i) {
+          const uint32_t key = topk_key(c[i]);
+          if (high >= 31 || (key >> high) == (prefix >> high)) h[(key >> shift) & (bins - 1)]++;
+        }
+      }
+    });
+    std::vector<int64_t> total(bins, 0);
+    for (int64_t ch = 0; ch < chunks; ++ch)
+      for (int d = 0; d < bins; ++d) total[d] += hist[(size_t)ch * bins + d];
+    int digit = bins - 1;
+    for (; digit > 0; --digit) {
+      if (total[digit] >= need) break;
+      need -= total[digit];
+    }
+    prefix |= (uint32_t)digit << shift;
+  }
+  return prefix;
+}
+
+uint32_t sample_threshold(std::vector<uint32_t>& sample, int64_t rank) {
+  // rank is 1-based among keys sorted descending.
+  std::nth_element(sample.begin(), sample.begin() + (rank - 1), sample.end(),
+                   std::greater<uint32_t>());
+  return sample[rank - 1];
+}
+
+}  // namespace
+
+int64_t topk_compress(const void* grad, DType dtype, float* residual, float* scratch, int64_t n,
+                      int64_t k, bool approx, int32_t* indices, float* values,
+                      const ParallelFor& pf) {
+  const bool has_residual = residual != nullptr;
+  float* c = has_residual ? residual : scratch;
+  const void* unfolded = grad;  // non-null until grad has been folded into c
+  if (approx) {
+    const int64_t stride = topk_sample_stride(n, k);
+    const int64_t s = topk_sample_count(n, stride);
+    std::vector<uint32_t> sample(s);
+    for (int64_t j = 0; j < s; ++j) {
+      const int64_t p = j * stride + stride / 2;
+      sample[j] = topk_key(grad_at(grad, dtype, p) + (has_residual ? c[p] : 0.0f));
+    }
+    int64_t rank = topk_sample_rank(n, k, s);
+    for (int attempt = 0; attempt < 2; ++attempt) {
+      const uint32_t t = sample_threshold(sample, rank);
+      const Counts counts = fold_and_count(unfolded, dtype, c, has_residual, n, t, pf);
+      unfolded = nullptr;
+      const int64_t count = counts.total_gt + counts.total_eq;
+      if (topk_accept(count, k)) return compact(c, n, t, -1, counts, indices, values, pf);
+      if (attempt == 0) {
+        const int64_t next = topk_retry_rank(rank, k, count, s);
+        if (next == rank) break;
+        rank = next;
+      }
+    }
+  }
+  if (unfolded) {
+    const int64_t chunks = ceil_div(n, kChunk);
+    pf(0, chunks, [&](int64_t cb, int64_t ce) {
+      for (int64_t ch = cb; ch < ce; ++ch)
+        fold_range(grad, dtype, c, has_residual, ch * kChunk, std::min(n, (ch + 1) * kChunk));
+    });
+  }
+  const uint32_t t = kth_largest_key(c, n, k, pf);
+  const Counts counts = fold_and_count(nullptr, dtype, c, has_residual, n, t, pf);
+  return compact(c, n, t, k - counts.total_gt, counts, indices, values, pf);
+}
+
+bool topk_decompress(const int32_t* indices, const float* values, int64_t count, float* out,
+                     int64_t n, bool accumulate, const ParallelFor& pf) {
+  for (int64_t j = 0; j < count; ++j)
+    if (indices[j] < 0 || indices[j] >= n) return false;
+  if (!accumulate) {
+    pf(0, ceil_div(n, kChunk), [&](int64_t cb, int64_t ce) {
+      const int64_t b = cb * kChunk, e = std::min(n, ce * kChunk);
+      std::fill(out + b, out + e, 0.0f);
+    });
+  }
+  // Indices are unique, so parallel writes never collide.
+  pf(0, count, [&](int64_t b, int64_t e) {
+    if (accumulate) {
+      for (int64_t j = b; j < e; ++j) out[indices[j]] += values[j];
+    } else {
+      for (int64_t j = b; j < e; ++j) out[indices[j]] = values[j];
+    }
+  });
+  return true;
+}
+
+}  // namespace cpu
+}  // namespace pycomm

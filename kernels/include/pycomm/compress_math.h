@@ -1,0 +1,147 @@
+// Shared math of every pycomm compressor: the one place that defines the
+// wire format (bit order, scale rule, top-k key and sampling rule).
+//
+// Included by the CPU kernels (kernels/cpu), the CUDA kernels (kernels/cuda)
+// and mirrored line by line in the pure-torch references
+// (pycomm/compressors/*.py), so the CPU tests cover the math the GPU runs.
+// Torch-free on purpose: it must compile under g++ and nvcc alike.
+#pragma once
+
+#include <stdint.h>
+#include <math.h>
+#include <string.h>
+
+#if defined(__CUDACC__)
+#define PYCOMM_HD __host__ __device__ __forceinline__
+#else
+#define PYCOMM_HD inline
+#endif
+
+namespace pycomm {
+
+PYCOMM_HD int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// ---------------------------------------------------------------- onebit ---
+// Payload: sign bits packed 32 per 32-bit word (bit i of word w is element
+// 32*w + i; 1 = non-negative, so -0.0 -> 1 and NaN -> 0; bits past numel are
+// 0) plus one float32 scale per block of block_size elements:
+// scale = mean |c| over the block, a final partial block using its own length.
+// block_size must be a positive multiple of 32 so that no word straddles two
+// blocks (blocks can then be processed independently, in any order).
+constexpr int64_t kOnebitWordBits = 32;
+
+PYCOMM_HD int64_t onebit_num_words(int64_t n) { return ceil_div(n, kOnebitWordBits); }
+PYCOMM_HD int64_t onebit_num_blocks(int64_t n, int64_t block_size) { return ceil_div(n, block_size); }
+PYCOMM_HD int64_t onebit_block_len(int64_t n, int64_t block_size, int64_t block) {
+  const int64_t begin = block * block_size;
+  const int64_t end = begin + block_size < n ? begin + block_size : n;
+  return end - begin;
+}
+// Comparison, not the sign bit: NaN maps to 0 so it is never "positive".
+PYCOMM_HD uint32_t onebit_sign_bit(float c) { return c >= 0.0f ? 1u : 0u; }
+PYCOMM_HD float onebit_decode(uint32_t bit, float scale) { return bit ? scale : -scale; }
+// Exact wire size: words + scales, both 4 bytes.
+PYCOMM_HD int64_t onebit_payload_nbytes(int64_t n, int64_t block_size) {
+  return 4 * onebit_num_words(n) + 4 * onebit_num_blocks(n, block_size);
+}
+
+// ------------------------------------------------------------------ topk ---
+// Magnitude key: the float's bits with the sign cleared. For non-negative
+// floats the unsigned bit order is the numeric order, so selection can run on
+// integers (radix select). Every NaN is mapped to one canonical key above
+// +Inf: a non-finite gradient is always selected, never silently dropped.
+constexpr uint32_t kTopkNanKey = 0x7fc00000u;
+constexpr uint32_t kTopkInfKey = 0x7f800000u;
+
+PYCOMM_HD uint32_t float_bits(float x) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(x);
+#else
+  uint32_t u;
+  memcpy(&u, &x, sizeof(u));
+  return u;
+#endif
+}
+
+PYCOMM_HD uint32_t topk_key(float c) {
+  const uint32_t a = float_bits(c) & 0x7fffffffu;
+  return a > kTopkInfKey ? kTopkNanKey : a;
+}
+
+// k = max(1, ceil(density * n)), computed in double exactly like Python's
+// math.ceil(density * n).
+PYCOMM_HD int64_t topk_k(int64_t n, double density) {
+  int64_t k = (int64_t)ceil(density * (double)n);
+  if (k < 1) k = 1;
+  if (k > n) k = n;
+  return k;
+}
+
+// Approximate mode returns between k and topk_capacity(k) = floor(1.25 k)
+// entries; a collective reserves the capacity.
+PYCOMM_HD int64_t topk_capacity(int64_t k) { return k + k / 4; }
+
+// Sampling rule of approximate mode (Deep Gradient Compression style, but
+// deterministic so that every implementation selects the same entries).
+// Aim for ~kTopkSampleHits sampled elements above the threshold: the
+// relative error of the count estimate is ~1/sqrt(hits).
+constexpr int64_t kTopkSampleHits = 256;
+constexpr int64_t kTopkSampleMin = 4096;
+
+// Sample positions are j * stride + stride / 2 for j in [0, s).
+PYCOMM_HD int64_t topk_sample_stride(int64_t n, int64_t k) {
+  int64_t target = kTopkSampleHits * ceil_div(n, k);
+  if (target < kTopkSampleMin) target = kTopkSampleMin;
+  const int64_t stride = n / target;
+  return stride < 1 ? 1 : stride;
+}
+PYCOMM_HD int64_t topk_sample_count(int64_t n, int64_t stride) { return n / stride; }
+
+// Rank (1-based, among the s sample keys sorted descending) whose key is the
+// threshold: aims at 1.125 k selected, the middle of [k, 1.25 k].
+PYCOMM_HD int64_t topk_sample_rank(int64_t n, int64_t k, int64_t s) {
+  int64_t r = (int64_t)ceil(1.125 * (double)k * (double)s / (double)n);
+  if (r < 1) r = 1;
+  if (r > s) r = s;
+  return r;
+}
+
+// One correction after the full count: scale the rank by target / count.
+PYCOMM_HD int64_t topk_retry_rank(int64_t rank, int64_t k, int64_t count, int64_t s) {
+  int64_t r = (int64_t)ceil((double)rank * 1.125 * (double)k / (double)count);
+  if (r < 1) r = 1;
+  if (r > s) r = s;
+  return r;
+}
+
+PYCOMM_HD bool topk_accept(int64_t count, int64_t k) {
+  return count >= k && count <= topk_capacity(k);
+}
+
+// ------------------------------------------------------- half precision ---
+// Bit-exact conversions to float, branch-free so loops over them vectorize.
+PYCOMM_HD float bf16_bits_to_float(uint16_t h) {
+  const uint32_t u = (uint32_t)h << 16;
+  float f;
+  memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+PYCOMM_HD float fp16_bits_to_float(uint16_t h) {
+  // Shift exponent and mantissa into place and rescale by 2^112 to rebias
+  // (handles normals and subnormals); Inf/NaN get the maximal exponent.
+  const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+  const uint32_t em = (uint32_t)(h & 0x7fffu);
+  uint32_t bits = em << 13;
+  float f;
+  memcpy(&f, &bits, sizeof(f));
+  f *= 5.192296858534828e+33f;  // 2^112
+  uint32_t out;
+  memcpy(&out, &f, sizeof(out));
+  out = em >= 0x7c00u ? (0x7f800000u | (em << 13)) : out;
+  out |= sign;
+  memcpy(&f, &out, sizeof(f));
+  return f;
+}
+
+}  // namespace pycomm

@@ -1,0 +1,53 @@
+// Torch-free CPU kernels of every compressor family (kernels/cpu/<name>.cpp).
+//
+// The op layer (csrc/ops) validates tensors, allocates outputs and supplies a
+// parallel_for (torch's intra-op pool, so torch.set_num_threads is honoured
+// and no second thread pool competes for the cores); these functions only
+// compute, over raw pointers, on the ranges they are given.
+#pragma once
+
+#include <stdint.h>
+
+#include <functional>
+
+namespace pycomm {
+namespace cpu {
+
+enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+// parallel_for(begin, end, fn): calls fn(b, e) on disjoint sub-ranges covering
+// [begin, end), possibly from several threads at once.
+using ParallelFor =
+    std::function<void(int64_t, int64_t, const std::function<void(int64_t, int64_t)>&)>;
+
+// ---- onebit (kernels/cpu/onebit.cpp) ----
+// c = grad + residual (residual may be null: no error feedback). For every
+// block in [block_begin, block_end): scales[b] = mean |c|, sign bits into
+// bits[], and residual = c - decoded. block_size % 32 == 0.
+void onebit_compress_blocks(const void* grad, DType dtype, float* residual, uint32_t* bits,
+                            float* scales, int64_t n, int64_t block_size, int64_t block_begin,
+                            int64_t block_end);
+
+// out[i] = (or += when accumulate) +-scale for the 32-bit words in [word_begin, word_end).
+void onebit_decompress_words(const uint32_t* bits, const float* scales, int64_t n,
+                             int64_t block_size, float* out, bool accumulate, int64_t word_begin,
+                             int64_t word_end);
+
+// ---- topk (kernels/cpu/topk.cpp) ----
+// Selects from c = grad + residual the entries topk_compress's rule picks
+// (see compress_math.h and pycomm/compressors/topk.py), writes their indices
+// (ascending) and values, zeroes them in c, and returns how many it wrote.
+// c is `residual` when error feedback is on, else `scratch` (n floats the
+// caller provides); exactly one of the two is non-null. `indices`/`values`
+// hold topk_capacity(k) entries in approximate mode, k in exact mode.
+int64_t topk_compress(const void* grad, DType dtype, float* residual, float* scratch, int64_t n,
+                      int64_t k, bool approx, int32_t* indices, float* values,
+                      const ParallelFor& parallel_for);
+
+// out = 0 then out[idx] = values (accumulate: out[idx] += values). Returns
+// false, writing nothing, if an index is outside [0, n).
+bool topk_decompress(const int32_t* indices, const float* values, int64_t count, float* out,
+                     int64_t n, bool accumulate, const ParallelFor& parallel_for);
+
+}  // namespace cpu
+}  // namespace pycomm

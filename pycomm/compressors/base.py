@@ -1,0 +1,166 @@
+"""What every compressor shares: argument checks, impl selection, the registry.
+
+A compressor family (onebit, topk, ...) is one module in this package. It
+defines a :class:`Compressor` subclass, decorated with :func:`register`, and a
+table of implementations (``Impl`` objects) keyed by name: ``reference`` (pure
+torch, the test oracle), ``cpu`` (C++ ops), ``cuda`` (CUDA ops) and
+``triton``. The DDP hook, the backend and the benchmarks only ever read the
+registry, so adding a compressor means adding a file.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+
+_REGISTRY: Dict[str, type] = {}
+
+#: Order in which impl="auto" tries implementations, per device type.
+AUTO_ORDER = {"cpu": ("cpu", "reference"), "cuda": ("cuda", "triton", "reference")}
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def register(name: str) -> Callable[[type], type]:
+    """Class decorator: make a compressor available to :func:`get_compressor`."""
+
+    def deco(cls: type) -> type:
+        if name in _REGISTRY:
+            raise ValueError(f"compressor {name!r} is already registered")
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return deco
+
+
+def compressor_names() -> List[str]:
+    """Names of every registered compressor, e.g. ``["onebit", "topk"]``."""
+    return sorted(_REGISTRY)
+
+
+def compressor_class(name: str) -> type:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown compressor {name!r}; available: {', '.join(compressor_names())}"
+        ) from None
+
+
+@dataclass(frozen=True)
+class Impl:
+    """One implementation of a compressor family.
+
+    ``why_unavailable()`` returns None when the impl can run on this machine,
+    else the reason (shown to a user who asked for it by name).
+    ``devices`` lists the tensor device types it accepts.
+    """
+
+    name: str
+    compress: Callable
+    decompress: Callable
+    why_unavailable: Callable[[], Optional[str]]
+    devices: Sequence[str]
+
+
+class Compressor:
+    """Base class: checks inputs, resolves the implementation, flattens.
+
+    Subclasses set ``impls`` (name -> :class:`Impl`) and implement
+    ``_compress_flat`` / ``_decompress_flat`` / ``payload_nbytes``.
+    """
+
+    name = "?"
+    impls: Dict[str, Impl] = {}
+
+    def __init__(self, impl: str = "auto") -> None:
+        if not isinstance(impl, str):
+            raise TypeError(f"impl must be a string, got {type(impl).__name__}")
+        if impl != "auto":
+            if impl not in self.impls:
+                raise ValueError(
+                    f"impl={impl!r} is not an implementation of {self.name!r}; "
+                    f"choose one of {['auto', *self.impls]}"
+                )
+            why = self.impls[impl].why_unavailable()
+            if why is not None:
+                raise RuntimeError(f"{self.name} impl={impl!r} cannot run here: {why}")
+        self.impl = impl
+
+    # -- implementation choice -------------------------------------------------
+    def resolve_impl(self, device: torch.device) -> Impl:
+        """The implementation that will run for tensors on ``device``."""
+        dev = torch.device(device).type
+        if self.impl == "auto":
+            for name in AUTO_ORDER.get(dev, ("reference",)):
+                cand = self.impls.get(name)
+                if cand is not None and dev in cand.devices and cand.why_unavailable() is None:
+                    return cand
+            raise RuntimeError(f"no {self.name} implementation runs on device {dev!r}")
+        chosen = self.impls[self.impl]
+        if dev not in chosen.devices:
+            raise RuntimeError(
+                f"{self.name} impl={self.impl!r} runs on {list(chosen.devices)} tensors, "
+                f"got a tensor on {dev!r}"
+            )
+        return chosen
+
+    # -- checks ----------------------------------------------------------------
+    @staticmethod
+    def _check_inputs(grad: torch.Tensor, residual: Optional[torch.Tensor]) -> None:
+        if not isinstance(grad, torch.Tensor):
+            raise TypeError(f"grad must be a torch.Tensor, got {type(grad).__name__}")
+        if grad.dtype not in FLOAT_DTYPES:
+            raise TypeError(
+                f"grad must be float32, float16 or bfloat16, got {grad.dtype}"
+            )
+        if grad.numel() == 0:
+            raise ValueError("grad is empty: there is nothing to compress")
+        if residual is None:
+            return
+        if not isinstance(residual, torch.Tensor):
+            raise TypeError(f"residual must be a torch.Tensor or None, got {type(residual).__name__}")
+        if residual.dtype != torch.float32:
+            raise TypeError(f"residual must be float32, got {residual.dtype}")
+        if residual.numel() != grad.numel():
+            raise ValueError(
+                f"residual has {residual.numel()} elements but grad has {grad.numel()}"
+            )
+        if residual.device != grad.device:
+            raise ValueError(
+                f"residual is on {residual.device} but grad is on {grad.device}"
+            )
+        if not residual.is_contiguous():
+            raise ValueError("residual must be contiguous: it is updated in place")
+
+    @staticmethod
+    def _check_out(out: torch.Tensor, numel: int, device: torch.device) -> None:
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+        if out.dtype != torch.float32:
+            raise TypeError(f"out must be float32, got {out.dtype}")
+        if out.numel() != numel:
+            raise ValueError(f"out has {out.numel()} elements but the payload has {numel}")
+        if out.device != device:
+            raise ValueError(f"out is on {out.device} but the payload is on {device}")
+        if not out.is_contiguous():
+            raise ValueError("out must be contiguous: it is written in place")
+
+
+def check_positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def check_density(density: object) -> float:
+    if isinstance(density, bool) or not isinstance(density, (int, float)):
+        raise TypeError(f"density must be a number in (0, 1], got {density!r}")
+    d = float(density)
+    if not (0.0 < d <= 1.0) or math.isnan(d):
+        raise ValueError(f"density must be in (0, 1], got {density!r}")
+    return d

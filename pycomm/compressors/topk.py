@@ -1,0 +1,241 @@
+"""topk: keep the k largest-magnitude entries of ``c = grad + residual``.
+
+``k = max(1, ceil(density * n))``. Exact mode returns exactly k entries (ties
+broken by the lowest index). Approximate mode estimates the threshold from a
+deterministic strided sample (Deep Gradient Compression), counts once over
+the full tensor, corrects the sample rank once if the count is off, and falls
+back to the exact threshold if it is still off: it always returns between k
+and floor(1.25 k) entries, and since every entry at or above the threshold is
+kept, the exact top-k is always among them (recall 1 up to ties).
+
+Selection runs on integer keys: the float's bits with the sign cleared, every
+NaN mapped to one key above +Inf (see ``kernels/include/pycomm/compress_math.h``),
+so a NaN or Inf gradient is always sent, never hidden. The payload holds int32
+indices sorted ascending and float32 values; the residual keeps everything
+that was not sent and is zero where an entry was sent.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+
+from .. import _ext
+from .base import Compressor, Impl, check_density, register
+
+NAN_KEY = 0x7FC00000
+INF_KEY = 0x7F800000
+SAMPLE_HITS = 256
+SAMPLE_MIN = 4096
+
+
+@dataclass
+class TopKPayload:
+    """Selected entries of one compressed tensor (indices sorted ascending)."""
+
+    indices: torch.Tensor  # int32 [count]
+    values: torch.Tensor  # float32 [count]
+    numel: int
+    shape: Tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return self.indices.numel() * 4 + self.values.numel() * 4
+
+
+# ------------------------------------------------- rules (compress_math.h) ---
+def topk_k(n: int, density: float) -> int:
+    return min(n, max(1, math.ceil(density * n)))
+
+
+def topk_capacity(k: int) -> int:
+    return k + k // 4
+
+
+def sample_stride(n: int, k: int) -> int:
+    target = max(SAMPLE_MIN, SAMPLE_HITS * (-(-n // k)))
+    return max(1, n // target)
+
+
+def sample_rank(n: int, k: int, s: int) -> int:
+    return min(s, max(1, math.ceil(1.125 * k * s / n)))
+
+
+def retry_rank(rank: int, k: int, count: int, s: int) -> int:
+    return min(s, max(1, math.ceil(rank * 1.125 * k / count)))
+
+
+def accept(count: int, k: int) -> bool:
+    return k <= count <= topk_capacity(k)
+
+
+def keys_reference(c: torch.Tensor) -> torch.Tensor:
+    """Magnitude keys as int64: sign bit cleared, every NaN -> NAN_KEY."""
+    key = (c.view(torch.int32).to(torch.int64)) & 0x7FFFFFFF
+    return torch.where(key > INF_KEY, torch.full_like(key, NAN_KEY), key)
+
+
+def _kth_largest(keys: torch.Tensor, rank: int) -> int:
+    return int(torch.topk(keys, rank, sorted=True).values[-1])
+
+
+def _select(keys: torch.Tensor, threshold: int, eq_budget: Optional[int]) -> torch.Tensor:
+    """Indices (ascending) with key > threshold, plus the first eq_budget
+    (all, if None) with key == threshold."""
+    above = keys > threshold
+    equal = keys == threshold
+    if eq_budget is not None:
+        eq_idx = torch.nonzero(equal).flatten()[:eq_budget]
+        equal = torch.zeros_like(equal)
+        equal[eq_idx] = True
+    return torch.nonzero(above | equal).flatten()
+
+
+def select_reference(c: torch.Tensor, k: int, approx: bool) -> torch.Tensor:
+    """Indices (int64, ascending) that the topk compressor sends for ``c``."""
+    n = c.numel()
+    keys = keys_reference(c)
+    if approx:
+        stride = sample_stride(n, k)
+        s = n // stride
+        sample = keys[stride // 2 :: stride][:s]
+        rank = sample_rank(n, k, s)
+        for attempt in range(2):
+            threshold = _kth_largest(sample, rank)
+            count = int((keys >= threshold).sum())
+            if accept(count, k):
+                return _select(keys, threshold, None)
+            if attempt == 0:
+                new_rank = retry_rank(rank, k, count, s)
+                if new_rank == rank:
+                    break
+                rank = new_rank
+    threshold = _kth_largest(keys, k)
+    n_above = int((keys > threshold).sum())
+    return _select(keys, threshold, k - n_above)
+
+
+def compress_reference(
+    grad: torch.Tensor, residual: Optional[torch.Tensor], k: int, approx: bool
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Pure-torch topk compress of a flat contiguous tensor; updates residual."""
+    c = grad.float() + residual if residual is not None else grad.float()
+    idx = select_reference(c, k, approx)
+    values = c[idx]
+    if residual is not None:
+        c[idx] = 0.0
+        residual.copy_(c)
+    return idx.to(torch.int32), values
+
+
+def decompress_reference(
+    indices: torch.Tensor, values: torch.Tensor, out: torch.Tensor, accumulate: bool
+) -> None:
+    idx = indices.long()
+    if accumulate:
+        out.index_add_(0, idx, values)
+    else:
+        out.zero_()
+        out[idx] = values
+
+
+# ------------------------------------------------------- other impls -------
+def _compress_op(grad, residual, k, approx):
+    return torch.ops.pycomm.topk_compress(grad, residual, k, approx)
+
+
+def _decompress_op(indices, values, out, accumulate):
+    torch.ops.pycomm.topk_decompress(out, indices, values, accumulate)
+
+
+def _compress_triton(grad, residual, k, approx):
+    from ..triton import topk as tri
+
+    return tri.compress(grad, residual, k, approx)
+
+
+def _decompress_triton(indices, values, out, accumulate):
+    from ..triton import topk as tri
+
+    tri.decompress(indices, values, out, accumulate)
+
+
+IMPLS = {
+    "reference": Impl("reference", compress_reference, decompress_reference, lambda: None, ("cpu", "cuda")),
+    "cpu": Impl("cpu", _compress_op, _decompress_op, _ext.why_no_cpu_ops, ("cpu",)),
+    "cuda": Impl("cuda", _compress_op, _decompress_op, _ext.why_no_cuda_ops, ("cuda",)),
+    "triton": Impl("triton", _compress_triton, _decompress_triton, _ext.why_no_triton, _ext.triton_devices()),
+}
+
+
+@register("topk")
+class TopKCompressor(Compressor):
+    """Top-k sparsification with fused error feedback.
+
+    Example::
+
+        >>> import torch, pycomm
+        >>> c = pycomm.get_compressor("topk", density=0.01, approx=False)
+        >>> g = torch.randn(10_000)
+        >>> r = torch.zeros(10_000)
+        >>> p = c.compress(g, r)
+        >>> p.indices.numel()               # exactly ceil(0.01 * 10000)
+        100
+        >>> torch.equal(c.decompress(p) + r, g)
+        True
+    """
+
+    impls = IMPLS
+
+    def __init__(self, density: float = 0.01, approx: bool = True, impl: str = "auto") -> None:
+        self.density = check_density(density)
+        if not isinstance(approx, bool):
+            raise TypeError(f"approx must be a bool, got {approx!r}")
+        super().__init__(impl)
+        self.approx = approx
+
+    def __repr__(self) -> str:
+        return f"TopKCompressor(density={self.density}, approx={self.approx}, impl={self.impl!r})"
+
+    def k(self, numel: int) -> int:
+        """Number of entries exact mode sends for a ``numel``-element tensor."""
+        return topk_k(numel, self.density)
+
+    def payload_nbytes(self, numel: int) -> int:
+        """Bytes on the wire: exactly 8 k in exact mode; in approximate mode the
+        fixed capacity, 8 floor(1.25 k), that a collective reserves."""
+        if isinstance(numel, bool) or not isinstance(numel, int) or numel <= 0:
+            raise ValueError(f"numel must be a positive integer, got {numel!r}")
+        k = self.k(numel)
+        return 8 * (topk_capacity(k) if self.approx else k)
+
+    def compress(self, grad: torch.Tensor, residual: Optional[torch.Tensor] = None) -> TopKPayload:
+        """Select from ``grad + residual``; ``residual`` (if given) keeps the rest."""
+        self._check_inputs(grad, residual)
+        impl = self.resolve_impl(grad.device)
+        flat = grad.reshape(-1)
+        if not flat.is_contiguous():
+            flat = flat.contiguous()
+        res = residual.view(-1) if residual is not None else None
+        idx, vals = impl.compress(flat, res, self.k(flat.numel()), self.approx)
+        return TopKPayload(idx, vals, grad.numel(), tuple(grad.shape))
+
+    def decompress(
+        self, payload: TopKPayload, out: Optional[torch.Tensor] = None, accumulate: bool = False
+    ) -> torch.Tensor:
+        """Scatter to a dense float32 tensor (``payload.shape``); with ``out``,
+        write in place (zeros elsewhere) or, with ``accumulate``, add."""
+        if not isinstance(payload, TopKPayload):
+            raise TypeError(f"payload must be a TopKPayload, got {type(payload).__name__}")
+        device = payload.values.device
+        if out is None:
+            out = torch.empty(payload.shape, dtype=torch.float32, device=device)
+            accumulate = False
+        else:
+            self._check_out(out, payload.numel, device)
+        impl = self.resolve_impl(device)
+        impl.decompress(payload.indices, payload.values, out.view(-1), accumulate)
+        return out
