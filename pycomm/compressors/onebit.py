@@ -199,3 +199,19 @@ class OneBitCompressor(Compressor):
         impl = self.resolve_impl(device)
         impl.decompress(payload.bits, payload.scales, self.block_size, out.view(-1), accumulate)
         return out
+
+
+# Shapes of the op outputs without running the kernel (torch.compile, meta
+# tensors, opcheck).
+if _ext.has_ops():
+
+    @torch.library.register_fake("pycomm::onebit_compress")
+    def _onebit_compress_fake(grad, residual, block_size):
+        n = grad.numel()
+        words = -(-n // WORD_BITS)
+        blocks = -(-n // block_size)
+        return grad.new_empty((words,), dtype=torch.int32), grad.new_empty((blocks,), dtype=torch.float32)
+
+    @torch.library.register_fake("pycomm::onebit_decompress")
+    def _onebit_decompress_fake(out, bits, scales, block_size, accumulate):
+        return None

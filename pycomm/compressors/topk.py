@@ -239,3 +239,18 @@ class TopKCompressor(Compressor):
         impl = self.resolve_impl(device)
         impl.decompress(payload.indices, payload.values, out.view(-1), accumulate)
         return out
+
+
+# Shapes of the op outputs without running the kernel (torch.compile, meta
+# tensors, opcheck). The count is data-dependent: between k and the capacity.
+if _ext.has_ops():
+
+    @torch.library.register_fake("pycomm::topk_compress")
+    def _topk_compress_fake(grad, residual, k, approx):
+        hi = topk_capacity(k) if approx else k
+        count = torch.library.get_ctx().new_dynamic_size(min=k, max=hi) if approx else k
+        return grad.new_empty((count,), dtype=torch.int32), grad.new_empty((count,), dtype=torch.float32)
+
+    @torch.library.register_fake("pycomm::topk_decompress")
+    def _topk_decompress_fake(out, indices, values, accumulate):
+        return None

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Sets up everything pycomm needs on a fresh machine, idempotently:
+#   1. a virtual environment (.venv, or $PYCOMM_VENV);
+#   2. torch: a CUDA torch already installed system-wide is reused (GPU
+#      machines); otherwise torch 2.13.0 CPU (pip takes it from the local
+#      wheel when the machine has one);
+#   3. the build and test tools (requirements-dev.txt);
+#   4. pycomm itself, built against that torch (editable, so Python edits
+#      need no rebuild and C++ rebuilds are incremental in build/).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${PYCOMM_VENV:-.venv}
+PY=${PYTHON:-python3}
+
+if [ ! -x "$VENV/bin/python" ]; then
+  if "$PY" -c "import sys, torch; sys.exit(0 if torch.version.cuda else 1)" 2>/dev/null; then
+    echo "setup: reusing the system's CUDA torch"
+    "$PY" -m venv --system-site-packages "$VENV"
+  else
+    "$PY" -m venv "$VENV"
+  fi
+fi
+P="$VENV/bin/python"
+PIP=("$P" -m pip install --quiet --disable-pip-version-check)
+
+if ! "$P" -c "import torch" 2>/dev/null; then
+  echo "setup: installing torch 2.13.0 (CPU)"
+  "${PIP[@]}" "torch==2.13.0"
+fi
+echo "setup: build and test tools"
+"${PIP[@]}" -r requirements-dev.txt
+echo "setup: building pycomm (build/ keeps the objects for fast rebuilds)"
+"${PIP[@]}" --no-build-isolation --no-deps -e .
+"$P" -c "import pycomm; print('setup: pycomm', pycomm.__version__, 'impls:', pycomm.available_impls('onebit'))"
