@@ -8,13 +8,15 @@ Bits match the reference exactly; scales match it up to float32 rounding
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
 
-WORD_BITS = 32
+from ..compressors.onebit import WORD_BITS
+
 # Largest tile one program holds at once ([MAX_TILE // 32, 32] floats). Larger
 # blocks loop over tiles inside the program instead of growing the tile, so
 # register pressure does not depend on block_size.
@@ -31,7 +33,9 @@ def _load_c(grad_ptr, res_ptr, offs, mask, HAS_RES: tl.constexpr):
 
 
 @triton.jit
-def _compress_tile(grad_ptr, res_ptr, bits_ptr, tile_begin, end, HAS_RES: tl.constexpr, WORDS: tl.constexpr):
+def _compress_tile(
+    grad_ptr, res_ptr, bits_ptr, tile_begin, end, HAS_RES: tl.constexpr, WORDS: tl.constexpr
+):
     """Load c for one [WORDS, 32] tile, store its packed sign words, return c."""
     rows = tl.arange(0, WORDS)
     lanes = tl.arange(0, 32)
@@ -129,6 +133,12 @@ def _decompress_kernel(
     tl.store(out_ptr + offs, decoded, mask=mask)
 
 
+def _device_guard(t: torch.Tensor):
+    # Triton launches on the current CUDA device, which need not be the
+    # tensor's (several GPUs in one process).
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
 def _check_flat(name: str, t: torch.Tensor) -> None:
     if t.dim() != 1 or not t.is_contiguous():
         raise ValueError(f"{name} must be a flat contiguous tensor, got shape {tuple(t.shape)}")
@@ -161,18 +171,20 @@ def compress(
     bits = torch.empty(words, dtype=torch.int32, device=grad.device)
     scales = torch.empty(blocks, dtype=torch.float32, device=grad.device)
     tile = min(triton.next_power_of_2(block_size), MAX_TILE)
-    _compress_kernel[(blocks,)](
-        grad,
-        residual if residual is not None else grad,  # never read when HAS_RES is False
-        bits,
-        scales,
-        n,
-        block_size,
-        HAS_RES=residual is not None,
-        WORDS=tile // WORD_BITS,
-        ONE_TILE=block_size <= tile,
-        num_warps=4 if tile <= 1024 else 8,
-    )
+    with _device_guard(grad):
+        _compress_kernel[(blocks,)](
+            grad,
+            residual if residual is not None else grad,  # never read when HAS_RES is False
+            bits,
+            scales,
+            n,
+            block_size,
+            HAS_RES=residual is not None,
+            WORDS=tile // WORD_BITS,
+            ONE_TILE=block_size <= tile,
+            # ~8 elements per thread: a 32-element block needs one warp, not four.
+            num_warps=max(1, min(8, tile // 256)),
+        )
     return bits, scales
 
 
@@ -199,13 +211,14 @@ def decompress(
         return
     words_per_prog = DECOMPRESS_TILE // WORD_BITS
     grid = (triton.cdiv(n, DECOMPRESS_TILE),)
-    _decompress_kernel[grid](
-        bits.contiguous(),
-        scales.contiguous(),
-        out,
-        n,
-        block_size,
-        ACCUMULATE=bool(accumulate),
-        WORDS=words_per_prog,
-        num_warps=8,
-    )
+    with _device_guard(out):
+        _decompress_kernel[grid](
+            bits.contiguous(),
+            scales.contiguous(),
+            out,
+            n,
+            block_size,
+            ACCUMULATE=bool(accumulate),
+            WORDS=words_per_prog,
+            num_warps=8,
+        )

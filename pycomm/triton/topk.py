@@ -1,0 +1,353 @@
+"""Triton topk: keep the k largest-magnitude entries of ``c = grad + residual``.
+
+Follows ``pycomm.compressors.topk.select_reference`` step by step (same
+sample, same ranks, same accept / retry / exact-fallback decisions), so the
+selected indices are identical to the reference's; the rules themselves are
+imported from there, not restated.
+
+Every full-size pass recomputes ``c = float(grad) + residual`` from the inputs
+instead of staging it (float32 addition is exact-rounded, so every pass, and
+the torch-computed sample, see the same c bit for bit) and leaves the residual
+untouched until the final compaction, the one pass that writes it:
+
+* count: per program, how many keys are > T and == T;
+* compaction: per program, an exclusive prefix sum of those counts gives the
+  output offset, an in-program cumsum the slot, so indices come out ascending
+  with no sort and no atomics;
+* exact threshold: an MSB-first radix select over the 31-bit keys, 8 bits per
+  pass (a Triton histogram pass + a one-program pick kernel), with the
+  threshold and remaining rank kept on the device: no host sync.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ..compressors import topk as ref
+
+TILE = 2048
+NUM_WARPS = 8
+# 8-bit digits (the kernels spell out 256 / 0xFF); keys are < 2^31 (sign bit
+# cleared), so four digits cover them.
+RADIX_BINS = 256
+RADIX_SHIFTS = (24, 16, 8, 0)
+SCATTER_TILE = 1024
+
+
+@triton.jit
+def _load_c(grad_ptr, res_ptr, offs, mask, HAS_RES: tl.constexpr):
+    c = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        c = c + tl.load(res_ptr + offs, mask=mask, other=0.0)
+    return c
+
+
+@triton.jit
+def _key(c):
+    # Sign cleared: for non-negative floats the integer order is the numeric
+    # order. Every NaN gets one canonical key above +Inf (compress_math.h).
+    key = c.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    return tl.where(key > 0x7F800000, 0x7FC00000, key)
+
+
+@triton.jit
+def _radix_hist_kernel(
+    grad_ptr,
+    res_ptr,
+    n,
+    state_ptr,
+    hist_ptr,
+    SHIFT: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # Persistent programs, each looping over tiles: the global histogram then
+    # takes 256 atomics per program, not per tile (all programs hit the same
+    # 256 addresses, so per-tile atomics would serialize on large tensors).
+    # An int64 start makes the loop counter int64, so tile * BLOCK cannot
+    # wrap near n = 2^31.
+    pid = tl.program_id(0).to(tl.int64)
+    num_tiles = tl.cdiv(n, BLOCK)
+    if SHIFT + 8 < 32:
+        prefix = tl.load(state_ptr)
+    hist = tl.zeros([256], dtype=tl.int32)
+    for tile in tl.range(pid, num_tiles, tl.num_programs(0)):
+        offs = tile * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        key = _key(_load_c(grad_ptr, res_ptr, offs, mask, HAS_RES))
+        if SHIFT + 8 < 32:
+            # Only keys whose higher digits equal the prefix chosen so far.
+            mask = mask & ((key >> (SHIFT + 8)) == (prefix >> (SHIFT + 8)))
+        hist += tl.histogram((key >> SHIFT) & 0xFF, 256, mask=mask)
+    # Integer atomics commute, so the totals are deterministic; skipping empty
+    # bins keeps the later (narrow) passes almost atomic-free.
+    tl.atomic_add(hist_ptr + tl.arange(0, 256), hist, mask=hist > 0)
+
+
+@triton.jit
+def _radix_pick_kernel(state_ptr, hist_ptr, SHIFT: tl.constexpr):
+    # state = [prefix, rank]: the digits of the k-th largest key fixed so far,
+    # and its 1-based rank among the keys that share them.
+    bins = tl.arange(0, 256)
+    hist = tl.load(hist_ptr + bins)
+    prefix = tl.load(state_ptr)
+    rank = tl.load(state_ptr + 1)
+    at_or_above = tl.cumsum(hist, axis=0, reverse=True)
+    # at_or_above is non-increasing: the digit is the last bin still >= rank.
+    digit = tl.sum((at_or_above >= rank).to(tl.int32)) - 1
+    above = tl.sum(tl.where(bins > digit, hist, 0))
+    tl.store(state_ptr, prefix | (digit << SHIFT))
+    tl.store(state_ptr + 1, rank - above)
+    tl.store(hist_ptr + bins, tl.zeros_like(hist))  # ready for the next pass
+
+
+@triton.jit
+def _count_kernel(
+    grad_ptr,
+    res_ptr,
+    n,
+    thr_ptr,
+    above_ptr,
+    equal_ptr,
+    HAS_RES: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    key = _key(_load_c(grad_ptr, res_ptr, offs, mask, HAS_RES))
+    thr = tl.load(thr_ptr)
+    tl.store(above_ptr + pid, tl.sum(((key > thr) & mask).to(tl.int32)))
+    tl.store(equal_ptr + pid, tl.sum(((key == thr) & mask).to(tl.int32)))
+
+
+@triton.jit
+def _compact_kernel(
+    grad_ptr,
+    res_ptr,
+    n,
+    thr_ptr,
+    offsets_ptr,
+    eq_before_ptr,
+    budget_ptr,
+    idx_ptr,
+    val_ptr,
+    HAS_RES: tl.constexpr,
+    LIMIT_EQ: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    c = _load_c(grad_ptr, res_ptr, offs, mask, HAS_RES)
+    key = _key(c)
+    thr = tl.load(thr_ptr)
+    above = (key > thr) & mask
+    equal = (key == thr) & mask
+    if LIMIT_EQ:
+        # Ties at the threshold are taken in index order until the budget is
+        # spent: global rank among the ties = ties in earlier programs + local.
+        eq_rank = tl.load(eq_before_ptr + pid) + tl.cumsum(equal.to(tl.int32), axis=0) - 1
+        equal = equal & (eq_rank < tl.load(budget_ptr))
+    sel = above | equal
+    pos = tl.load(offsets_ptr + pid) + tl.cumsum(sel.to(tl.int32), axis=0) - 1
+    tl.store(idx_ptr + pos, offs.to(tl.int32), mask=sel)
+    tl.store(val_ptr + pos, c, mask=sel)
+    if HAS_RES:
+        tl.store(res_ptr + offs, tl.where(sel, 0.0, c), mask=mask)
+
+
+@triton.jit
+def _scatter_kernel(
+    idx_ptr, val_ptr, out_ptr, count, ACCUMULATE: tl.constexpr, BLOCK: tl.constexpr
+):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < count
+    idx = tl.load(idx_ptr + i, mask=mask, other=0).to(tl.int64)
+    val = tl.load(val_ptr + i, mask=mask, other=0.0)
+    if ACCUMULATE:
+        # Indices are unique, so a plain read-add-write cannot race.
+        val = tl.load(out_ptr + idx, mask=mask, other=0.0) + val
+    tl.store(out_ptr + idx, val, mask=mask)
+
+
+@functools.lru_cache(maxsize=None)
+def _persistent_programs(device: torch.device) -> int:
+    if device.type == "cuda":
+        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 16  # the interpreter: any number works
+
+
+class _Pass:
+    """The inputs of one compress call, shared by all its full-size passes."""
+
+    def __init__(self, grad: torch.Tensor, residual: Optional[torch.Tensor]) -> None:
+        self.grad = grad
+        self.res = residual if residual is not None else grad  # unread without HAS_RES
+        self.has_res = residual is not None
+        self.n = grad.numel()
+        self.programs = triton.cdiv(self.n, TILE)
+        self.device = grad.device
+
+    def count(self, thr: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Per-program counts of keys > thr and == thr (int32 [programs])."""
+        above = torch.empty(self.programs, dtype=torch.int32, device=self.device)
+        equal = torch.empty_like(above)
+        _count_kernel[(self.programs,)](
+            self.grad, self.res, self.n, thr, above, equal,
+            HAS_RES=self.has_res, BLOCK=TILE, num_warps=NUM_WARPS,
+        )
+        return above, equal
+
+    def kth_largest_key(self, k: int) -> torch.Tensor:
+        """state int32 [2] on the device: [k-th largest key, k - #(keys > it)]."""
+        # Filled in place rather than built from a list: no host-to-device copy.
+        state = torch.zeros(2, dtype=torch.int32, device=self.device)
+        state[1] = k
+        hist = torch.zeros(RADIX_BINS, dtype=torch.int32, device=self.device)
+        grid = (min(self.programs, _persistent_programs(self.device)),)
+        for shift in RADIX_SHIFTS:
+            _radix_hist_kernel[grid](
+                self.grad, self.res, self.n, state, hist,
+                SHIFT=shift, HAS_RES=self.has_res, BLOCK=TILE, num_warps=NUM_WARPS,
+            )
+            _radix_pick_kernel[(1,)](state, hist, SHIFT=shift, num_warps=1)
+        return state
+
+    def compact(
+        self,
+        thr: torch.Tensor,
+        above: torch.Tensor,
+        equal: torch.Tensor,
+        total: int,
+        budget: Optional[torch.Tensor],
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Write the ``total`` selected entries (ascending): every key > thr
+        and the first ``budget`` (all, if None) keys == thr; update the
+        residual."""
+        above = above.to(torch.int64)
+        equal = equal.to(torch.int64)
+        eq_before = torch.cumsum(equal, 0) - equal
+        if budget is None:
+            taken = above + equal
+        else:
+            taken = above + torch.minimum((budget - eq_before).clamp_(min=0), equal)
+        offsets = torch.cumsum(taken, 0) - taken
+        indices = torch.empty(total, dtype=torch.int32, device=self.device)
+        values = torch.empty(total, dtype=torch.float32, device=self.device)
+        _compact_kernel[(self.programs,)](
+            self.grad, self.res, self.n, thr, offsets, eq_before,
+            budget if budget is not None else offsets,  # unread without LIMIT_EQ
+            indices, values,
+            HAS_RES=self.has_res, LIMIT_EQ=budget is not None, BLOCK=TILE, num_warps=NUM_WARPS,
+        )
+        return indices, values
+
+
+def _device_guard(t: torch.Tensor):
+    # Triton launches on the current CUDA device, which need not be the
+    # tensor's (several GPUs in one process).
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+def _sample_threshold(grad, residual, positions, rank) -> torch.Tensor:
+    # The sample is small (~256 n / k elements): torch ops are fine here.
+    c = grad[positions].float()
+    if residual is not None:
+        c = c + residual[positions]
+    keys = ref.keys_reference(c)
+    return torch.topk(keys, rank, sorted=True).values[-1:].to(torch.int32)
+
+
+def compress(
+    grad: torch.Tensor, residual: Optional[torch.Tensor], k: int, approx: bool
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Top-k of ``c = grad + residual`` by magnitude key.
+
+    ``grad``: flat contiguous float32/float16/bfloat16 of n elements;
+    ``residual``: flat contiguous float32 of n elements, or None. Returns
+    ``(indices, values)``: int32 ascending indices and float32 ``c`` at them;
+    exactly k entries in exact mode (ties by lowest index), between k and
+    ``topk_capacity(k)`` in approximate mode. ``residual`` becomes ``c`` with
+    the selected entries set to 0.
+    """
+    if grad.dim() != 1 or not grad.is_contiguous():
+        raise ValueError(f"grad must be a flat contiguous tensor, got shape {tuple(grad.shape)}")
+    n = grad.numel()
+    if residual is not None:
+        if residual.dim() != 1 or not residual.is_contiguous():
+            raise ValueError("residual must be a flat contiguous tensor")
+        if residual.dtype != torch.float32 or residual.numel() != n:
+            raise ValueError("residual must be float32 with as many elements as grad")
+    if n == 0:
+        raise ValueError("grad is empty: there is nothing to compress")
+    if n >= 2**31:
+        raise ValueError(f"topk indices are int32: at most 2^31 - 1 elements, got {n}")
+    if not 1 <= k <= n:
+        raise ValueError(f"k must be in [1, {n}], got {k}")
+
+    with _device_guard(grad):
+        return _select_and_compact(grad, residual, k, approx)
+
+
+def _select_and_compact(grad, residual, k, approx):
+    # select_reference's control flow, step for step.
+    n = grad.numel()
+    p = _Pass(grad, residual)
+    if approx:
+        stride = ref.sample_stride(n, k)
+        s = n // stride
+        positions = torch.arange(s, device=grad.device) * stride + stride // 2
+        rank = ref.sample_rank(n, k, s)
+        for attempt in range(2):
+            thr = _sample_threshold(grad, residual, positions, rank)
+            above, equal = p.count(thr)
+            # The one host sync of approximate mode: the control flow and the
+            # output size depend on the count.
+            count = int(above.sum(dtype=torch.int64) + equal.sum(dtype=torch.int64))
+            if ref.accept(count, k):
+                return p.compact(thr, above, equal, count, None)
+            if attempt == 0:
+                new_rank = ref.retry_rank(rank, k, count, s)
+                if new_rank == rank:
+                    break
+                rank = new_rank
+
+    state = p.kth_largest_key(k)
+    thr = state[0:1]
+    budget = state[1:2].to(torch.int64)  # = k - #(keys > thr), from the select
+    above, equal = p.count(thr)
+    return p.compact(thr, above, equal, k, budget)
+
+
+def decompress(
+    indices: torch.Tensor, values: torch.Tensor, out: torch.Tensor, accumulate: bool
+) -> None:
+    """Scatter a topk payload into ``out`` (flat contiguous float32).
+
+    Without ``accumulate``: ``out`` = 0 except ``out[indices] = values``;
+    with it: ``out[indices] += values``. ``indices`` must be unique (as
+    compress produces them).
+    """
+    if out.dim() != 1 or not out.is_contiguous():
+        raise ValueError("out must be a flat contiguous tensor")
+    if out.dtype != torch.float32:
+        raise ValueError(f"out must be float32, got {out.dtype}")
+    if indices.numel() != values.numel():
+        raise ValueError(f"{indices.numel()} indices but {values.numel()} values")
+    if not accumulate:
+        out.zero_()  # a memset; no kernel of ours beats it
+    count = indices.numel()
+    if count == 0:
+        return
+    with _device_guard(out):
+        _scatter_kernel[(triton.cdiv(count, SCATTER_TILE),)](
+            indices.contiguous(), values.contiguous(), out, count,
+            ACCUMULATE=bool(accumulate), BLOCK=SCATTER_TILE, num_warps=4,
+        )
