@@ -5,8 +5,8 @@
 // leaves per-chunk counts; a serial prefix over those counts gives each
 // chunk its output offset, so indices come out in ascending order without
 // a sort. Passes over n elements:
-//   approx: sample (s << n reads), fold + count (read g, r; write r),
-//           compact (read r, sparse writes) = ~16 bytes/element;
+//   approx: sample (s << n reads), fold + count (read g, r; write r) that
+//           also collects the hits, then sparse writes = ~12 bytes/element;
 //   exact:  fold, three radix-histogram passes (11/10/10 bits of the key),
 //           count, compact.
 #include <algorithm>
@@ -78,32 +78,58 @@ float grad_at(const void* grad, DType dtype, int64_t i) {
   }
 }
 
+// Elements are scanned in groups of kGroup: a vectorized pass over the group
+// computes its counts and whether any key reaches t; only such groups (rare:
+// about density * kGroup of them) are walked element by element.
+constexpr int kGroup = 16;
+
+// Counts keys > t and == t in [begin, end); with `hits`, also appends, in
+// order, the index of every element whose key is >= t.
 void count_chunk(const float* c, int64_t begin, int64_t end, uint32_t t, int64_t* gt,
-                 int64_t* eq) {
+                 int64_t* eq, std::vector<int32_t>* hits) {
   int64_t ngt = 0, neq = 0;
-#pragma omp simd reduction(+ : ngt, neq)
-  for (int64_t i = begin; i < end; ++i) {
+  int64_t i = begin;
+  for (; i + kGroup <= end; i += kGroup) {
+    int64_t ggt = 0, geq = 0;
+#pragma omp simd reduction(+ : ggt, geq)
+    for (int j = 0; j < kGroup; ++j) {
+      const uint32_t key = topk_key(c[i + j]);
+      ggt += key > t;
+      geq += key == t;
+    }
+    ngt += ggt;
+    neq += geq;
+    if (hits && ggt + geq)
+      for (int j = 0; j < kGroup; ++j)
+        if (topk_key(c[i + j]) >= t) hits->push_back((int32_t)(i + j));
+  }
+  for (; i < end; ++i) {
     const uint32_t key = topk_key(c[i]);
     ngt += key > t;
     neq += key == t;
+    if (hits && key >= t) hits->push_back((int32_t)i);
   }
   *gt = ngt;
   *eq = neq;
 }
 
 // Counts keys > t and == t per chunk; with `grad`, folds grad into c first
-// (the same pass, so c is read from memory once).
+// (chunk by chunk, so c is read from memory once). With `hits`, also
+// collects per chunk the indices whose key is >= t, which is the whole
+// selection in approximate mode: no second pass over c is needed.
 Counts fold_and_count(const void* grad, DType dtype, float* c, bool has_residual, int64_t n,
-                      uint32_t t, const ParallelFor& pf) {
+                      uint32_t t, std::vector<std::vector<int32_t>>* hits,
+                      const ParallelFor& pf) {
   const int64_t chunks = ceil_div(n, kChunk);
   Counts out;
   out.gt.assign(chunks, 0);
   out.eq.assign(chunks, 0);
+  if (hits) hits->assign(chunks, {});
   pf(0, chunks, [&](int64_t cb, int64_t ce) {
     for (int64_t ch = cb; ch < ce; ++ch) {
       const int64_t b = ch * kChunk, e = std::min(n, b + kChunk);
       if (grad) fold_range(grad, dtype, c, has_residual, b, e);
-      count_chunk(c, b, e, t, &out.gt[ch], &out.eq[ch]);
+      count_chunk(c, b, e, t, &out.gt[ch], &out.eq[ch], hits ? &(*hits)[ch] : nullptr);
     }
   });
   for (int64_t ch = 0; ch < chunks; ++ch) {
@@ -113,13 +139,34 @@ Counts fold_and_count(const void* grad, DType dtype, float* c, bool has_residual
   return out;
 }
 
-// Writes, in index order, every entry with key > t and the first eq_budget
-// entries with key == t (all of them if eq_budget < 0), zeroing them in c.
+// Approximate mode's output: the collected hits, chunk after chunk, are the
+// selection in index order. Zeroes them in c.
+int64_t compact_hits(float* c, const std::vector<std::vector<int32_t>>& hits, int32_t* indices,
+                     float* values, const ParallelFor& pf) {
+  const int64_t chunks = (int64_t)hits.size();
+  std::vector<int64_t> offset(chunks + 1, 0);
+  for (int64_t ch = 0; ch < chunks; ++ch) offset[ch + 1] = offset[ch] + (int64_t)hits[ch].size();
+  pf(0, chunks, [&](int64_t cb, int64_t ce) {
+    for (int64_t ch = cb; ch < ce; ++ch) {
+      int64_t o = offset[ch];
+      for (const int32_t i : hits[ch]) {
+        indices[o] = i;
+        values[o] = c[i];
+        c[i] = 0.0f;
+        ++o;
+      }
+    }
+  });
+  return offset[chunks];
+}
+
+// Exact mode's output: every entry with key > t and the first eq_budget
+// entries with key == t, in index order, zeroed in c.
 int64_t compact(float* c, int64_t n, uint32_t t, int64_t eq_budget, const Counts& counts,
                 int32_t* indices, float* values, const ParallelFor& pf) {
   const int64_t chunks = ceil_div(n, kChunk);
   std::vector<int64_t> offset(chunks), eq_take(chunks);
-  int64_t pos = 0, eq_left = eq_budget < 0 ? counts.total_eq : eq_budget;
+  int64_t pos = 0, eq_left = eq_budget;
   for (int64_t ch = 0; ch < chunks; ++ch) {
     eq_take[ch] = std::min(eq_left, counts.eq[ch]);
     eq_left -= eq_take[ch];
@@ -127,18 +174,20 @@ int64_t compact(float* c, int64_t n, uint32_t t, int64_t eq_budget, const Counts
     pos += counts.gt[ch] + eq_take[ch];
   }
   pf(0, chunks, [&](int64_t cb, int64_t ce) {
+    std::vector<int32_t> hits;
     for (int64_t ch = cb; ch < ce; ++ch) {
       if (counts.gt[ch] + eq_take[ch] == 0) continue;
       const int64_t b = ch * kChunk, e = std::min(n, b + kChunk);
+      hits.clear();
+      int64_t gt_unused, eq_unused;
+      count_chunk(c, b, e, t, &gt_unused, &eq_unused, &hits);
       int64_t o = offset[ch], eq_room = eq_take[ch];
-      for (int64_t i = b; i < e; ++i) {
-        const uint32_t key = topk_key(c[i]);
-        if (key > t || (key == t && eq_room-- > 0)) {
-          indices[o] = (int32_t)i;
-          values[o] = c[i];
-          c[i] = 0.0f;
-          ++o;
-        }
+      for (const int32_t i : hits) {
+        if (topk_key(c[i]) == t && eq_room-- <= 0) continue;  // tie past the budget
+        indices[o] = i;
+        values[o] = c[i];
+        c[i] = 0.0f;
+        ++o;
       }
     }
   });
@@ -200,17 +249,20 @@ int64_t topk_compress(const void* grad, DType dtype, float* residual, float* scr
     const int64_t stride = topk_sample_stride(n, k);
     const int64_t s = topk_sample_count(n, stride);
     std::vector<uint32_t> sample(s);
-    for (int64_t j = 0; j < s; ++j) {
-      const int64_t p = j * stride + stride / 2;
-      sample[j] = topk_key(grad_at(grad, dtype, p) + (has_residual ? c[p] : 0.0f));
-    }
+    pf(0, ceil_div(s, kChunk), [&](int64_t cb, int64_t ce) {
+      for (int64_t j = cb * kChunk; j < std::min(s, ce * kChunk); ++j) {
+        const int64_t p = j * stride + stride / 2;
+        sample[j] = topk_key(grad_at(grad, dtype, p) + (has_residual ? c[p] : 0.0f));
+      }
+    });
     int64_t rank = topk_sample_rank(n, k, s);
     for (int attempt = 0; attempt < 2; ++attempt) {
       const uint32_t t = sample_threshold(sample, rank);
-      const Counts counts = fold_and_count(unfolded, dtype, c, has_residual, n, t, pf);
+      std::vector<std::vector<int32_t>> hits;
+      const Counts counts = fold_and_count(unfolded, dtype, c, has_residual, n, t, &hits, pf);
       unfolded = nullptr;
       const int64_t count = counts.total_gt + counts.total_eq;
-      if (topk_accept(count, k)) return compact(c, n, t, -1, counts, indices, values, pf);
+      if (topk_accept(count, k)) return compact_hits(c, hits, indices, values, pf);
       if (attempt == 0) {
         const int64_t next = topk_retry_rank(rank, k, count, s);
         if (next == rank) break;
@@ -226,7 +278,7 @@ int64_t topk_compress(const void* grad, DType dtype, float* residual, float* scr
     });
   }
   const uint32_t t = kth_largest_key(c, n, k, pf);
-  const Counts counts = fold_and_count(nullptr, dtype, c, has_residual, n, t, pf);
+  const Counts counts = fold_and_count(nullptr, dtype, c, has_residual, n, t, nullptr, pf);
   return compact(c, n, t, k - counts.total_gt, counts, indices, values, pf);
 }
 
