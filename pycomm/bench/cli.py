@@ -1,0 +1,147 @@
+"""``pycomm-bench``: command-line front of the pycomm benchmarks.
+
+Each subcommand is a module of :mod:`pycomm.bench` named in
+:data:`SUBCOMMANDS`; it provides
+
+- ``HELP``: one line for ``pycomm-bench --help``;
+- ``add_arguments(parser)``: its own options (the common ones, below, are
+  already there);
+- ``check_args(args, parser)`` (optional): checks that need more than one
+  option or the machine (report with ``parser.error``, which exits 2);
+- ``run(args) -> int``: run, print, write JSON; returns the exit status.
+
+Adding a benchmark (``ddp``, ``allreduce``, ``all``) is adding a module and a
+line in :data:`SUBCOMMANDS`.
+
+Example::
+
+    $ pycomm-bench kernels --quick
+    $ python -m pycomm.bench kernels --numel 4M --impls cpu --threads 2 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import re
+import sys
+from typing import List, Optional
+
+import torch
+
+#: subcommand -> module implementing it (imported when the parser is built).
+SUBCOMMANDS = {
+    "kernels": "pycomm.bench.kernels",
+}
+
+_SUFFIX = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+
+
+def positive_int(text: str) -> int:
+    """argparse type: a positive integer, optionally with a binary suffix
+    (``4096``, ``64k``, ``16M`` = 1<<24, ``1G``)."""
+    m = re.fullmatch(r"\s*(\d+)\s*([kKmMgG]?)\s*", text)
+    if m is None:
+        raise argparse.ArgumentTypeError(f"expected a positive integer (e.g. 65536, 64k, 16M), got {text!r}")
+    value = int(m.group(1)) * _SUFFIX[m.group(2).lower()]
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def nonnegative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
+    return value
+
+
+def device_arg(text: str) -> torch.device:
+    """argparse type: ``cpu`` or ``cuda[:N]``, and it must exist here."""
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f"not a device: {text!r} (use cpu or cuda[:N])") from None
+    if device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"benchmarks run on cpu or cuda, got {text!r}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise argparse.ArgumentTypeError("CUDA is not available on this machine")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: only {torch.cuda.device_count()} CUDA device(s) here"
+            )
+    return device
+
+
+def common_options() -> argparse.ArgumentParser:
+    """Options every subcommand takes (a parent parser)."""
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_argument_group("common options")
+    g.add_argument("--device", type=device_arg, default=torch.device("cpu"),
+                   help="device to benchmark on: cpu or cuda[:N] (default: cpu)")
+    g.add_argument("--repeats", type=positive_int, default=None,
+                   help="timed runs per contender; the median and p10/p90 are reported "
+                        "(default: 15, or fewer with --quick)")
+    g.add_argument("--warmup", type=nonnegative_int, default=None,
+                   help="untimed runs per contender first (default: 3, or 1 with --quick)")
+    g.add_argument("--json", metavar="PATH", default=None,
+                   help="where to write the results "
+                        "(default: benchmarks/results/<bench>-<device>-<YYYY-MM-DD>.json, "
+                        "with -quick before .json for --quick, relative to the current directory)")
+    g.add_argument("--quick", action="store_true",
+                   help="small sizes and few repeats: a smoke test, not a measurement")
+    g.add_argument("--threads", type=positive_int, default=None,
+                   help="torch.set_num_threads(N) before running (default: torch's default)")
+    g.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="no progress bar on stderr")
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``pycomm-bench`` parser, one subparser per entry of :data:`SUBCOMMANDS`."""
+    parser = argparse.ArgumentParser(
+        prog="pycomm-bench",
+        description="Benchmarks of pycomm (gradient compression for PyTorch). "
+                    "Results are medians of repeated runs; ratios are measured side by side.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    common = common_options()
+    for name, module_name in SUBCOMMANDS.items():
+        module = importlib.import_module(module_name)
+        doc = (module.__doc__ or "").strip().split("\n\n")[0]
+        p = sub.add_parser(name, parents=[common], help=module.HELP, description=doc)
+        module.add_arguments(p)
+        p.set_defaults(_module=module, _parser=p)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Entry point of ``pycomm-bench`` (and ``python -m pycomm.bench``).
+
+    Example::
+
+        >>> from pycomm.bench.cli import main
+        >>> main(["kernels", "--quick", "--json", "/tmp/k.json"])  # doctest: +SKIP
+        0
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    module, sub_parser = args._module, args._parser
+    if hasattr(module, "check_args"):
+        module.check_args(args, sub_parser)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    try:
+        return int(module.run(args))
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

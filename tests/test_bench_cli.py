@@ -1,0 +1,151 @@
+"""Smoke tests of ``pycomm-bench kernels``: it runs, writes complete JSON,
+prints its table, and refuses bad arguments by name. No timing assertions:
+the machine is shared, only the presence and sanity of numbers is checked."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pycomm.bench import default_json_path, kernels
+from pycomm.bench.cli import main, positive_int
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _env():
+    # Works from a source checkout too: the subprocess finds this pycomm first.
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def _positive_finite(x):
+    return isinstance(x, float) and math.isfinite(x) and x > 0
+
+
+def test_kernels_quick_runs_and_writes_json(tmp_path):
+    out = tmp_path / "results" / "k.json"  # the folder does not exist yet
+    cmd = [sys.executable, "-m", "pycomm.bench", "kernels", "--quick", "--numel", "65536",
+           "--repeats", "2", "--warmup", "1", "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    doc = json.loads(out.read_text())
+    assert doc["numel"] == 65536 and doc["repeats"] == 2 and doc["warmup"] == 1
+    assert _positive_finite(doc["copy_gbps"])
+    for key in ("node", "torch", "threads"):
+        assert key in doc["machine"]
+
+    rows = {(r["compressor"], r["op"], r["impl"]): r for r in doc["rows"]}
+    assert len(rows) == len(doc["rows"]), "one row per (compressor, op, impl)"
+    for case in kernels.CASES:
+        impls = kernels.benchmarkable_impls(case.family, "cpu")
+        assert "triton" not in impls  # the interpreter is never benchmarked
+        expected = impls + [kernels.PEER] + ([kernels.TOPK_BASELINE] if case.family == "topk" else [])
+        for op in case.ops:
+            for impl in expected:
+                r = rows.get((case.label, op, impl))
+                assert r is not None, f"no row for {case.label} {op} {impl}"
+                assert r["status"] == "ok", r["error"]
+                assert r["verified"] is (None if impl == kernels.TOPK_BASELINE else True)
+                for key in ("median_s", "p10_s", "p90_s", "gbps", "pct_copy", "copy_gbps",
+                            "speedup_vs_unfused"):
+                    assert _positive_finite(r[key]), (impl, key, r[key])
+                assert r["p10_s"] <= r["median_s"] <= r["p90_s"]
+                assert len(r["times_s"]) == 2
+                if case.family == "topk":
+                    assert r["k"] <= r["count"] <= r["k"] + r["k"] // 4
+                    if impl != kernels.TOPK_BASELINE:
+                        assert r["recall"] == 1.0  # randn: no ties, the exact top-k is kept
+
+    # The table went to stdout, the progress bar to stderr.
+    assert "x vs unfused" in proc.stdout and "% copy" in proc.stdout
+    for case in kernels.CASES:
+        assert case.label in proc.stdout
+    assert str(out) in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "argv, name",
+    [
+        (["--numel", "0"], "--numel"),
+        (["--numel", "lots"], "--numel"),
+        (["--impls", "bogus"], "--impls"),
+        (["--impls", "triton"], "--impls"),  # the interpreter on CPU is not a benchmark
+        (["--repeats", "0"], "--repeats"),
+        (["--warmup", "-1"], "--warmup"),
+        (["--device", "tpu"], "--device"),
+        (["--threads", "0"], "--threads"),
+    ],
+)
+def test_bad_argument_is_named(argv, name, capsys, tmp_path):
+    with pytest.raises(SystemExit) as exc:
+        main(["kernels", *argv, "--json", str(tmp_path / "never.json")])
+    assert exc.value.code != 0
+    err = capsys.readouterr().err
+    assert name in err, err
+    assert not (tmp_path / "never.json").exists()
+
+
+def test_missing_subcommand_fails(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main([])
+    assert exc.value.code != 0
+    assert "COMMAND" in capsys.readouterr().err
+
+
+def test_failed_verification_is_reported_not_timed(monkeypatch, tmp_path, capsys):
+    # A peer that gets one sign bit wrong must be caught before it is timed.
+    real = kernels.unfused_onebit_compress
+
+    def wrong(grad, residual, block_size):
+        bits, scales = real(grad, residual, block_size)
+        bits = bits.clone()
+        bits[0] ^= 1
+        return bits, scales
+
+    monkeypatch.setattr(kernels, "unfused_onebit_compress", wrong)
+    out = tmp_path / "k.json"
+    status = main(["kernels", "--numel", "4096", "--repeats", "1", "--warmup", "0",
+                   "--impls", "reference", "--no-progress", "--json", str(out)])
+    assert status == 1
+    rows = json.loads(out.read_text())["rows"]
+    by = {(r["compressor"], r["op"], r["impl"]): r for r in rows}
+    bad = by[("onebit b=2048", "compress", kernels.PEER)]
+    assert bad["status"] == "verify_failed" and bad["verified"] is False
+    assert "bits" in bad["error"] and bad["median_s"] is None
+    ref = by[("onebit b=2048", "compress", "reference")]
+    assert ref["status"] == "ok" and ref["median_s"] > 0
+    assert ref["speedup_vs_unfused"] is None  # nothing valid to compare against
+    assert by[("onebit b=2048", "decompress", kernels.PEER)]["status"] == "ok"
+    assert "VERIFY FAILED" in capsys.readouterr().out
+
+
+def test_helpers():
+    assert positive_int("16M") == 1 << 24 and positive_int("64k") == 65536 and positive_int("7") == 7
+    assert default_json_path("kernels", torch.device("cpu")).startswith(
+        os.path.join("benchmarks", "results", "kernels-cpu-")
+    )
+    assert kernels.onebit_bytes(2048 * 8, 2048, "compress") / (2048 * 8) == pytest.approx(12.127, abs=1e-3)
+    args = kernels.make_args(quick=True)
+    assert (args.numel, args.repeats, args.warmup) == (
+        kernels.QUICK_NUMEL, kernels.QUICK_REPEATS, kernels.QUICK_WARMUP)
+
+
+@pytest.mark.parametrize("n", [1, 31, 33, 4097])
+def test_peer_bit_packing_matches_reference(n):
+    # The torch variants are what the peer runs on CUDA; check them here on CPU.
+    from pycomm.compressors import onebit as onebit_ref
+
+    signs = torch.randn(n, generator=torch.Generator().manual_seed(n)) >= 0
+    want = onebit_ref._pack_bits_reference(signs)
+    for pack in (kernels._packbits, kernels._packbits_torch):
+        assert torch.equal(pack(signs), want)
+    for unpack in (kernels._unpackbits, kernels._unpackbits_torch):
+        assert torch.equal(unpack(want, n), signs)
