@@ -1,10 +1,100 @@
-// The Python module pycomm._C. Loading it runs the static registrations in
-// csrc/ops (torch.ops.pycomm.*); the module itself exports nothing yet, so
-// it needs neither pybind11 nor torch headers (a fast translation unit).
-#include <Python.h>
+// The Python module pycomm._C. Loading it also runs the static
+// registrations in csrc/ops (torch.ops.pycomm.*). It binds the compressed
+// backend with torch's own pybind11 (the one torch's c10d types were bound
+// with), so the Backend and Work objects cross between torch and pycomm.
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/utils/pybind.h>
 
-static struct PyModuleDef pycomm_module = {
-    PyModuleDef_HEAD_INIT, "_C", "pycomm's compiled ops, registered as torch.ops.pycomm.*", -1,
-    nullptr, nullptr, nullptr, nullptr, nullptr};
+#include "distributed/backend.hpp"
 
-PyMODINIT_FUNC PyInit__C(void) { return PyModule_Create(&pycomm_module); }
+namespace py = pybind11;
+using pycomm::dist::CompressedBackend;
+using pycomm::dist::ErrorFeedback;
+
+namespace {
+
+py::dict error_feedback_to_dict(const ErrorFeedback& ef) {
+  py::dict d;
+  d["numel"] = ef.numel;
+  d["world_size"] = ef.world_size;
+  d["chunk_numel"] = ef.chunk_numel;
+  d["method"] = ef.method;
+  d["worker"] = ef.worker;
+  d["server"] = ef.server;
+  return d;
+}
+
+ErrorFeedback error_feedback_from_dict(const py::dict& d) {
+  ErrorFeedback ef;
+  ef.numel = d["numel"].cast<int64_t>();
+  ef.world_size = d["world_size"].cast<int>();
+  ef.chunk_numel = d["chunk_numel"].cast<int64_t>();
+  ef.method = d["method"].cast<std::string>();
+  ef.worker = d["worker"].cast<at::Tensor>();
+  ef.server = d["server"].cast<std::vector<at::Tensor>>();
+  return ef;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "pycomm's compiled core: ops (torch.ops.pycomm.*) and the compressed backend";
+  // Make sure torch's c10d bindings (Backend, Work) are registered first.
+  py::module_::import("torch.distributed");
+
+  py::class_<CompressedBackend, c10d::Backend, c10::intrusive_ptr<CompressedBackend>>(
+      m, "CompressedBackend",
+      "A c10d Backend wrapping `inner` that compresses float SUM/AVG all-reduces.")
+      .def(py::init([](const c10::intrusive_ptr<c10d::Backend>& inner, const std::string& method,
+                       int64_t min_compress_numel, int64_t chunk_numel, int64_t block_size,
+                       double density, bool approx) {
+             pycomm::dist::Config c;
+             c.method = method;
+             c.min_compress_numel = min_compress_numel;
+             c.chunk_numel = chunk_numel;
+             c.block_size = block_size;
+             c.density = density;
+             c.approx = approx;
+             return c10::make_intrusive<CompressedBackend>(inner, c);
+           }),
+           py::arg("inner"), py::arg("method"), py::arg("min_compress_numel"),
+           py::arg("chunk_numel"), py::arg("block_size"), py::arg("density"), py::arg("approx"))
+      .def("allreduce_keyed", &CompressedBackend::allreduce_keyed, py::arg("tensor"),
+           py::arg("key"), py::arg("average"), py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("inner", &CompressedBackend::inner)
+      .def_property_readonly("config",
+                             [](const CompressedBackend& b) {
+                               const auto& c = b.config();
+                               py::dict d;
+                               d["method"] = c.method;
+                               d["min_compress_numel"] = c.min_compress_numel;
+                               d["chunk_numel"] = c.chunk_numel;
+                               d["block_size"] = c.block_size;
+                               d["density"] = c.density;
+                               d["approx"] = c.approx;
+                               return d;
+                             })
+      .def("error_feedback_state",
+           [](CompressedBackend& b) {
+             std::map<int64_t, ErrorFeedback> state;
+             {
+               py::gil_scoped_release no_gil;
+               state = b.error_feedback_state();
+             }
+             py::dict out;
+             for (const auto& [key, ef] : state) out[py::int_(key)] = error_feedback_to_dict(ef);
+             return out;
+           })
+      .def(
+          "load_error_feedback_state",
+          [](CompressedBackend& b, const py::dict& state) {
+            std::map<int64_t, ErrorFeedback> parsed;
+            for (const auto& [key, value] : state)
+              parsed.emplace(key.cast<int64_t>(), error_feedback_from_dict(value.cast<py::dict>()));
+            py::gil_scoped_release no_gil;
+            b.load_error_feedback_state(std::move(parsed));
+          },
+          py::arg("state"))
+      .def("reset_error_feedback", &CompressedBackend::reset_error_feedback,
+           py::arg("key") = py::none(), py::call_guard<py::gil_scoped_release>());
+}

@@ -1,0 +1,593 @@
+// CompressedBackend: forwarding, the worker thread, and the compressed
+// all-reduce algorithms of docs/allreduce.md.
+#include "backend.hpp"
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include "pycomm/compress_math.h"
+
+namespace pycomm {
+namespace dist {
+namespace {
+
+using WorkPtr = c10::intrusive_ptr<c10d::Work>;
+
+// The compressor kernels, through the dispatcher: the CPU kernels for CPU
+// tensors, the CUDA ones for CUDA tensors (csrc/ops), no Python involved.
+std::tuple<at::Tensor, at::Tensor> onebit_compress(const at::Tensor& g,
+                                                   const std::optional<at::Tensor>& r,
+                                                   int64_t block_size) {
+  static auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("pycomm::onebit_compress", "")
+          .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&,
+                                                    const std::optional<at::Tensor>&, int64_t)>();
+  return op.call(g, r, block_size);
+}
+
+void onebit_decompress(const at::Tensor& out, const at::Tensor& bits, const at::Tensor& scales,
+                       int64_t block_size, bool accumulate) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("pycomm::onebit_decompress", "")
+                       .typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                   int64_t, bool)>();
+  op.call(out, bits, scales, block_size, accumulate);
+}
+
+std::tuple<at::Tensor, at::Tensor> topk_compress(const at::Tensor& g,
+                                                 const std::optional<at::Tensor>& r, int64_t k,
+                                                 bool approx) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("pycomm::topk_compress", "")
+                       .typed<std::tuple<at::Tensor, at::Tensor>(
+                           const at::Tensor&, const std::optional<at::Tensor>&, int64_t, bool)>();
+  return op.call(g, r, k, approx);
+}
+
+void topk_decompress(const at::Tensor& out, const at::Tensor& indices, const at::Tensor& values,
+                     bool accumulate) {
+  static auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("pycomm::topk_decompress", "")
+          .typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, bool)>();
+  op.call(out, indices, values, accumulate);
+}
+
+// Segment layout of one onebit chunk (docs/allreduce.md, "onebit").
+struct OnebitLayout {
+  int64_t m, seg, block;
+  std::vector<int64_t> len, words, blocks, size;  // per segment; size in int32s
+
+  OnebitLayout(int64_t m_, int world, int64_t block_size) : m(m_), block(block_size) {
+    seg = ceil_div(ceil_div(m, world), block) * block;
+    for (int j = 0; j < world; ++j) {
+      const int64_t b = std::min(m, j * seg), e = std::min(m, (j + 1) * seg);
+      len.push_back(e - b);
+      words.push_back(onebit_num_words(e - b));
+      blocks.push_back(onebit_num_blocks(e - b, block));
+      size.push_back(words.back() + blocks.back());
+    }
+  }
+};
+
+// Payload (words, then scales as float bits) at `offset` of an int32 buffer.
+std::pair<at::Tensor, at::Tensor> split_onebit(const at::Tensor& buf, int64_t offset,
+                                               int64_t words, int64_t blocks) {
+  return {buf.narrow(0, offset, words), buf.narrow(0, offset + words, blocks).view(at::kFloat)};
+}
+
+}  // namespace
+
+// ------------------------------------------------------------- PycommWork ---
+PycommWork::PycommWork(int rank, c10d::OpType type, std::vector<at::Tensor> result)
+    : c10d::Work(rank, type), result_(std::move(result)) {
+  std::vector<c10::Device> devices;
+  for (const auto& t : result_)
+    if (t.is_cuda()) devices.push_back(t.device());
+  future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()),
+                                                     devices);
+}
+
+void PycommWork::complete(std::exception_ptr error, int source_rank) {
+  source_rank_ = source_rank;
+  finish(error);  // wakes wait()ers first, so a future callback may wait() safely
+  if (error) {
+    future_->setError(error);
+  } else {
+    future_->markCompleted(c10::IValue(result_));
+  }
+}
+
+// ------------------------------------------------------ CompressedBackend ---
+CompressedBackend::CompressedBackend(c10::intrusive_ptr<c10d::Backend> inner, Config config)
+    : c10d::Backend(inner->getRank(), inner->getSize()),
+      inner_(std::move(inner)),
+      config_(std::move(config)) {
+  const auto& m = config_.method;
+  TORCH_CHECK(m == "onebit" || m == "topk" || m == "fp16" || m == "bf16" || m == "none",
+              "compressor must be one of onebit, topk, fp16, bf16, none; got '", m, "'");
+  TORCH_CHECK(config_.min_compress_numel >= 1, "min_compress_numel must be >= 1, got ",
+              config_.min_compress_numel);
+  TORCH_CHECK(config_.chunk_numel >= 1, "chunk_numel must be >= 1, got ", config_.chunk_numel);
+  TORCH_CHECK(config_.block_size > 0 && config_.block_size % 32 == 0,
+              "block_size must be a positive multiple of 32, got ", config_.block_size);
+  TORCH_CHECK(config_.density > 0.0 && config_.density <= 1.0, "density must be in (0, 1], got ",
+              config_.density);
+  // Gloo has no AVG: forwarded AVGs become SUM and a division here.
+  inner_has_avg_ = inner_->getBackendName() != "gloo";
+  worker_ = std::thread([this] { run_worker(); });
+}
+
+CompressedBackend::~CompressedBackend() {
+  {
+    std::lock_guard<std::mutex> lock(queue_mutex_);
+    stopping_ = true;
+  }
+  queue_cv_.notify_all();
+  if (worker_.joinable()) worker_.join();
+}
+
+void CompressedBackend::run_worker() {
+  for (;;) {
+    std::function<void()> task;
+    {
+      std::unique_lock<std::mutex> lock(queue_mutex_);
+      queue_cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stopping, and everything submitted has run
+      task = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    task();
+  }
+}
+
+WorkPtr CompressedBackend::submit(c10d::OpType type, std::vector<at::Tensor> result,
+                                  std::function<void()> body) {
+  auto work = c10::make_intrusive<PycommWork>(getRank(), type, std::move(result));
+  {
+    std::lock_guard<std::mutex> lock(queue_mutex_);
+    TORCH_CHECK(!stopping_, "pycomm backend is shutting down");
+    queue_.emplace_back([work, body = std::move(body)] {
+      try {
+        body();
+        work->complete();
+      } catch (...) {
+        work->complete(std::current_exception());
+      }
+    });
+  }
+  queue_cv_.notify_one();
+  return work;
+}
+
+WorkPtr CompressedBackend::forward(c10d::OpType type, std::vector<at::Tensor> result,
+                                   std::function<WorkPtr()> issue) {
+  return submit(type, std::move(result), [issue = std::move(issue)] { issue()->wait(); });
+}
+
+bool CompressedBackend::compresses(const at::Tensor& t, const c10d::ReduceOp& op) const {
+  if (config_.method == "none") return false;
+  if (op != c10d::ReduceOp::SUM && op != c10d::ReduceOp::AVG) return false;
+  const auto dt = t.scalar_type();
+  if (dt != at::kFloat && dt != at::kHalf && dt != at::kBFloat16) return false;
+  return t.numel() >= config_.min_compress_numel;
+}
+
+WorkPtr CompressedBackend::allreduce_keyed(at::Tensor tensor, std::optional<int64_t> key,
+                                           bool average) {
+  const auto dt = tensor.scalar_type();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16,
+              "compressed all_reduce needs a float32, float16 or bfloat16 tensor, got ", dt);
+  TORCH_CHECK(tensor.numel() > 0, "compressed all_reduce of an empty tensor");
+  return submit(c10d::OpType::ALLREDUCE, {tensor},
+                [this, tensor, key, average] { run_compressed(tensor, key, average); });
+}
+
+WorkPtr CompressedBackend::allreduce(std::vector<at::Tensor>& tensors,
+                                     const c10d::AllreduceOptions& opts) {
+  if (tensors.size() == 1 && compresses(tensors[0], opts.reduceOp)) {
+    return allreduce_keyed(tensors[0], std::nullopt, opts.reduceOp == c10d::ReduceOp::AVG);
+  }
+  if (opts.reduceOp == c10d::ReduceOp::AVG && !inner_has_avg_) {
+    auto sum_opts = opts;
+    sum_opts.reduceOp = c10d::ReduceOp::SUM;
+    const int world = getSize();
+    return submit(c10d::OpType::ALLREDUCE, tensors, [this, tensors, sum_opts, world]() mutable {
+      inner_->allreduce(tensors, sum_opts)->wait();
+      for (auto& t : tensors) {
+        if (t.is_floating_point() || t.is_complex()) {
+          t.div_(world);
+        } else {
+          t.div_(world, "floor");
+        }
+      }
+    });
+  }
+  return forward(c10d::OpType::ALLREDUCE, tensors,
+                 [this, tensors, opts]() mutable { return inner_->allreduce(tensors, opts); });
+}
+
+// ------------------------------------------------- compressed algorithms ---
+ErrorFeedback* CompressedBackend::error_feedback_for(int64_t key, const at::Tensor& x) {
+  auto it = error_feedback_.find(key);
+  if (it == error_feedback_.end()) {
+    ErrorFeedback ef;
+    ef.numel = x.numel();
+    ef.world_size = getSize();
+    ef.chunk_numel = config_.chunk_numel;
+    ef.method = config_.method;
+    auto opts = x.options().dtype(at::kFloat);
+    ef.worker = at::zeros({x.numel()}, opts);
+    if (config_.method == "onebit") {
+      for (int64_t c0 = 0; c0 < x.numel(); c0 += config_.chunk_numel) {
+        const OnebitLayout lay(std::min(config_.chunk_numel, x.numel() - c0), getSize(),
+                               config_.block_size);
+        ef.server.push_back(at::zeros({lay.len[getRank()]}, opts));
+      }
+    }
+    it = error_feedback_.emplace(key, std::move(ef)).first;
+  }
+  ErrorFeedback& ef = it->second;
+  TORCH_CHECK(ef.numel == x.numel() && ef.world_size == getSize() &&
+                  ef.chunk_numel == config_.chunk_numel && ef.method == config_.method,
+              "error-feedback key ", key, " holds residuals of a ", ef.numel,
+              "-element tensor (world size ", ef.world_size, ", chunk_numel ", ef.chunk_numel,
+              ", ", ef.method, "); this call has ", x.numel(), " elements (world size ",
+              getSize(), ", chunk_numel ", config_.chunk_numel, ", ", config_.method,
+              "). Use a different key or reset_error_feedback(", key, ").");
+  TORCH_CHECK(ef.worker.device() == x.device(), "error-feedback key ", key, " lives on ",
+              ef.worker.device(), " but the tensor is on ", x.device());
+  return &ef;
+}
+
+void CompressedBackend::run_compressed(const at::Tensor& tensor, std::optional<int64_t> key,
+                                       bool average) {
+  // Work on a flat, contiguous float32 view (a copy only when needed).
+  const bool direct = tensor.scalar_type() == at::kFloat && tensor.is_contiguous();
+  at::Tensor x = direct ? tensor.view({-1}) : tensor.reshape({-1}).to(at::kFloat).contiguous();
+  const auto& m = config_.method;
+  if (m == "fp16" || m == "bf16") {
+    run_cast(x, average);
+  } else {
+    ErrorFeedback* ef = key.has_value() ? error_feedback_for(*key, x) : nullptr;
+    if (m == "onebit") {
+      run_onebit(x, ef, average);
+    } else {
+      run_topk(x, ef, average);
+    }
+  }
+  if (!direct) tensor.copy_(x.view(tensor.sizes()));
+}
+
+void CompressedBackend::run_cast(const at::Tensor& x, bool average) {
+  // Divide first (as PyTorch's fp16 hook does) so the sum cannot overflow.
+  at::Tensor y = (average ? x / getSize() : x).to(config_.method == "fp16" ? at::kHalf : at::kBFloat16);
+  std::vector<at::Tensor> ts{y};
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = c10d::ReduceOp::SUM;
+  inner_->allreduce(ts, opts)->wait();
+  x.copy_(y);
+}
+
+void CompressedBackend::run_onebit(const at::Tensor& x, ErrorFeedback* ef, bool average) {
+  const int world = getSize(), rank = getRank();
+  const int64_t n = x.numel(), C = config_.chunk_numel, B = config_.block_size;
+  const int64_t chunks = ceil_div(n, C);
+  const auto int_opts = x.options().dtype(at::kInt);
+
+  struct Chunk {
+    int64_t begin;
+    OnebitLayout lay;
+    at::Tensor recv, gathered;
+    WorkPtr a2a, ag;
+  };
+  std::vector<Chunk> st;
+  st.reserve(chunks);
+
+  // Stage 1: worker compress, all_to_all of segment payloads.
+  auto stage1 = [&](int64_t i) {
+    const int64_t begin = i * C, m = std::min(C, n - begin);
+    st.push_back(Chunk{begin, OnebitLayout(m, world, B), {}, {}, {}, {}});
+    Chunk& ch = st.back();
+    const OnebitLayout& lay = ch.lay;
+    std::optional<at::Tensor> residual;
+    if (ef) residual = ef->worker.narrow(0, begin, m);
+    auto [bits, scales] = onebit_compress(x.narrow(0, begin, m), residual, B);
+    std::vector<at::Tensor> parts;
+    std::vector<int64_t> in_splits, out_splits(world, lay.size[rank]);
+    for (int j = 0; j < world; ++j) {
+      in_splits.push_back(lay.size[j]);
+      if (lay.len[j] == 0) continue;
+      parts.push_back(bits.narrow(0, j * lay.seg / 32, lay.words[j]));
+      parts.push_back(scales.narrow(0, j * lay.seg / B, lay.blocks[j]).view(at::kInt));
+    }
+    at::Tensor send = at::cat(parts);
+    ch.recv = at::empty({world * lay.size[rank]}, int_opts);
+    ch.a2a = inner_->alltoall_base(ch.recv, send, out_splits, in_splits, c10d::AllToAllOptions());
+  };
+
+  // Stage 2: decode this rank's segment from every rank, average, server
+  // compress, all_gather of the server payloads.
+  auto stage2 = [&](int64_t i) {
+    Chunk& ch = st[i];
+    const OnebitLayout& lay = ch.lay;
+    ch.a2a->wait();
+    at::Tensor mine = at::zeros({lay.size[0]}, int_opts);
+    const int64_t len = lay.len[rank];
+    if (len > 0) {
+      at::Tensor acc = at::zeros({len}, x.options().dtype(at::kFloat));
+      for (int src = 0; src < world; ++src) {
+        auto [b, s] = split_onebit(ch.recv, src * lay.size[rank], lay.words[rank], lay.blocks[rank]);
+        onebit_decompress(acc, b, s, B, /*accumulate=*/true);
+      }
+      if (average) acc.div_(world);
+      std::optional<at::Tensor> server;
+      if (ef) server = ef->server[i];
+      auto [sb, ss] = onebit_compress(acc, server, B);
+      mine.narrow(0, 0, lay.size[rank]).copy_(at::cat({sb, ss.view(at::kInt)}));
+    }
+    ch.gathered = at::empty({world * lay.size[0]}, int_opts);
+    ch.ag = inner_->_allgather_base(ch.gathered, mine, c10d::AllgatherOptions());
+  };
+
+  // Stage 3: every rank decodes every segment: identical results everywhere.
+  auto stage3 = [&](int64_t i) {
+    Chunk& ch = st[i];
+    const OnebitLayout& lay = ch.lay;
+    ch.ag->wait();
+    for (int j = 0; j < world; ++j) {
+      if (lay.len[j] == 0) continue;
+      auto [b, s] = split_onebit(ch.gathered, j * lay.size[0], lay.words[j], lay.blocks[j]);
+      onebit_decompress(x.narrow(0, ch.begin + j * lay.seg, lay.len[j]), b, s, B, false);
+    }
+    ch.recv = at::Tensor();
+    ch.gathered = at::Tensor();
+  };
+
+  // Pipeline: chunk i+1 is compressed while chunk i is on the wire. The
+  // issue order (a2a 0, a2a 1, ag 0, a2a 2, ag 1, ...) depends only on the
+  // sizes, so it is the same on every rank.
+  for (int64_t i = 0; i < chunks; ++i) {
+    stage1(i);
+    if (i >= 1) stage2(i - 1);
+    if (i >= 2) stage3(i - 2);
+  }
+  stage2(chunks - 1);
+  for (int64_t i = std::max<int64_t>(0, chunks - 2); i < chunks; ++i) stage3(i);
+}
+
+void CompressedBackend::run_topk(const at::Tensor& x, ErrorFeedback* ef, bool average) {
+  const int world = getSize();
+  const int64_t n = x.numel(), C = config_.chunk_numel;
+  const int64_t chunks = ceil_div(n, C);
+  const auto int_opts = x.options().dtype(at::kInt);
+
+  struct Chunk {
+    int64_t begin, m, cap;
+    at::Tensor gathered;
+    WorkPtr ag;
+  };
+  std::vector<Chunk> st;
+  st.reserve(chunks);
+
+  auto stage1 = [&](int64_t i) {
+    const int64_t begin = i * C, m = std::min(C, n - begin);
+    const int64_t k = topk_k(m, config_.density);
+    const int64_t cap = config_.approx ? topk_capacity(k) : k;
+    std::optional<at::Tensor> residual;
+    if (ef) residual = ef->worker.narrow(0, begin, m);
+    auto [idx, vals] = topk_compress(x.narrow(0, begin, m), residual, k, config_.approx);
+    const int64_t count = idx.numel();
+    // [count, indices, values as float bits], zero-padded to 1 + 2 cap.
+    at::Tensor buf = at::zeros({1 + 2 * cap}, int_opts);
+    buf.narrow(0, 0, 1).fill_(count);
+    buf.narrow(0, 1, count).copy_(idx);
+    buf.narrow(0, 1 + count, count).copy_(vals.view(at::kInt));
+    st.push_back(Chunk{begin, m, cap, at::empty({world * (1 + 2 * cap)}, int_opts), {}});
+    st.back().ag = inner_->_allgather_base(st.back().gathered, buf, c10d::AllgatherOptions());
+  };
+
+  auto stage2 = [&](int64_t i) {
+    Chunk& ch = st[i];
+    ch.ag->wait();
+    at::Tensor out = x.narrow(0, ch.begin, ch.m);
+    out.zero_();
+    const at::Tensor counts = ch.gathered.view({world, 1 + 2 * ch.cap}).select(1, 0).cpu();
+    for (int src = 0; src < world; ++src) {
+      const int64_t off = src * (1 + 2 * ch.cap);
+      const int64_t count = counts[src].item<int32_t>();
+      TORCH_CHECK(count >= 0 && count <= ch.cap, "rank ", src, " sent a top-k payload of ", count,
+                  " entries, capacity ", ch.cap, ": ranks disagree on the tensor or density");
+      topk_decompress(out, ch.gathered.narrow(0, off + 1, count),
+                      ch.gathered.narrow(0, off + 1 + count, count).view(at::kFloat), true);
+    }
+    if (average) out.div_(world);
+    ch.gathered = at::Tensor();
+  };
+
+  for (int64_t i = 0; i < chunks; ++i) {
+    stage1(i);
+    if (i >= 1) stage2(i - 1);
+  }
+  stage2(chunks - 1);
+}
+
+// -------------------------------------------------- error-feedback state ---
+std::map<int64_t, ErrorFeedback> CompressedBackend::error_feedback_state() {
+  std::map<int64_t, ErrorFeedback> copy;
+  submit(c10d::OpType::UNKNOWN, {}, [this, &copy] {
+    for (const auto& [key, ef] : error_feedback_) {
+      ErrorFeedback c = ef;
+      c.worker = ef.worker.clone();
+      for (auto& s : c.server) s = s.clone();
+      copy.emplace(key, std::move(c));
+    }
+  })->wait();
+  return copy;
+}
+
+void CompressedBackend::load_error_feedback_state(std::map<int64_t, ErrorFeedback> state) {
+  for (const auto& [key, ef] : state) {
+    TORCH_CHECK(ef.world_size == getSize(), "error-feedback state of key ", key,
+                " was saved with world size ", ef.world_size, ", this group has ", getSize(),
+                ": it cannot be reused (reset it instead)");
+    TORCH_CHECK(ef.method == config_.method && ef.chunk_numel == config_.chunk_numel,
+                "error-feedback state of key ", key, " was saved for ", ef.method,
+                " with chunk_numel ", ef.chunk_numel, "; this group runs ", config_.method,
+                " with chunk_numel ", config_.chunk_numel);
+    TORCH_CHECK(ef.worker.numel() == ef.numel, "error-feedback state of key ", key,
+                " is inconsistent: worker residual has ", ef.worker.numel(), " elements, numel ",
+                ef.numel);
+  }
+  submit(c10d::OpType::UNKNOWN, {}, [this, state = std::move(state)]() mutable {
+    error_feedback_ = std::move(state);
+  })->wait();
+}
+
+void CompressedBackend::reset_error_feedback(std::optional<int64_t> key) {
+  submit(c10d::OpType::UNKNOWN, {}, [this, key] {
+    if (key.has_value()) {
+      error_feedback_.erase(*key);
+    } else {
+      error_feedback_.clear();
+    }
+  })->wait();
+}
+
+// ------------------------------------------------------------ forwarding ---
+WorkPtr CompressedBackend::allreduce_coalesced(std::vector<at::Tensor>& tensors,
+                                               const c10d::AllreduceCoalescedOptions& opts) {
+  return forward(c10d::OpType::ALLREDUCE_COALESCED, tensors, [this, tensors, opts]() mutable {
+    return inner_->allreduce_coalesced(tensors, opts);
+  });
+}
+
+WorkPtr CompressedBackend::broadcast(std::vector<at::Tensor>& tensors,
+                                     const c10d::BroadcastOptions& opts) {
+  return forward(c10d::OpType::BROADCAST, tensors,
+                 [this, tensors, opts]() mutable { return inner_->broadcast(tensors, opts); });
+}
+
+WorkPtr CompressedBackend::reduce(std::vector<at::Tensor>& tensors,
+                                  const c10d::ReduceOptions& opts) {
+  return forward(c10d::OpType::REDUCE, tensors,
+                 [this, tensors, opts]() mutable { return inner_->reduce(tensors, opts); });
+}
+
+WorkPtr CompressedBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                     std::vector<at::Tensor>& inputs,
+                                     const c10d::AllgatherOptions& opts) {
+  return forward(c10d::OpType::ALLGATHER, outputs.empty() ? std::vector<at::Tensor>{} : outputs[0],
+                 [this, outputs, inputs, opts]() mutable {
+                   return inner_->allgather(outputs, inputs, opts);
+                 });
+}
+
+WorkPtr CompressedBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
+                                           const c10d::AllgatherOptions& opts) {
+  return forward(c10d::OpType::_ALLGATHER_BASE, {output}, [this, output, input, opts]() mutable {
+    return inner_->_allgather_base(output, input, opts);
+  });
+}
+
+WorkPtr CompressedBackend::allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
+                                               std::vector<at::Tensor>& inputs,
+                                               const c10d::AllgatherOptions& opts) {
+  return forward(c10d::OpType::ALLGATHER_COALESCED, {}, [this, outputs, inputs, opts]() mutable {
+    return inner_->allgather_coalesced(outputs, inputs, opts);
+  });
+}
+
+WorkPtr CompressedBackend::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                           std::vector<at::Tensor>& inputs,
+                                                           const c10d::AllgatherOptions& opts) {
+  return forward(c10d::OpType::COALESCED, outputs, [this, outputs, inputs, opts]() mutable {
+    return inner_->allgather_into_tensor_coalesced(outputs, inputs, opts);
+  });
+}
+
+WorkPtr CompressedBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                  std::vector<at::Tensor>& inputs,
+                                  const c10d::GatherOptions& opts) {
+  return forward(c10d::OpType::GATHER, {}, [this, outputs, inputs, opts]() mutable {
+    return inner_->gather(outputs, inputs, opts);
+  });
+}
+
+WorkPtr CompressedBackend::scatter(std::vector<at::Tensor>& outputs,
+                                   std::vector<std::vector<at::Tensor>>& inputs,
+                                   const c10d::ScatterOptions& opts) {
+  return forward(c10d::OpType::SCATTER, outputs, [this, outputs, inputs, opts]() mutable {
+    return inner_->scatter(outputs, inputs, opts);
+  });
+}
+
+WorkPtr CompressedBackend::reduce_scatter(std::vector<at::Tensor>& outputs,
+                                          std::vector<std::vector<at::Tensor>>& inputs,
+                                          const c10d::ReduceScatterOptions& opts) {
+  return forward(c10d::OpType::REDUCE_SCATTER, outputs, [this, outputs, inputs, opts]() mutable {
+    return inner_->reduce_scatter(outputs, inputs, opts);
+  });
+}
+
+WorkPtr CompressedBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                                const c10d::ReduceScatterOptions& opts) {
+  return forward(c10d::OpType::_REDUCE_SCATTER_BASE, {output},
+                 [this, output, input, opts]() mutable {
+                   return inner_->_reduce_scatter_base(output, input, opts);
+                 });
+}
+
+WorkPtr CompressedBackend::reduce_scatter_tensor_coalesced(
+    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::ReduceScatterOptions& opts) {
+  return forward(c10d::OpType::COALESCED, outputs, [this, outputs, inputs, opts]() mutable {
+    return inner_->reduce_scatter_tensor_coalesced(outputs, inputs, opts);
+  });
+}
+
+WorkPtr CompressedBackend::alltoall_base(at::Tensor& output, at::Tensor& input,
+                                         std::vector<int64_t>& output_split_sizes,
+                                         std::vector<int64_t>& input_split_sizes,
+                                         const c10d::AllToAllOptions& opts) {
+  return forward(c10d::OpType::ALLTOALL_BASE, {output},
+                 [this, output, input, output_split_sizes, input_split_sizes, opts]() mutable {
+                   return inner_->alltoall_base(output, input, output_split_sizes,
+                                                input_split_sizes, opts);
+                 });
+}
+
+WorkPtr CompressedBackend::alltoall(std::vector<at::Tensor>& outputs,
+                                    std::vector<at::Tensor>& inputs,
+                                    const c10d::AllToAllOptions& opts) {
+  return forward(c10d::OpType::ALLTOALL, outputs, [this, outputs, inputs, opts]() mutable {
+    return inner_->alltoall(outputs, inputs, opts);
+  });
+}
+
+WorkPtr CompressedBackend::barrier(const c10d::BarrierOptions& opts) {
+  return forward(c10d::OpType::BARRIER, {}, [this, opts] { return inner_->barrier(opts); });
+}
+
+void CompressedBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) {
+  submit(c10d::OpType::BARRIER, {}, [this, opts, wait_all_ranks] {
+    inner_->monitoredBarrier(opts, wait_all_ranks);
+  })->wait();
+}
+
+// Point-to-point: matched by tag, not issue order, so no need to queue.
+WorkPtr CompressedBackend::send(std::vector<at::Tensor>& tensors, int dst, int tag) {
+  return inner_->send(tensors, dst, tag);
+}
+
+WorkPtr CompressedBackend::recv(std::vector<at::Tensor>& tensors, int src, int tag) {
+  return inner_->recv(tensors, src, tag);
+}
+
+WorkPtr CompressedBackend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
+  return inner_->recvAnysource(tensors, tag);
+}
+
+}  // namespace dist
+}  // namespace pycomm

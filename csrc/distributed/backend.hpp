@@ -1,0 +1,162 @@
+// CompressedBackend: a c10d::Backend that wraps a real one (Gloo or NCCL)
+// and compresses float SUM/AVG all-reduces (docs/allreduce.md); every other
+// collective is forwarded unchanged.
+//
+// Ordering: Gloo and NCCL match collectives across ranks by the order in
+// which they are issued. The compressed algorithms issue several dependent
+// collectives per call, so all collectives of this backend (forwarded ones
+// included) are issued from ONE worker thread, in the order the caller
+// submitted them; the caller gets a Work at once. Point-to-point ops are
+// matched by tag, not order, and go straight to the inner backend.
+#pragma once
+
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+namespace pycomm {
+namespace dist {
+
+struct Config {
+  std::string method = "onebit";  // onebit | topk | fp16 | bf16 | none
+  int64_t min_compress_numel = 65536;
+  int64_t chunk_numel = int64_t(1) << 20;
+  int64_t block_size = 2048;
+  double density = 0.01;
+  bool approx = true;
+};
+
+// Error-feedback residuals of one key (see docs/allreduce.md).
+struct ErrorFeedback {
+  int64_t numel = 0;
+  int world_size = 0;
+  int64_t chunk_numel = 0;
+  std::string method;
+  at::Tensor worker;                // numel floats
+  std::vector<at::Tensor> server;   // onebit: this rank's segment of each chunk
+};
+
+// A Work completed by the worker thread; its future holds the result tensors.
+class PycommWork : public c10d::Work {
+ public:
+  PycommWork(int rank, c10d::OpType type, std::vector<at::Tensor> result);
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+  std::vector<at::Tensor> result() override { return result_; }
+  int sourceRank() const override { return source_rank_; }
+  void complete(std::exception_ptr error = nullptr, int source_rank = -1);
+
+ private:
+  std::vector<at::Tensor> result_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+  int source_rank_ = -1;
+};
+
+class CompressedBackend : public c10d::Backend {
+ public:
+  CompressedBackend(c10::intrusive_ptr<c10d::Backend> inner, Config config);
+  ~CompressedBackend() override;
+
+  const std::string getBackendName() const override { return "pycomm"; }
+  const Config& config() const { return config_; }
+  c10::intrusive_ptr<c10d::Backend> inner() const { return inner_; }
+  void setTimeout(std::chrono::milliseconds timeout) override { inner_->setTimeout(timeout); }
+
+  // The compressed path, with error feedback under `key` when given.
+  c10::intrusive_ptr<c10d::Work> allreduce_keyed(at::Tensor tensor, std::optional<int64_t> key,
+                                                 bool average);
+  // Whether allreduce(tensor, op) would compress (else it is forwarded).
+  bool compresses(const at::Tensor& tensor, const c10d::ReduceOp& op) const;
+
+  // Error-feedback state, read and replaced between collectives.
+  std::map<int64_t, ErrorFeedback> error_feedback_state();
+  void load_error_feedback_state(std::map<int64_t, ErrorFeedback> state);
+  void reset_error_feedback(std::optional<int64_t> key);
+
+  // ---- every collective of c10d::Backend ----
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
+      std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors,
+                                        const c10d::ReduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                           std::vector<at::Tensor>& inputs,
+                                           const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(
+      std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                        std::vector<at::Tensor>& inputs,
+                                        const c10d::GatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs,
+                                         std::vector<std::vector<at::Tensor>>& inputs,
+                                         const c10d::ScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                std::vector<std::vector<at::Tensor>>& inputs,
+                                                const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
+      at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                               std::vector<int64_t>& output_split_sizes,
+                                               std::vector<int64_t>& input_split_sizes,
+                                               const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs,
+                                          std::vector<at::Tensor>& inputs,
+                                          const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+  void monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) override;
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
+
+ private:
+  // Queues `body` for the worker thread; the Work completes when it returns.
+  c10::intrusive_ptr<c10d::Work> submit(c10d::OpType type, std::vector<at::Tensor> result,
+                                        std::function<void()> body);
+  // Issues an inner collective from the worker thread and waits for it there.
+  c10::intrusive_ptr<c10d::Work> forward(c10d::OpType type, std::vector<at::Tensor> result,
+                                         std::function<c10::intrusive_ptr<c10d::Work>()> issue);
+  void run_worker();
+
+  void run_compressed(const at::Tensor& tensor, std::optional<int64_t> key, bool average);
+  void run_onebit(const at::Tensor& x, ErrorFeedback* ef, bool average);
+  void run_topk(const at::Tensor& x, ErrorFeedback* ef, bool average);
+  void run_cast(const at::Tensor& x, bool average);
+  ErrorFeedback* error_feedback_for(int64_t key, const at::Tensor& x);
+
+  c10::intrusive_ptr<c10d::Backend> inner_;
+  Config config_;
+  bool inner_has_avg_;
+
+  std::mutex queue_mutex_;
+  std::condition_variable queue_cv_;
+  std::deque<std::function<void()>> queue_;
+  bool stopping_ = false;
+  std::thread worker_;
+
+  // Only the worker thread touches these while collectives run; the state
+  // accessors go through the queue too.
+  std::map<int64_t, ErrorFeedback> error_feedback_;
+};
+
+}  // namespace dist
+}  // namespace pycomm

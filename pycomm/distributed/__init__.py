@@ -1,0 +1,244 @@
+"""pycomm.distributed: the ``"pycomm"`` torch.distributed backend.
+
+The backend wraps a real one (Gloo on CPU, NCCL on CUDA) and compresses
+float SUM/AVG all-reduces of at least ``min_compress_numel`` elements
+(docs/allreduce.md); every other collective, and every small, integer or
+MAX/MIN/PRODUCT all-reduce, goes to the inner backend unchanged.
+
+Example (each of 2 processes)::
+
+    import pycomm.distributed as pd
+    pd.init_process_group(compressor="onebit", backend="gloo",
+                          init_method="tcp://127.0.0.1:29500", rank=rank, world_size=2)
+    model = torch.nn.parallel.DistributedDataParallel(model)  # buckets compressed
+    pd.all_reduce(grad, key=0)        # compressed, error feedback kept under key 0
+    dist.all_reduce(loss)             # a small tensor: exact, as always
+
+Importing this module registers the backend, so
+``dist.init_process_group("pycomm", pg_options=pd.PycommOptions(...))`` works
+too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, Optional
+
+import torch
+import torch.distributed as dist
+
+from .. import _ext
+from ..compressors.base import check_density, check_positive_int
+
+BACKEND_NAME = "pycomm"
+METHODS = ("onebit", "topk", "fp16", "bf16", "none")
+
+
+@dataclass
+class PycommOptions:
+    """Configuration of a ``"pycomm"`` process group.
+
+    ``compressor``: "onebit", "topk", "fp16", "bf16" or "none" (forward all).
+    ``inner``: the wrapped backend, "gloo" or "nccl" (default: nccl when CUDA
+    is available, else gloo). ``chunk_numel``: pipelining granularity (a
+    chunk is compressed while the previous one is on the wire).
+    """
+
+    compressor: str = "onebit"
+    inner: Optional[str] = None
+    min_compress_numel: int = 65536
+    chunk_numel: int = 1 << 20
+    block_size: int = 2048
+    density: float = 0.01
+    approx: bool = True
+
+    def __post_init__(self) -> None:
+        if self.compressor not in METHODS:
+            raise ValueError(f"compressor must be one of {METHODS}, got {self.compressor!r}")
+        if self.inner not in (None, "gloo", "nccl"):
+            raise ValueError(f"inner must be 'gloo', 'nccl' or None, got {self.inner!r}")
+        check_positive_int("min_compress_numel", self.min_compress_numel)
+        check_positive_int("chunk_numel", self.chunk_numel)
+        check_positive_int("block_size", self.block_size)
+        if self.block_size % 32:
+            raise ValueError(f"block_size must be a multiple of 32, got {self.block_size}")
+        self.density = check_density(self.density)
+        if not isinstance(self.approx, bool):
+            raise TypeError(f"approx must be a bool, got {self.approx!r}")
+
+
+def _create_backend(dist_opts: Any, options: Optional[PycommOptions]) -> Any:
+    """Backend factory called by torch.distributed for the "pycomm" backend."""
+    if _ext.why_no_cpu_ops() is not None:
+        raise RuntimeError(_ext.why_no_cpu_ops())
+    if options is None:
+        options = PycommOptions()
+    if not isinstance(options, PycommOptions):
+        raise TypeError(
+            f"pg_options of a pycomm group must be a pycomm.distributed.PycommOptions, got {type(options).__name__}"
+        )
+    inner_name = options.inner or ("nccl" if torch.cuda.is_available() else "gloo")
+    rank, size, store, timeout = dist_opts.group_rank, dist_opts.group_size, dist_opts.store, dist_opts.timeout
+    if inner_name == "gloo":
+        inner = dist.ProcessGroupGloo(store, rank, size, timeout)
+    else:
+        nccl_opts = dist.ProcessGroupNCCL.Options()
+        nccl_opts._timeout = timeout
+        inner = dist.ProcessGroupNCCL(store, rank, size, nccl_opts)
+    return _ext._C.CompressedBackend(
+        inner,
+        options.compressor,
+        options.min_compress_numel,
+        options.chunk_numel,
+        options.block_size,
+        options.density,
+        options.approx,
+    )
+
+
+def register_backend() -> None:
+    """Register "pycomm" with torch.distributed (done on import; idempotent)."""
+    if BACKEND_NAME.upper() in dist.Backend._plugins:
+        return
+    dist.Backend.register_backend(BACKEND_NAME, _create_backend, extended_api=True, devices=["cpu", "cuda"])
+
+
+register_backend()
+
+
+def init_process_group(
+    compressor: str = "onebit",
+    backend: Optional[str] = None,
+    *,
+    min_compress_numel: int = 65536,
+    chunk_numel: int = 1 << 20,
+    block_size: int = 2048,
+    density: float = 0.01,
+    approx: bool = True,
+    **kwargs: Any,
+) -> None:
+    """Initialize the default process group as a compressing wrapper of
+    ``backend`` ("gloo" or "nccl"; default by device). Other keyword
+    arguments go to :func:`torch.distributed.init_process_group`.
+
+    Example::
+
+        pd.init_process_group(compressor="topk", density=0.01, backend="gloo",
+                              init_method="env://")
+    """
+    if "pg_options" in kwargs:
+        raise TypeError("pass the compressor settings as arguments, not pg_options")
+    options = PycommOptions(compressor, backend, min_compress_numel, chunk_numel, block_size, density, approx)
+    dist.init_process_group(backend=BACKEND_NAME, pg_options=options, **kwargs)
+
+
+def wrap(group: Optional[dist.ProcessGroup] = None, compressor: str = "onebit", **settings: Any) -> dist.ProcessGroup:
+    """A new compressing group over the same ranks as ``group`` (default: the
+    world). Every rank of ``group`` must call it, as with ``dist.new_group``.
+
+    Example::
+
+        pg = pd.wrap(compressor="onebit", block_size=1024)
+        pd.all_reduce(t, key=0, group=pg)
+    """
+    group = group or dist.group.WORLD
+    inner = settings.pop("inner", None) or dist.get_backend(group)
+    if inner not in ("gloo", "nccl"):
+        raise ValueError(f"can wrap a gloo or nccl group, this one is {inner!r}")
+    options = PycommOptions(compressor=compressor, inner=inner, **settings)
+    ranks = dist.get_process_group_ranks(group)
+    return dist.new_group(ranks=ranks, backend=BACKEND_NAME, pg_options=options)
+
+
+def _backend_of(group: Optional[dist.ProcessGroup], device: torch.device) -> Any:
+    group = group or dist.group.WORLD
+    if group is None:
+        raise RuntimeError("torch.distributed is not initialized: call pycomm.distributed.init_process_group first")
+    try:
+        backend = group._get_backend(device)
+    except RuntimeError:
+        return None
+    return backend if isinstance(backend, _ext._C.CompressedBackend) else None
+
+
+def is_pycomm_group(group: Optional[dist.ProcessGroup] = None, device: str | torch.device = "cpu") -> bool:
+    """True when ``group`` (default: the world) runs the pycomm backend on ``device``."""
+    if _ext._C is None or not dist.is_initialized():
+        return False
+    return _backend_of(group, torch.device(device)) is not None
+
+
+def _pycomm_backend(group: Optional[dist.ProcessGroup], device: torch.device) -> Any:
+    backend = _backend_of(group, device)
+    if backend is None:
+        raise ValueError(
+            "the group does not run the pycomm backend; create one with "
+            "pycomm.distributed.init_process_group or pycomm.distributed.wrap"
+        )
+    return backend
+
+
+def all_reduce(
+    tensor: torch.Tensor,
+    key: Optional[int] = None,
+    group: Optional[dist.ProcessGroup] = None,
+    op: str = "sum",
+    async_op: bool = False,
+):
+    """Compressed all-reduce of ``tensor`` in place, whatever its size.
+
+    ``key`` names the error-feedback residual to use (the DDP hook passes the
+    bucket index); without a key the call is compressed without error
+    feedback, so it can never pick up another tensor's residual. ``op`` is
+    "sum" or "avg". Returns a Work when ``async_op``.
+
+    Example::
+
+        pd.all_reduce(grad, key=3, op="avg")
+    """
+    if op not in ("sum", "avg"):
+        raise ValueError(f"op must be 'sum' or 'avg', got {op!r}")
+    if key is not None and (isinstance(key, bool) or not isinstance(key, int) or key < 0):
+        raise ValueError(f"key must be a non-negative int or None, got {key!r}")
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
+    backend = _pycomm_backend(group, tensor.device)
+    work = backend.allreduce_keyed(tensor, key, op == "avg")
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
+def error_feedback_state(group: Optional[dist.ProcessGroup] = None, device: str = "cpu") -> Dict[int, dict]:
+    """The backend's error-feedback residuals, per key (copies), to save."""
+    return dict(_pycomm_backend(group, torch.device(device)).error_feedback_state())
+
+
+def load_error_feedback_state(state: Dict[int, dict], group: Optional[dist.ProcessGroup] = None, device: str = "cpu") -> None:
+    """Restore residuals saved with :func:`error_feedback_state`."""
+    _pycomm_backend(group, torch.device(device)).load_error_feedback_state(dict(state))
+
+
+def reset_error_feedback(key: Optional[int] = None, group: Optional[dist.ProcessGroup] = None, device: str = "cpu") -> None:
+    """Forget the residuals of ``key`` (all keys when None)."""
+    _pycomm_backend(group, torch.device(device)).reset_error_feedback(key)
+
+
+def options_of(group: Optional[dist.ProcessGroup] = None, device: str = "cpu") -> Dict[str, Any]:
+    """The compressor settings of a pycomm group, as a dict."""
+    return dict(_pycomm_backend(group, torch.device(device)).config)
+
+
+__all__ = [
+    "PycommOptions",
+    "all_reduce",
+    "error_feedback_state",
+    "init_process_group",
+    "is_pycomm_group",
+    "load_error_feedback_state",
+    "options_of",
+    "register_backend",
+    "reset_error_feedback",
+    "wrap",
+]
