@@ -4,6 +4,8 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 
 #include "pycomm/compress_math.h"
 
@@ -180,8 +182,17 @@ WorkPtr CompressedBackend::allreduce_keyed(at::Tensor tensor, std::optional<int6
   TORCH_CHECK(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16,
               "compressed all_reduce needs a float32, float16 or bfloat16 tensor, got ", dt);
   TORCH_CHECK(tensor.numel() > 0, "compressed all_reduce of an empty tensor");
-  return submit(c10d::OpType::ALLREDUCE, {tensor},
-                [this, tensor, key, average] { run_compressed(tensor, key, average); });
+  // On an accelerator the worker runs the kernels on the caller's current
+  // stream, so they are ordered after the work that produced the tensor.
+  std::optional<c10::Stream> stream;
+  if (!tensor.is_cpu()) {
+    stream = c10::impl::VirtualGuardImpl(tensor.device().type()).getStream(tensor.device());
+  }
+  return submit(c10d::OpType::ALLREDUCE, {tensor}, [this, tensor, key, average, stream] {
+    std::optional<c10::StreamGuard> guard;
+    if (stream) guard.emplace(*stream);
+    run_compressed(tensor, key, average);
+  });
 }
 
 WorkPtr CompressedBackend::allreduce(std::vector<at::Tensor>& tensors,
