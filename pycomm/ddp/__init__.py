@@ -1,0 +1,16 @@
+"""pycomm.ddp: a drop-in DDP communication hook with gradient compression.
+
+Example::
+
+    from pycomm.ddp import CompressionState, compressed_hook
+
+    state = CompressionState(process_group=None, compressor="topk", density=0.01,
+                             start_iter=10, error_feedback=True)
+    ddp_model.register_comm_hook(state, compressed_hook)
+
+See :mod:`pycomm.ddp.hook` for how buckets are reduced.
+"""
+
+from .hook import CompressionState, compressed_hook
+
+__all__ = ["CompressionState", "compressed_hook"]

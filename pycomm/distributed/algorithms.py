@@ -1,0 +1,562 @@
+"""The compressed all-reduce algorithms of ``docs/allreduce.md``, in Python,
+over any torch.distributed process group (plain Gloo or NCCL).
+
+This is the path the DDP hook takes over an ordinary process group; the
+``"pycomm"`` backend runs the same algorithms in C++. Both follow the spec to
+the letter (chunking, segment layout, wire formats, accumulation order, AVG
+division), so that :func:`pycomm.distributed.simulate.simulate_allreduce`, a
+single-process simulation built from the reference compressors, is the
+oracle of both.
+
+Example (on every rank of an initialized process group)::
+
+    import torch
+    from pycomm.distributed.algorithms import ErrorFeedback, allreduce_compressed
+
+    grad = torch.randn(1_000_000)
+    ef = ErrorFeedback()                   # one per tensor, kept across steps
+    allreduce_compressed(grad, method="onebit", op="avg", ef=ef, block_size=2048)
+    # grad now holds the (compressed) average, identical on every rank
+
+Wire formats (int32 buffers, so that every backend can move them):
+
+* onebit segment payload: ``ceil(L/32)`` packed words, then ``ceil(L/B)``
+  scales as float32 bits; sent with one uneven ``all_to_all_single`` (worker
+  stage) and one ``all_gather`` padded to the largest segment (server stage).
+* topk payload: ``[count, indices (count), values as float32 bits (count)]``,
+  zero-padded to ``1 + 2 * cap`` elements; one ``all_gather``.
+* fp16 / bf16: a plain SUM all-reduce of the cast tensor.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .. import get_compressor
+from ..compressors.onebit import WORD_BITS, OneBitPayload
+from ..compressors.topk import TopKPayload, topk_capacity, topk_k
+
+__all__ = [
+    "DEFAULT_CHUNK_NUMEL",
+    "METHODS",
+    "ErrorFeedback",
+    "allreduce_cast",
+    "allreduce_compressed",
+    "allreduce_onebit",
+    "allreduce_topk",
+    "chunk_bounds",
+    "normalize_op",
+    "onebit_segments",
+    "onebit_wire_numel",
+    "topk_wire_numel",
+]
+
+#: Methods understood by :func:`allreduce_compressed`.
+METHODS = ("onebit", "topk", "fp16", "bf16")
+
+#: Chunk length (elements) when the caller gives none: 4 Mi elements (16 MiB
+#: of float32). Results depend on it (segment and block starts), so every
+#: implementation that must agree uses the same value.
+DEFAULT_CHUNK_NUMEL = 1 << 22
+
+_CAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+# ------------------------------------------------------------------ layout ---
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def chunk_bounds(numel: int, chunk_numel: int) -> List[Tuple[int, int]]:
+    """``[(start, end), ...]`` of the chunks of a ``numel``-element tensor
+    (the last one shorter); ``[]`` for an empty tensor."""
+    return [(s, min(numel, s + chunk_numel)) for s in range(0, numel, chunk_numel)]
+
+
+def onebit_segments(m: int, world_size: int, block_size: int) -> Tuple[int, List[Tuple[int, int]]]:
+    """Spec step 1: ``(seg, [(start, end) of segment j for j in 0..W-1])`` for
+    a chunk of ``m`` elements. ``seg`` is a whole number of blocks; segment
+    ``j`` is ``[j*seg, min(m, (j+1)*seg))`` clipped to ``m`` (possibly empty)."""
+    seg = _cdiv(_cdiv(m, world_size), block_size) * block_size
+    bounds = [(min(m, j * seg), min(m, (j + 1) * seg)) for j in range(world_size)]
+    return seg, bounds
+
+
+def onebit_wire_numel(length: int, block_size: int) -> int:
+    """``S``: int32 elements of a segment payload of ``length`` elements
+    (words then scales; 0 for an empty segment)."""
+    if length == 0:
+        return 0
+    return _cdiv(length, WORD_BITS) + _cdiv(length, block_size)
+
+
+def topk_wire_numel(m: int, density: float, approx: bool) -> int:
+    """int32 elements of a topk chunk payload: ``1 + 2 * cap``."""
+    k = topk_k(m, density)
+    cap = topk_capacity(k) if approx else k
+    return 1 + 2 * cap
+
+
+def normalize_op(op: Any) -> str:
+    """``"sum"`` or ``"avg"`` from a string (any case) or a ``dist.ReduceOp``."""
+    if isinstance(op, str):
+        low = op.lower()
+        if low in ("sum", "avg"):
+            return low
+    else:
+        try:
+            if op == dist.ReduceOp.SUM:
+                return "sum"
+            if op == dist.ReduceOp.AVG:
+                return "avg"
+        except TypeError:
+            pass
+    raise ValueError(f"op must be 'sum' or 'avg' (or ReduceOp.SUM / ReduceOp.AVG), got {op!r}")
+
+
+def _check_chunk_numel(chunk_numel: Optional[int]) -> int:
+    if chunk_numel is None:
+        return DEFAULT_CHUNK_NUMEL
+    if isinstance(chunk_numel, bool) or not isinstance(chunk_numel, int) or chunk_numel <= 0:
+        raise ValueError(f"chunk_numel must be a positive integer, got {chunk_numel!r}")
+    return chunk_numel
+
+
+def _check_tensor(tensor: Any) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype not in _FLOAT_DTYPES:
+        raise TypeError(
+            f"compressed all-reduce needs a float32, float16 or bfloat16 tensor, got {tensor.dtype}"
+        )
+
+
+# ----------------------------------------------------------- error feedback ---
+class ErrorFeedback:
+    """Error-feedback residuals of one tensor on one rank, kept across steps.
+
+    * ``worker``: float32, one element per tensor element (onebit and topk);
+      ``c = x + worker`` is what gets compressed, and ``worker`` keeps what
+      was not sent.
+    * ``server`` (onebit only): float32, the concatenation over chunks, in
+      chunk order, of this rank's segment of each chunk (spec step 1), i.e.
+      ``sum over chunks of L_rank``; :meth:`server_segment` gives chunk
+      ``i``'s part. ``None`` for topk.
+
+    The buffers are created (zeros) on first use and bound to a layout:
+    method, numel, world size, rank, chunk_numel and (onebit) block_size.
+    Using the object with any other layout raises ``ValueError`` (a residual
+    of another tensor or world size would silently corrupt the gradient);
+    :meth:`reset` starts over.
+
+    Example::
+
+        >>> from pycomm.distributed.algorithms import ErrorFeedback
+        >>> ef = ErrorFeedback()
+        >>> ef.bind(method="onebit", numel=5000, world_size=4, rank=3,
+        ...         chunk_numel=4096, block_size=256)
+        >>> # chunk 0: 4096 elements, segments of 1024, rank 3 holds [3072, 4096);
+        >>> # chunk 1: 904 elements, segments of 256, rank 3 holds [768, 904)
+        >>> ef.worker.numel(), ef.server_segment(0).numel(), ef.server_segment(1).numel()
+        (5000, 1024, 136)
+        >>> sd = ef.state_dict(); ef2 = ErrorFeedback(); ef2.load_state_dict(sd)
+    """
+
+    def __init__(self) -> None:
+        self.layout: Optional[Dict[str, Any]] = None
+        self.worker: Optional[torch.Tensor] = None
+        self.server: Optional[torch.Tensor] = None
+        self._server_offsets: List[int] = []
+
+    # -- layout ----------------------------------------------------------------
+    @staticmethod
+    def make_layout(
+        *, method: str, numel: int, world_size: int, rank: int, chunk_numel: int,
+        block_size: Optional[int] = None,
+    ) -> Dict[str, Any]:
+        """The layout dict that :meth:`bind` checks (block_size only for onebit)."""
+        if method not in ("onebit", "topk"):
+            raise ValueError(f"error feedback exists for onebit and topk only, not {method!r}")
+        return {
+            "method": method,
+            "numel": int(numel),
+            "world_size": int(world_size),
+            "rank": int(rank),
+            "chunk_numel": int(chunk_numel),
+            "block_size": int(block_size) if method == "onebit" else None,
+        }
+
+    @staticmethod
+    def _server_offsets_for(layout: Dict[str, Any]) -> List[int]:
+        offsets = [0]
+        if layout["method"] == "onebit":
+            for b, e in chunk_bounds(layout["numel"], layout["chunk_numel"]):
+                _, segs = onebit_segments(e - b, layout["world_size"], layout["block_size"])
+                sb, se = segs[layout["rank"]]
+                offsets.append(offsets[-1] + se - sb)
+        return offsets
+
+    def bind(self, *, device: torch.device | str = "cpu", **layout_kwargs: Any) -> None:
+        """Create the buffers for this layout, or check that they match it.
+
+        Keyword arguments as :meth:`make_layout`. Raises ``ValueError`` on a
+        mismatch; moves the buffers to ``device`` if they live elsewhere."""
+        layout = self.make_layout(**layout_kwargs)
+        if self.layout is None:
+            self.layout = layout
+            self._server_offsets = self._server_offsets_for(layout)
+            self.worker = torch.zeros(layout["numel"], dtype=torch.float32, device=device)
+            self.server = (
+                torch.zeros(self._server_offsets[-1], dtype=torch.float32, device=device)
+                if layout["method"] == "onebit" else None
+            )
+            return
+        if layout != self.layout:
+            diffs = ", ".join(
+                f"{k} {self.layout[k]!r} -> {layout[k]!r}" for k in layout if layout[k] != self.layout[k]
+            )
+            raise ValueError(
+                f"error feedback residuals were built for {self._describe(self.layout)} and cannot "
+                f"be used for {self._describe(layout)} ({diffs}); call reset() (or load the state "
+                f"with reset_error_feedback=True) to start the residuals over"
+            )
+        dev = torch.device(device)
+        if self.worker.device != dev:
+            self.worker = self.worker.to(dev)
+            if self.server is not None:
+                self.server = self.server.to(dev)
+
+    @staticmethod
+    def _describe(layout: Dict[str, Any]) -> str:
+        s = (
+            f"{layout['method']} on {layout['numel']} elements, world size {layout['world_size']}, "
+            f"rank {layout['rank']}, chunk_numel {layout['chunk_numel']}"
+        )
+        if layout["block_size"] is not None:
+            s += f", block_size {layout['block_size']}"
+        return s
+
+    @property
+    def bound(self) -> bool:
+        """Whether buffers exist (after the first use or a load)."""
+        return self.layout is not None
+
+    def server_segment(self, chunk_index: int) -> torch.Tensor:
+        """View of the server residual of chunk ``chunk_index`` (this rank's segment)."""
+        if self.server is None:
+            raise ValueError("no server residual: onebit error feedback that has been bound has one")
+        a, b = self._server_offsets[chunk_index], self._server_offsets[chunk_index + 1]
+        return self.server[a:b]
+
+    def reset(self) -> None:
+        """Forget the residuals and the layout (the next use starts from zeros)."""
+        self.layout = None
+        self.worker = None
+        self.server = None
+        self._server_offsets = []
+
+    # -- persistence -----------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        """Layout and residuals (cloned tensors); each rank saves its own."""
+        return {
+            "layout": dict(self.layout) if self.layout is not None else None,
+            "worker": self.worker.detach().clone() if self.worker is not None else None,
+            "server": self.server.detach().clone() if self.server is not None else None,
+        }
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (checks buffer sizes)."""
+        layout = state.get("layout")
+        if layout is None:
+            self.reset()
+            return
+        layout = self.make_layout(**layout)
+        offsets = self._server_offsets_for(layout)
+        worker, server = state["worker"], state["server"]
+        if worker is None or worker.numel() != layout["numel"]:
+            raise ValueError("error feedback state: the worker residual does not match its layout")
+        want_server = offsets[-1] if layout["method"] == "onebit" else None
+        if (server is None) != (want_server is None) or (
+            server is not None and server.numel() != want_server
+        ):
+            raise ValueError("error feedback state: the server residual does not match its layout")
+        self.layout = layout
+        self._server_offsets = offsets
+        self.worker = worker.detach().to(torch.float32).reshape(-1).clone()
+        self.server = server.detach().to(torch.float32).reshape(-1).clone() if server is not None else None
+
+    def __repr__(self) -> str:
+        if self.layout is None:
+            return "ErrorFeedback(unbound)"
+        return f"ErrorFeedback({self._describe(self.layout)})"
+
+
+# ------------------------------------------------------------- plumbing -------
+def _group_info(group: Optional[dist.ProcessGroup]) -> Tuple[int, int]:
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialized: call init_process_group first")
+    world = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError("this process is not a member of the given process group")
+    return world, rank
+
+
+def _all_gather(out: torch.Tensor, inp: torch.Tensor, group) -> None:
+    # all_gather_single is the new name (2.13 deprecates all_gather_into_tensor).
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, inp, group=group)
+
+
+class _Work:
+    """A float32, flat, contiguous view of the tensor to reduce (the tensor
+    itself when it already is one, else a copy written back at the end)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self.inplace = tensor.dtype == torch.float32 and tensor.is_contiguous()
+        if self.inplace:
+            self.flat = tensor.view(-1)
+        else:
+            self.flat = tensor.detach().reshape(-1).to(torch.float32).contiguous()
+            if self.flat.data_ptr() == tensor.data_ptr():  # never write the input early
+                self.flat = self.flat.clone()
+
+    def finish(self) -> None:
+        if not self.inplace:
+            self.tensor.copy_(self.flat.view(self.tensor.shape))
+
+
+# ---------------------------------------------------------------- onebit -----
+def _onebit_chunk(xc, comp, group, world, rank, avg, ew, es) -> None:
+    m = xc.numel()
+    bsz = comp.block_size
+    _, bounds = onebit_segments(m, world, bsz)
+    lengths = [e - b for b, e in bounds]
+    sizes = [onebit_wire_numel(n, bsz) for n in lengths]
+
+    # 2. worker compress of the whole chunk (segments start on block and word
+    #    boundaries, so each segment's payload is a slice of this one).
+    p = comp.compress(xc, ew)
+    # 3. segment payloads: words then scales (float32 bits), segment by segment.
+    parts = []
+    for (b, _), n in zip(bounds, lengths):
+        if n == 0:
+            continue
+        w0, s0 = b // WORD_BITS, b // bsz
+        parts.append(p.bits[w0 : w0 + _cdiv(n, WORD_BITS)])
+        parts.append(p.scales[s0 : s0 + _cdiv(n, bsz)].view(torch.int32))
+    send = torch.cat(parts)
+    # 4. all_to_all: segment j to rank j; from every rank i, its segment `rank`.
+    s_r = sizes[rank]
+    recv = torch.empty(world * s_r, dtype=torch.int32, device=xc.device)
+    dist.all_to_all_single(
+        recv, send, output_split_sizes=[s_r] * world, input_split_sizes=sizes, group=group
+    )
+
+    # 5. server stage: decode and accumulate in rank order, AVG, re-compress.
+    s_0 = sizes[0]  # segment 0 is never shorter than another
+    server = torch.zeros(s_0, dtype=torch.int32, device=xc.device)
+    l_r = lengths[rank]
+    if l_r > 0:
+        nw, ns = _cdiv(l_r, WORD_BITS), _cdiv(l_r, bsz)
+        acc = torch.zeros(l_r, dtype=torch.float32, device=xc.device)
+        for i in range(world):
+            buf = recv[i * s_r : (i + 1) * s_r]
+            payload = OneBitPayload(buf[:nw], buf[nw:].view(torch.float32), l_r, (l_r,), bsz)
+            comp.decompress(payload, out=acc, accumulate=True)
+        if avg:
+            acc.div_(world)
+        q = comp.compress(acc, es)
+        server[:nw] = q.bits
+        server[nw : nw + ns] = q.scales.view(torch.int32)
+
+    # 6. all_gather of the server payloads, each padded to S_0.
+    gathered = torch.empty(world * s_0, dtype=torch.int32, device=xc.device)
+    _all_gather(gathered, server, group)
+
+    # 7. every rank decodes every segment from the same bytes.
+    for j, ((b, e), n) in enumerate(zip(bounds, lengths)):
+        if n == 0:
+            continue
+        nw = _cdiv(n, WORD_BITS)
+        buf = gathered[j * s_0 : j * s_0 + sizes[j]]
+        payload = OneBitPayload(buf[:nw], buf[nw:].view(torch.float32), n, (n,), bsz)
+        comp.decompress(payload, out=xc[b:e], accumulate=False)
+
+
+def allreduce_onebit(
+    tensor: torch.Tensor,
+    *,
+    group: Optional[dist.ProcessGroup] = None,
+    op: Any = "sum",
+    chunk_numel: Optional[int] = None,
+    ef: Optional[ErrorFeedback] = None,
+    block_size: int = 2048,
+    impl: str = "auto",
+) -> None:
+    """Two-phase onebit all-reduce of ``tensor`` in place (spec "onebit").
+
+    With ``ef`` the worker and server residuals are used and updated;
+    without, nothing is remembered between calls."""
+    _check_tensor(tensor)
+    avg = normalize_op(op) == "avg"
+    chunk_numel = _check_chunk_numel(chunk_numel)
+    comp = get_compressor("onebit", block_size=block_size, impl=impl)
+    world, rank = _group_info(group)
+    n = tensor.numel()
+    if ef is not None:
+        ef.bind(
+            method="onebit", numel=n, world_size=world, rank=rank, chunk_numel=chunk_numel,
+            block_size=block_size, device=tensor.device,
+        )
+    if n == 0:
+        return
+    with torch.no_grad():
+        work = _Work(tensor)
+        for ci, (b, e) in enumerate(chunk_bounds(n, chunk_numel)):
+            ew = ef.worker[b:e] if ef is not None else None
+            es = ef.server_segment(ci) if ef is not None else None
+            _onebit_chunk(work.flat[b:e], comp, group, world, rank, avg, ew, es)
+        work.finish()
+
+
+# ------------------------------------------------------------------ topk -----
+def _topk_chunk(xc, comp, group, world, avg, ew) -> None:
+    m = xc.numel()
+    k = topk_k(m, comp.density)
+    cap = topk_capacity(k) if comp.approx else k
+    width = 1 + 2 * cap
+
+    p = comp.compress(xc, ew)
+    count = p.indices.numel()
+    if not 0 < count <= cap:  # the compressor's contract; never silently truncate
+        raise RuntimeError(f"topk returned {count} entries for k={k}, capacity {cap}")
+    buf = torch.zeros(width, dtype=torch.int32, device=xc.device)
+    buf[0] = count
+    buf[1 : 1 + count] = p.indices
+    buf[1 + count : 1 + 2 * count] = p.values.view(torch.int32)
+
+    gathered = torch.empty(world * width, dtype=torch.int32, device=xc.device)
+    _all_gather(gathered, buf, group)
+    rows = gathered.view(world, width)
+    counts = rows[:, 0].tolist()
+
+    out = torch.zeros(m, dtype=torch.float32, device=xc.device)
+    for i, c in enumerate(counts):  # accumulate in rank order
+        if not 0 < c <= cap:
+            raise RuntimeError(f"rank {i} sent a topk payload with count {c} (capacity {cap})")
+        payload = TopKPayload(rows[i, 1 : 1 + c], rows[i, 1 + c : 1 + 2 * c].view(torch.float32), m, (m,))
+        comp.decompress(payload, out=out, accumulate=True)
+    if avg:
+        out.div_(world)
+    xc.copy_(out)
+
+
+def allreduce_topk(
+    tensor: torch.Tensor,
+    *,
+    group: Optional[dist.ProcessGroup] = None,
+    op: Any = "sum",
+    chunk_numel: Optional[int] = None,
+    ef: Optional[ErrorFeedback] = None,
+    density: float = 0.01,
+    approx: bool = True,
+    impl: str = "auto",
+) -> None:
+    """Top-k all-reduce of ``tensor`` in place: all_gather of sparse payloads,
+    scatter-add in rank order (spec "topk"). ``ef`` holds the worker residual."""
+    _check_tensor(tensor)
+    avg = normalize_op(op) == "avg"
+    chunk_numel = _check_chunk_numel(chunk_numel)
+    comp = get_compressor("topk", density=density, approx=approx, impl=impl)
+    world, rank = _group_info(group)
+    n = tensor.numel()
+    if ef is not None:
+        ef.bind(
+            method="topk", numel=n, world_size=world, rank=rank, chunk_numel=chunk_numel,
+            device=tensor.device,
+        )
+    if n == 0:
+        return
+    with torch.no_grad():
+        work = _Work(tensor)
+        for b, e in chunk_bounds(n, chunk_numel):
+            ew = ef.worker[b:e] if ef is not None else None
+            _topk_chunk(work.flat[b:e], comp, group, world, avg, ew)
+        work.finish()
+
+
+# ------------------------------------------------------------- fp16 / bf16 ---
+def allreduce_cast(
+    tensor: torch.Tensor,
+    *,
+    group: Optional[dist.ProcessGroup] = None,
+    op: Any = "sum",
+    chunk_numel: Optional[int] = None,
+    dtype: torch.dtype = torch.float16,
+) -> None:
+    """Cast baseline (spec "fp16 / bf16"): ``y = (x / W if AVG else x)`` cast to
+    ``dtype`` (float16 or bfloat16), SUM all-reduce of ``y``, ``x = y``."""
+    _check_tensor(tensor)
+    if dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
+    avg = normalize_op(op) == "avg"
+    chunk_numel = _check_chunk_numel(chunk_numel)
+    world, _ = _group_info(group)
+    n = tensor.numel()
+    if n == 0:
+        return
+    with torch.no_grad():
+        work = _Work(tensor)
+        for b, e in chunk_bounds(n, chunk_numel):
+            xc = work.flat[b:e]
+            y = (xc / world if avg else xc).to(dtype)
+            dist.all_reduce(y, op=dist.ReduceOp.SUM, group=group)
+            xc.copy_(y)
+        work.finish()
+
+
+# -------------------------------------------------------------- dispatcher ---
+def allreduce_compressed(
+    tensor: torch.Tensor,
+    *,
+    group: Optional[dist.ProcessGroup] = None,
+    method: str,
+    op: Any = "sum",
+    chunk_numel: Optional[int] = None,
+    ef: Optional[ErrorFeedback] = None,
+    **compressor_kwargs: Any,
+) -> None:
+    """Compressed all-reduce of ``tensor`` in place, identical on every rank.
+
+    ``method``: "onebit" (kwargs ``block_size``, ``impl``), "topk" (``density``,
+    ``approx``, ``impl``), "fp16" or "bf16" (no kwargs, no error feedback).
+    ``op``: "sum" or "avg" (or the ``dist.ReduceOp``). ``chunk_numel``: chunk
+    length, default :data:`DEFAULT_CHUNK_NUMEL`. ``ef``: an
+    :class:`ErrorFeedback` kept by the caller for this tensor, or None.
+    ``tensor``: float32 / float16 / bfloat16, any shape, on a device the
+    group's backend supports. Blocks until the result is in ``tensor``.
+
+    Every rank must call it with the same method, op, chunking and kwargs,
+    on a tensor of the same size (as for any collective).
+
+    Example::
+
+        >>> allreduce_compressed(t, method="topk", op="avg", density=0.01, ef=ef)  # doctest: +SKIP
+    """
+    if method in ("onebit", "topk"):
+        fn = allreduce_onebit if method == "onebit" else allreduce_topk
+        fn(tensor, group=group, op=op, chunk_numel=chunk_numel, ef=ef, **compressor_kwargs)
+    elif method in _CAST_DTYPES:
+        if ef is not None:
+            raise ValueError(f"method {method!r} has no error feedback: pass ef=None")
+        if compressor_kwargs:
+            raise TypeError(f"method {method!r} takes no compressor arguments, got {sorted(compressor_kwargs)}")
+        allreduce_cast(tensor, group=group, op=op, chunk_numel=chunk_numel, dtype=_CAST_DTYPES[method])
+    else:
+        raise ValueError(f"unknown method {method!r}; choose one of {list(METHODS)}")

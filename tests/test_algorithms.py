@@ -1,0 +1,406 @@
+"""The Python compressed all-reduce (pycomm.distributed.algorithms) over real
+Gloo ranks, against the single-process simulation built from the reference
+compressors (pycomm.distributed.simulate), which follows docs/allreduce.md.
+
+Spawning ranks costs seconds on this machine, so each world size runs ONE
+multi-process job that computes every case (module-scoped fixture); the
+parametrized tests then check the case they are named after.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from _dist import RankError, run_ranks
+
+import pycomm
+from pycomm.distributed.algorithms import (
+    DEFAULT_CHUNK_NUMEL,
+    ErrorFeedback,
+    allreduce_compressed,
+    chunk_bounds,
+    onebit_segments,
+)
+from pycomm.distributed.simulate import simulate_allreduce
+
+WORLD_SIZES = [2, 4]
+SIZES = [1, 33, 5000, 70001]
+# Per size: a chunking that leaves a short last chunk (or cuts a tiny tensor
+# into single elements) and one larger than the tensor.
+CHUNKS = {1: [1, 4096], 33: [32, 4096], 5000: [1664, 1 << 20], 70001: [7000, 1 << 20]}
+METHODS = [
+    ("onebit", {"block_size": 64}),
+    ("onebit", {"block_size": 2048}),
+    ("topk", {"density": 0.01, "approx": True}),
+    ("topk", {"density": 0.05, "approx": False}),
+    ("fp16", {}),
+    ("bf16", {}),
+]
+OPS = ["sum", "avg"]
+F32_EPS = torch.finfo(torch.float32).eps
+
+
+def _method_id(method, kwargs):
+    return method + "".join(f"-{k}={v}" for k, v in sorted(kwargs.items()))
+
+
+def _cases():
+    """(case id, method, kwargs, n, shape, chunk_numel, op, dtype, layout)."""
+    cases = []
+    for method, kwargs in METHODS:
+        for n in SIZES:
+            for chunk in CHUNKS[n]:
+                for op in OPS:
+                    cid = f"{_method_id(method, kwargs)}-n{n}-c{chunk}-{op}"
+                    cases.append((cid, method, kwargs, n, (n,), chunk, op, torch.float32, "contig"))
+        # 16-bit inputs, a 2-D shape, a non-contiguous tensor, the default chunking.
+        for dtype in (torch.float16, torch.bfloat16):
+            cid = f"{_method_id(method, kwargs)}-{str(dtype)[6:]}-2d-avg"
+            cases.append((cid, method, kwargs, 5000, (50, 100), 1664, "avg", dtype, "contig"))
+        cid = f"{_method_id(method, kwargs)}-transposed-default-chunk-sum"
+        cases.append((cid, method, kwargs, 5000, (50, 100), None, "sum", torch.float32, "transposed"))
+    return cases
+
+
+CASES = _cases()
+CASE_IDS = [c[0] for c in CASES]
+# Same algorithms, reference compressors in the ranks: must be bit-exact.
+EXACT_CASES = [
+    c for c in CASES
+    if c[1] == "onebit" and c[3] in (5000, 70001) and c[7] == torch.float32 and c[8] == "contig"
+]
+
+# Error-feedback runs: several steps, residuals kept across them.
+EF_STEPS = 4
+EF_CASES = [
+    ("onebit-b64-n5000-c1664-avg", "onebit", {"block_size": 64}, 5000, 1664, "avg"),
+    ("onebit-b2048-n70001-c7000-sum", "onebit", {"block_size": 2048}, 70001, 7000, "sum"),
+    ("onebit-b32-n33-c32-avg", "onebit", {"block_size": 32}, 33, 32, "avg"),
+    ("topk-approx-n70001-c7000-avg", "topk", {"density": 0.01, "approx": True}, 70001, 7000, "avg"),
+    ("topk-exact-n5000-c1664-sum", "topk", {"density": 0.05, "approx": False}, 5000, 1664, "sum"),
+]
+
+
+def _input(seed, rank, shape, dtype=torch.float32, layout="contig"):
+    """Rank `rank`'s input for a case: normal values, a different scale per
+    rank (so that no two ranks' block scales coincide)."""
+    gen = torch.Generator().manual_seed(1000 * seed + rank)
+    if layout == "transposed":
+        base = torch.randn(tuple(reversed(shape)), generator=gen) * (1.0 + 0.37 * rank)
+        return base.to(dtype).t()  # the logical shape, not contiguous
+    return (torch.randn(shape, generator=gen) * (1.0 + 0.37 * rank)).to(dtype)
+
+
+# ------------------------------------------------------------ rank bodies ---
+def _rank_all_cases(rank, world):
+    out = {"cases": {}, "exact": {}, "ef": {}, "errors": {}}
+    for seed, (cid, method, kwargs, n, shape, chunk, op, dtype, layout) in enumerate(CASES):
+        x = _input(seed, rank, shape, dtype, layout)
+        allreduce_compressed(x, method=method, op=op, chunk_numel=chunk, **kwargs)
+        out["cases"][cid] = x
+    for c in EXACT_CASES:
+        cid, method, kwargs, n, shape, chunk, op, dtype, layout = c
+        x = _input(CASES.index(c), rank, shape, dtype, layout)
+        allreduce_compressed(x, method=method, op=op, chunk_numel=chunk, impl="reference", **kwargs)
+        out["exact"][cid] = x
+    for seed, (cid, method, kwargs, n, chunk, op) in enumerate(EF_CASES):
+        ef = ErrorFeedback()
+        steps = []
+        for step in range(EF_STEPS):
+            x = _input(10_000 + 100 * seed + step, rank, (n,))
+            allreduce_compressed(x, method=method, op=op, chunk_numel=chunk, ef=ef, **kwargs)
+            steps.append((x, ef.state_dict()))
+        out["ef"][cid] = steps
+
+    # Misuse is refused with ValueError before any collective is issued, on
+    # every rank alike; the group is still in step afterwards.
+    ef = ErrorFeedback()
+    allreduce_compressed(torch.ones(100), method="topk", op="sum", ef=ef, density=0.1)
+    for name, call in [
+        ("size", lambda: allreduce_compressed(torch.ones(101), method="topk", op="sum", ef=ef, density=0.1)),
+        ("chunking", lambda: allreduce_compressed(
+            torch.ones(100), method="topk", op="sum", ef=ef, chunk_numel=10, density=0.1)),
+        ("method", lambda: allreduce_compressed(torch.ones(100), method="onebit", op="sum", ef=ef)),
+        ("fp16-ef", lambda: allreduce_compressed(torch.ones(100), method="fp16", op="sum", ef=ef)),
+        ("op", lambda: allreduce_compressed(torch.ones(100), method="fp16", op="max")),
+    ]:
+        try:
+            call()
+            out["errors"][name] = None
+        except ValueError as exc:
+            out["errors"][name] = str(exc)
+    check = torch.tensor([1.0])
+    dist.all_reduce(check)
+    out["after_errors"] = check.item()
+    return out
+
+
+@pytest.fixture(scope="module")
+def dist_results():
+    cache = {}
+
+    def get(world):
+        if world not in cache:
+            cache[world] = run_ranks(_rank_all_cases, world, timeout=240.0)
+        return cache[world]
+
+    return get
+
+
+# -------------------------------------------------------------- checking ---
+def _onebit_worker_mag(cs, chunk, block_size, world, op):
+    """Per element, sum over ranks of the worker-stage block scale of
+    ``c_i`` (/ W for AVG): the magnitude of what the server stage adds up."""
+    comp = pycomm.get_compressor("onebit", block_size=block_size, impl="reference")
+    flat = [c.float().reshape(-1) for c in cs]
+    mag = torch.zeros_like(flat[0])
+    for b, e in chunk_bounds(flat[0].numel(), chunk or DEFAULT_CHUNK_NUMEL):
+        for c in flat:
+            mag[b:e] += comp.decompress(comp.compress(c[b:e])).abs()
+    return mag / (world if op == "avg" else 1)
+
+
+def _assert_close_to_sim(got, want, method, world, inputs, op, dtype, chunk=None, block_size=None):
+    got32, want32 = got.float().reshape(-1), want.float().reshape(-1)
+    out_eps = torch.finfo(dtype).eps if dtype != torch.float32 else 0.0
+    if method == "topk":
+        # Selection is exact and values are copies; the scatter-add runs in
+        # rank order in both: equal, bit for bit.
+        assert torch.equal(got32, want32)
+        return
+    if method == "onebit":
+        # Compiled kernels sum |c| in another order than the reference, so
+        # block scales differ by float32 rounding; the server adds W of them
+        # (which may cancel) and averages |acc| per block. The error is a few
+        # ulps of the worker scales that were added (measured: <= 14 ulps of
+        # the result), plus one rounding of a 16-bit output.
+        mag = _onebit_worker_mag(inputs, chunk, block_size, world, op)
+        tol = 16 * F32_EPS * (mag + want32.abs()) + out_eps * want32.abs()
+    else:
+        # Gloo sums the 16-bit values in its own order, the simulation in rank
+        # order: each of the W-1 additions rounds once (half an ulp of the
+        # partial sum, <= sum |y_i|), in both, so they differ by at most
+        # 2 (W-1) u sum|y_i|, u = 2^-11 (fp16) / 2^-8 (bf16); W = 2 is exact.
+        u = 2.0**-11 if method == "fp16" else 2.0**-8
+        ys = [(x.float().reshape(-1) / (world if op == "avg" else 1)) for x in inputs]
+        mag = torch.stack([y.abs() for y in ys]).sum(0)
+        tol = 2 * (world - 1) * u * mag * (1 + u) + out_eps * want32.abs()
+        if world == 2:
+            tol = out_eps * want32.abs()
+    err = (got32 - want32).abs()
+    bad = err > tol
+    assert not bad.any(), (
+        f"{int(bad.sum())} of {got32.numel()} elements off; worst at {int((err - tol).argmax())}: "
+        f"got {got32[(err - tol).argmax()].item()}, want {want32[(err - tol).argmax()].item()}"
+    )
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_matches_simulation(dist_results, world, case):
+    cid, method, kwargs, n, shape, chunk, op, dtype, layout = case
+    res = dist_results(world)
+    got = [r["cases"][cid] for r in res]
+    # Identical on every rank, bit for bit (every rank decodes the same bytes).
+    for g in got[1:]:
+        assert torch.equal(g, got[0])
+    assert got[0].shape == shape and got[0].dtype == dtype
+    seed = CASES.index(case)
+    inputs = [_input(seed, r, shape, dtype, layout) for r in range(world)]
+    want = simulate_allreduce(inputs, method, op=op, chunk_numel=chunk, **kwargs)
+    _assert_close_to_sim(got[0], want[0], method, world, inputs, op, dtype, chunk, kwargs.get("block_size"))
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("case", EXACT_CASES, ids=[c[0] for c in EXACT_CASES])
+def test_reference_impl_is_bit_exact(dist_results, world, case):
+    """With the reference compressors in the ranks too, wire format, segment
+    slicing, accumulation order and AVG division leave no difference at all."""
+    cid, method, kwargs, n, shape, chunk, op, dtype, layout = case
+    got = [r["exact"][cid] for r in dist_results(world)]
+    inputs = [_input(CASES.index(case), r, shape, dtype, layout) for r in range(world)]
+    want = simulate_allreduce(inputs, method, op=op, chunk_numel=chunk, **kwargs)
+    for g in got:
+        assert torch.equal(g, want[0])
+
+
+def _server_full(efs, n, chunk, block_size):
+    """The server residuals of all ranks laid out over the whole tensor:
+    chunk by chunk, rank j's residual in segment j (docs/allreduce.md)."""
+    world = len(efs)
+    full = torch.zeros(n)
+    for ci, (b, e) in enumerate(chunk_bounds(n, chunk)):
+        _, segs = onebit_segments(e - b, world, block_size)
+        for j, (sb, se) in enumerate(segs):
+            full[b + sb : b + se] = efs[j].server_segment(ci)
+    return full
+
+
+def _efs_from(state_dicts):
+    efs = []
+    for sd in state_dicts:
+        ef = ErrorFeedback()
+        ef.load_state_dict(sd)
+        efs.append(ef)
+    return efs
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("case", EF_CASES, ids=[c[0] for c in EF_CASES])
+def test_error_feedback_invariant(dist_results, world, case):
+    """Nothing is lost, only deferred. Per step, from the spec:
+
+    worker (every rank i): c_i = x_i + e_i, e_i' = c_i - D(p_i), so
+        D(p_i) = x_i + e_i - e_i'.
+    onebit server (segment of rank j): c = acc + s, s' = c - D(q), the result is
+        D(q) = acc + s - s', acc = sum_i D(p_i) (/ W for AVG).
+    topk: result = sum_i D(p_i) (/ W for AVG), no server residual.
+
+    With w = W for AVG and 1 for SUM, and S the server residuals of all
+    ranks laid over the tensor (segment j from rank j):
+
+        sum_i x_i - w * result = sum_i (e_i' - e_i) + w * (S' - S)
+
+    exactly in real arithmetic; in float32 every term above carries O(1)
+    roundings, so the two sides agree to a few ulps of the magnitudes involved.
+    """
+    cid, method, kwargs, n, chunk, op = case
+    res = dist_results(world)
+    w = world if op == "avg" else 1
+    seed = EF_CASES.index(case)
+    prev_e = [torch.zeros(n) for _ in range(world)]
+    prev_s = torch.zeros(n)
+    sim_efs = [ErrorFeedback() for _ in range(world)]
+    for step in range(EF_STEPS):
+        xs = [_input(10_000 + 100 * seed + step, r, (n,)) for r in range(world)]
+        prev_e_for_mag = prev_e
+        results = [res[r]["ef"][cid][step][0] for r in range(world)]
+        for g in results[1:]:
+            assert torch.equal(g, results[0])
+        result = results[0]
+        efs = _efs_from([res[r]["ef"][cid][step][1] for r in range(world)])
+        e = [ef.worker for ef in efs]
+        s = _server_full(efs, n, chunk, kwargs["block_size"]) if method == "onebit" else torch.zeros(n)
+
+        lhs = torch.stack(xs).sum(0) - w * result
+        rhs = torch.stack(e).sum(0) - torch.stack(prev_e).sum(0) + w * (s - prev_s)
+        mag = (
+            torch.stack([x.abs() for x in xs]).sum(0)
+            + torch.stack([t.abs() for t in e + prev_e]).sum(0)
+            + w * (result.abs() + s.abs() + prev_s.abs())
+        )
+        err = (lhs - rhs).abs()
+        assert (err <= 8 * F32_EPS * mag).all(), f"step {step}: worst {(err / mag).max().item():.3g} x magnitude"
+        # The EF actually holds something (else the identity says nothing).
+        assert torch.stack(e).abs().sum() > 0
+        prev_e, prev_s = e, s
+
+        # The simulation, fed the same inputs with its own residuals, agrees.
+        want = simulate_allreduce(xs, method, op=op, chunk_numel=chunk, efs=sim_efs, **kwargs)
+        cs = [x + e_old for x, e_old in zip(xs, prev_e_for_mag)]
+        _assert_close_to_sim(result, want[0], method, world, cs, op, torch.float32, chunk, kwargs.get("block_size"))
+        for ef_sim, ef_dist in zip(sim_efs, efs):
+            if method == "topk":
+                assert torch.equal(ef_sim.worker, ef_dist.worker)
+            else:
+                scale = 1 + ef_sim.worker.abs()
+                assert ((ef_sim.worker - ef_dist.worker).abs() <= 1e-4 * scale).all()
+
+
+def test_misuse_raises_before_any_collective(dist_results):
+    res = dist_results(2)
+    for r in res:
+        errs = r["errors"]
+        assert "100 -> 101" in errs["size"] and "reset()" in errs["size"]
+        assert "chunk_numel" in errs["chunking"]
+        assert "method 'topk' -> 'onebit'" in errs["method"]
+        assert "no error feedback" in errs["fp16-ef"]
+        assert "'sum' or 'avg'" in errs["op"]
+        assert r["after_errors"] == 2.0  # the ranks are still in step
+
+
+# ------------------------------------------------------- single process ---
+def test_error_feedback_layout_checks():
+    ef = ErrorFeedback()
+    assert not ef.bound and repr(ef) == "ErrorFeedback(unbound)"
+    layout = dict(method="onebit", numel=5000, world_size=4, rank=3, chunk_numel=4096, block_size=256)
+    ef.bind(**layout)
+    ef.bind(**layout)  # the same layout again is fine
+    for key, value in [("numel", 5001), ("world_size", 2), ("rank", 1), ("chunk_numel", 1024),
+                       ("block_size", 64), ("method", "topk")]:
+        with pytest.raises(ValueError, match="cannot be used for"):
+            ef.bind(**{**layout, key: value})
+    # Server residual: this rank's segment of every chunk.
+    assert ef.server.numel() == 1024 + 136
+    with pytest.raises(ValueError, match="onebit and topk only"):
+        ErrorFeedback().bind(method="fp16", numel=1, world_size=1, rank=0, chunk_numel=1)
+
+    # state_dict round trip, and a state whose buffers do not fit is refused.
+    ef.worker.normal_()
+    ef.server.normal_()
+    ef2 = ErrorFeedback()
+    ef2.load_state_dict(ef.state_dict())
+    assert ef2.layout == ef.layout and torch.equal(ef2.worker, ef.worker) and torch.equal(ef2.server, ef.server)
+    bad = ef.state_dict()
+    bad["server"] = bad["server"][:-1]
+    with pytest.raises(ValueError, match="server residual"):
+        ErrorFeedback().load_state_dict(bad)
+    ef.reset()
+    assert not ef.bound
+
+
+def test_simulation_checks_and_resume():
+    xs = [torch.randn(300, generator=torch.Generator().manual_seed(r)) for r in range(3)]
+    efs = [ErrorFeedback() for _ in range(3)]
+    simulate_allreduce(xs, "onebit", op="avg", chunk_numel=128, efs=efs, block_size=32)
+    with pytest.raises(ValueError, match="cannot be used for"):
+        simulate_allreduce([x[:299] for x in xs], "onebit", op="avg", chunk_numel=128, efs=efs, block_size=32)
+    with pytest.raises(ValueError, match="one ErrorFeedback per rank"):
+        simulate_allreduce(xs, "onebit", efs=efs[:2])
+    with pytest.raises(ValueError, match="no error feedback"):
+        simulate_allreduce(xs, "bf16", efs=efs)
+    # Residuals saved and restored continue exactly as if never interrupted.
+    saved = [ef.state_dict() for ef in efs]
+    a = simulate_allreduce(xs, "onebit", op="avg", chunk_numel=128, efs=efs, block_size=32)
+    b = simulate_allreduce(xs, "onebit", op="avg", chunk_numel=128, efs=_efs_from(saved), block_size=32)
+    assert torch.equal(a[0], b[0])
+
+
+def _rank_fails(rank, world):
+    # init_process_group=False: the harness only set the environment (as for
+    # a backend test that initializes its own group).
+    import os
+    from datetime import timedelta
+
+    timeout = timedelta(seconds=float(os.environ["PYCOMM_TEST_TIMEOUT"]))
+    dist.init_process_group("gloo", init_method="env://", timeout=timeout)
+    assert (dist.get_rank(), dist.get_world_size()) == (rank, world)
+    if rank == 1:
+        raise KeyError("boom on rank one")
+    dist.barrier()  # rank 0 would wait here until the timeout without the harness
+
+
+def test_harness_reports_rank_errors_quickly():
+    import time
+
+    t0 = time.monotonic()
+    with pytest.raises(RankError, match="boom on rank one") as info:
+        run_ranks(_rank_fails, 2, timeout=60.0, init_process_group=False)
+    assert info.value.rank == 1
+    assert time.monotonic() - t0 < 30.0  # not the full timeout
+
+
+def _rank_hangs(rank, world):
+    if rank == 1:
+        import time
+
+        time.sleep(600)  # never reports
+    return rank
+
+
+def test_harness_times_out_naming_the_ranks():
+    with pytest.raises(TimeoutError, match=r"ranks \[1\] of 2 did not finish"):
+        # No process group (nothing to wait for at start-up); the timeout only
+        # has to cover spawning and importing torch on a loaded machine.
+        run_ranks(_rank_hangs, 2, timeout=12.0, init_process_group=False)
