@@ -61,6 +61,8 @@ PYBIND11_MODULE(_C, m) {
            py::arg("chunk_numel"), py::arg("block_size"), py::arg("density"), py::arg("approx"))
       .def("allreduce_keyed", &CompressedBackend::allreduce_keyed, py::arg("tensor"),
            py::arg("key"), py::arg("average"), py::call_guard<py::gil_scoped_release>())
+      .def("allreduce_plain", &CompressedBackend::allreduce_plain, py::arg("tensor"),
+           py::arg("average"), py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("inner", &CompressedBackend::inner)
       .def_property_readonly("config",
                              [](const CompressedBackend& b) {

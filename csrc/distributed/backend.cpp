@@ -200,6 +200,18 @@ WorkPtr CompressedBackend::allreduce(std::vector<at::Tensor>& tensors,
   if (tensors.size() == 1 && compresses(tensors[0], opts.reduceOp)) {
     return allreduce_keyed(tensors[0], std::nullopt, opts.reduceOp == c10d::ReduceOp::AVG);
   }
+  return forward_allreduce(tensors, opts);
+}
+
+WorkPtr CompressedBackend::allreduce_plain(at::Tensor tensor, bool average) {
+  std::vector<at::Tensor> tensors{tensor};
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = average ? c10d::ReduceOp::AVG : c10d::ReduceOp::SUM;
+  return forward_allreduce(tensors, opts);
+}
+
+WorkPtr CompressedBackend::forward_allreduce(std::vector<at::Tensor>& tensors,
+                                             const c10d::AllreduceOptions& opts) {
   if (opts.reduceOp == c10d::ReduceOp::AVG && !inner_has_avg_) {
     auto sum_opts = opts;
     sum_opts.reduceOp = c10d::ReduceOp::SUM;

@@ -73,6 +73,8 @@ class CompressedBackend : public c10d::Backend {
   // The compressed path, with error feedback under `key` when given.
   c10::intrusive_ptr<c10d::Work> allreduce_keyed(at::Tensor tensor, std::optional<int64_t> key,
                                                  bool average);
+  // The exact all-reduce of the inner backend (for warm-up iterations).
+  c10::intrusive_ptr<c10d::Work> allreduce_plain(at::Tensor tensor, bool average);
   // Whether allreduce(tensor, op) would compress (else it is forwarded).
   bool compresses(const at::Tensor& tensor, const c10d::ReduceOp& op) const;
 
@@ -136,6 +138,8 @@ class CompressedBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> forward(c10d::OpType type, std::vector<at::Tensor> result,
                                          std::function<c10::intrusive_ptr<c10d::Work>()> issue);
   void run_worker();
+  c10::intrusive_ptr<c10d::Work> forward_allreduce(std::vector<at::Tensor>& tensors,
+                                                   const c10d::AllreduceOptions& opts);
 
   void run_compressed(const at::Tensor& tensor, std::optional<int64_t> key, bool average);
   void run_onebit(const at::Tensor& x, ErrorFeedback* ef, bool average);

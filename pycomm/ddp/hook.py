@@ -252,6 +252,7 @@ class CompressionState:
         self._positions: Dict[int, int] = {}  # id(parameter) -> position
         self._local_iter = 0  # backward passes seen by this object in this process
         self._warned_unmapped = False
+        self._pycomm_checked = False  # a pycomm group's settings were compared
 
     def _get_worker(self) -> _Worker:
         with self._worker_lock:
@@ -271,6 +272,56 @@ class CompressionState:
 
     def _group(self) -> Optional[dist.ProcessGroup]:
         return self._comm_group if self._comm_group is not None else self.process_group
+
+    def _pycomm_backend_group(self) -> Optional[dist.ProcessGroup]:
+        """The group if it runs the pycomm backend (on CPU), else None."""
+        api = _pycomm_group_api()
+        group = self._group()
+        if api is None or not dist.is_initialized() or not api[0](group):
+            return None
+        return group
+
+    def _check_pycomm_group(self, group, device) -> None:
+        """A pycomm group compresses with its own settings: they must be this state's."""
+        if self._pycomm_checked:
+            return
+        from .. import distributed as pd
+
+        opts = pd.options_of(group, device)
+        mine = {"method": self.compressor}
+        if self.compressor == "onebit":
+            mine["block_size"] = self.block_size
+        if self.compressor == "topk":
+            mine.update(density=self.density, approx=self.approx)
+        diff = {k: (opts[k], v) for k, v in mine.items() if opts[k] != v}
+        if diff:
+            raise ValueError(
+                "this CompressionState asks for "
+                + ", ".join(f"{k}={v[1]!r}" for k, v in diff.items())
+                + " but its process group runs the pycomm backend with "
+                + ", ".join(f"{k}={v[0]!r}" for k, v in diff.items())
+                + ": the group's settings decide, so make them agree"
+            )
+        self._pycomm_checked = True
+
+    def _backend_error_feedback(self) -> Dict[int, Any]:
+        group = self._pycomm_backend_group()
+        if group is None:
+            return {}
+        from .. import distributed as pd
+
+        return pd.error_feedback_state(group)
+
+    def _load_backend_error_feedback(self, saved: Dict[int, Any]) -> None:
+        group = self._pycomm_backend_group()
+        if group is None:
+            raise ValueError(
+                "this state holds residuals of a pycomm backend group; load it after the "
+                "pycomm process group is initialized (or with reset_error_feedback=True)"
+            )
+        from .. import distributed as pd
+
+        pd.load_error_feedback_state(saved, group)
 
     def synchronize(self) -> None:
         """Wait until every bucket handed to the worker thread is done (DDP
@@ -296,6 +347,8 @@ class CompressionState:
             "rank": rank,
             "bucket_layouts": {i: (n, list(p)) for i, (n, p) in self.bucket_layouts.items()},
             "error_feedback": {i: ef.state_dict() for i, ef in self.error_dict.items()},
+            # On a pycomm group the backend holds the residuals (per bucket key).
+            "backend_error_feedback": self._backend_error_feedback(),
         }
 
     def load_state_dict(self, state: Dict[str, Any], reset_error_feedback: bool = False) -> None:
@@ -338,6 +391,11 @@ class CompressionState:
             self.error_dict = {}
             self.bucket_layouts = {}
             self._saved_world = None
+            group = self._pycomm_backend_group()
+            if group is not None:
+                from .. import distributed as pd
+
+                pd.reset_error_feedback(group=group)
             return
         self.bucket_layouts = {int(i): (int(n), tuple(p)) for i, (n, p) in state["bucket_layouts"].items()}
         efs = {}
@@ -346,6 +404,9 @@ class CompressionState:
             ef.load_state_dict(sd)
             efs[int(i)] = ef
         self.error_dict = efs
+        backend_ef = state.get("backend_error_feedback")
+        if backend_ef:
+            self._load_backend_error_feedback(backend_ef)
         # Checked at the first hook call if the group was not up at load time.
         self._saved_world = saved_world if saved_world[0] is not None else None
 
@@ -478,13 +539,21 @@ def compressed_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.f
 
     api = _pycomm_group_api()
     group = state._group()
-    if api is not None and api[0](group):
+    if api is not None and api[0](group, tensor.device):
+        # The backend compresses, keeps the residuals (per key) and orders
+        # the collectives itself.
         _, pycomm_all_reduce = api
-        if warm or not stable:
-            # The backend reduces a keyless all-reduce without residuals.
-            work = pycomm_all_reduce(tensor, key=None, group=group, op="avg", async_op=True)
-        else:
-            work = pycomm_all_reduce(tensor, key=index, group=group, op="avg", async_op=True)
+        try:
+            state._check_pycomm_group(group, tensor.device)
+            if warm:
+                work = pycomm_all_reduce(tensor, group=group, op="avg", async_op=True, compress=False)
+            else:
+                # Before the first bucket rebuild of this process the index is
+                # not the residuals' key: compress without error feedback.
+                key = index if (stable and state._uses_ef()) else None
+                work = pycomm_all_reduce(tensor, key=key, group=group, op="avg", async_op=True)
+        except Exception as exc:
+            return _failed(exc)
         return work.get_future().then(lambda f: _first_tensor(f.value(), tensor))
 
     fut, stream = _new_future(tensor)

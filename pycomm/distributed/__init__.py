@@ -184,13 +184,16 @@ def all_reduce(
     group: Optional[dist.ProcessGroup] = None,
     op: str = "sum",
     async_op: bool = False,
+    compress: bool = True,
 ):
     """Compressed all-reduce of ``tensor`` in place, whatever its size.
 
     ``key`` names the error-feedback residual to use (the DDP hook passes the
     bucket index); without a key the call is compressed without error
     feedback, so it can never pick up another tensor's residual. ``op`` is
-    "sum" or "avg". Returns a Work when ``async_op``.
+    "sum" or "avg". ``compress=False`` runs the inner backend's exact
+    all-reduce instead (warm-up iterations), in the same order as the
+    compressed calls. Returns a Work when ``async_op``.
 
     Example::
 
@@ -203,7 +206,12 @@ def all_reduce(
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
     backend = _pycomm_backend(group, tensor.device)
-    work = backend.allreduce_keyed(tensor, key, op == "avg")
+    if compress:
+        work = backend.allreduce_keyed(tensor, key, op == "avg")
+    else:
+        if key is not None:
+            raise ValueError("an uncompressed all-reduce has no error feedback: pass key=None")
+        work = backend.allreduce_plain(tensor, op == "avg")
     if async_op:
         return work
     work.wait()

@@ -57,10 +57,10 @@ __all__ = [
 #: Methods understood by :func:`allreduce_compressed`.
 METHODS = ("onebit", "topk", "fp16", "bf16")
 
-#: Chunk length (elements) when the caller gives none: 4 Mi elements (16 MiB
+#: Chunk length (elements) when the caller gives none: 1 Mi elements (4 MiB
 #: of float32). Results depend on it (segment and block starts), so every
 #: implementation that must agree uses the same value.
-DEFAULT_CHUNK_NUMEL = 1 << 22
+DEFAULT_CHUNK_NUMEL = 1 << 20
 
 _CAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
