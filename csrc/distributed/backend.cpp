@@ -339,10 +339,13 @@ void CompressedBackend::run_onebit(const at::Tensor& x, ErrorFeedback* ef, bool 
     at::Tensor mine = at::zeros({lay.size[0]}, int_opts);
     const int64_t len = lay.len[rank];
     if (len > 0) {
-      at::Tensor acc = at::zeros({len}, x.options().dtype(at::kFloat));
+      // The first payload is written, the others added: no zero-filled
+      // buffer to fault in per chunk. (Starting from +0 instead would only
+      // change the sign of zero sums, which encode alike.)
+      at::Tensor acc = at::empty({len}, x.options().dtype(at::kFloat));
       for (int src = 0; src < world; ++src) {
         auto [b, s] = split_onebit(ch.recv, src * lay.size[rank], lay.words[rank], lay.blocks[rank]);
-        onebit_decompress(acc, b, s, B, /*accumulate=*/true);
+        onebit_decompress(acc, b, s, B, /*accumulate=*/src > 0);
       }
       if (average) acc.div_(world);
       std::optional<at::Tensor> server;

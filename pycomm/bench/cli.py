@@ -32,6 +32,7 @@ import torch
 #: subcommand -> module implementing it (imported when the parser is built).
 SUBCOMMANDS = {
     "kernels": "pycomm.bench.kernels",
+    "allreduce": "pycomm.bench.allreduce",
 }
 
 _SUFFIX = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}

@@ -1,0 +1,981 @@
+"""All-reduce benchmark: plain Gloo against the "pycomm" backend's fp16,
+onebit and topk all-reduces, on W local ranks over 127.0.0.1, side by side.
+
+For each world size W (``--ranks``, each a fresh set of spawned processes)
+and tensor size (``--sizes``, float32), every method (``--methods``) is first
+verified on its first call: the result must be bit-identical on all ranks,
+and plain Gloo must give the exact sum (the inputs are on a 2^-14 grid, so
+every float32 partial sum is exact in any order); fp16 must be close to it.
+A method that fails is reported and not timed. Then, in the same rounds
+(order rotated every round, so a burst of noise from other tenants hits all
+alike), each contender runs ``repeats`` times after ``warmup``: a barrier
+before each call, the call timed on every rank, and the max across ranks
+taken per repeat (an all-reduce is done when its last rank is).
+
+For onebit, topk and fp16 two more contenders are timed in the same rounds:
+
+* compress: the compressor kernels alone on this rank's data, chunk by chunk
+  as the backend runs them (onebit: worker compress of the chunk, decode of
+  the W payloads of this rank's segment, server compress of the segment,
+  decode of the W segment payloads into the chunk; topk: compress, zero the
+  chunk, decode-accumulate W payloads; fp16: the two casts);
+* wire: the algorithm's collectives with payload-sized buffers and no
+  compute, issued in the same order on the plain Gloo group (onebit: uneven
+  ``all_to_all_single`` + ``all_gather_into_tensor`` per chunk; topk:
+  ``all_gather_into_tensor`` per chunk; fp16: a float16 all-reduce).
+
+A compressed all-reduce cannot beat max(compress, wire); the pipelined
+backend (chunk i+1 compressed while chunk i is on the wire) should come close
+to it, and without overlap it takes compress + wire. The table shows both and
+measured / max(compress, wire).
+
+Example::
+
+    $ pycomm-bench allreduce --quick
+    $ pycomm-bench allreduce --ranks 2 --sizes 16M,64M --methods plain,onebit --repeats 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import gc
+import hashlib
+import math
+import multiprocessing as mp
+import os
+import queue as _queue
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from . import Timed, default_json_path, machine_info, summarize, time_interleaved
+
+HELP = "time plain Gloo, fp16, onebit and topk all-reduces on local ranks (verified first)"
+
+DEFAULT_RANKS = (2, 4)
+DEFAULT_SIZES = (1 << 20, 1 << 22, 1 << 24, 1 << 26)
+DEFAULT_METHODS = ("plain", "fp16", "onebit", "topk-0.01", "topk-0.001")
+DEFAULT_REPEATS = 15  # as the common --repeats help says
+DEFAULT_WARMUP = 3
+QUICK_RANKS = (2,)
+QUICK_SIZES = (1 << 20, 1 << 22)
+QUICK_REPEATS = 3
+QUICK_WARMUP = 1
+#: Seconds any one collective may take before the process group gives up.
+DEFAULT_TIMEOUT = 120.0
+#: The exactness argument of the plain check (module docstring) holds for
+#: |sum| < 8 W < 2^24 grid steps of 2^-14, i.e. W <= 64.
+MAX_RANKS = 64
+HOST = "127.0.0.1"
+SEED = 20240601
+#: Inputs are randn clamped to (-8, 8) and rounded to multiples of 2^-14: a
+#: value needs <= 17 significant bits, a sum of W <= 64 of them <= 23, so
+#: float32 adds them exactly whatever the order Gloo's ring uses.
+GRID = 2.0 ** -14
+CLAMP = 8.0 - GRID
+#: Rank r's input is the window [r*SHIFT, r*SHIFT + n) of one shared random
+#: tensor: different data on every rank (segments and blocks see unaligned
+#: values), yet each rank gets the exact sum from W adds instead of
+#: generating W tensors.
+SHIFT = 1021
+#: Error-feedback key of the timed all-reduces (as the DDP hook passes a
+#: bucket index): EF is on, as in training.
+EF_KEY = 0
+
+OK, VERIFY_FAILED, ERROR = "ok", "verify_failed", "error"
+PARTS = ("total", "compress", "wire")
+
+
+# ----------------------------------------------------------------- methods ---
+@dataclass(frozen=True)
+class Method:
+    """One all-reduce method: ``compressor`` None is plain Gloo (float32)."""
+
+    name: str
+    compressor: Optional[str]
+    settings: Tuple[Tuple[str, object], ...] = ()
+
+    @property
+    def compressed(self) -> bool:
+        return self.compressor is not None
+
+    def setting(self, key: str, default: object = None) -> object:
+        return dict(self.settings).get(key, default)
+
+
+def parse_method(name: str) -> Method:
+    """``plain``, ``fp16``, ``bf16``, ``onebit`` or ``topk-<density>`` (e.g.
+    ``topk-0.01``); raises ValueError otherwise.
+
+    Example::
+
+        >>> parse_method("topk-0.001").settings
+        (('density', 0.001),)
+    """
+    if name == "plain":
+        return Method(name, None)
+    if name in ("fp16", "bf16", "onebit"):
+        return Method(name, name)
+    if name.startswith("topk-"):
+        try:
+            density = float(name[len("topk-"):])
+        except ValueError:
+            density = float("nan")
+        if not (0.0 < density <= 1.0):
+            raise ValueError(f"{name!r}: the density after 'topk-' must be in (0, 1]")
+        return Method(name, "topk", (("density", density),))
+    raise ValueError(
+        f"unknown method {name!r}; choose from plain, fp16, bf16, onebit, topk-<density> (e.g. topk-0.01)"
+    )
+
+
+def contender_names(method: Method) -> List[str]:
+    """Timed contenders of a method: ``name`` (the all-reduce) and, for the
+    compressed ones, ``name:compress`` and ``name:wire``."""
+    if not method.compressed:
+        return [method.name]
+    return [method.name, f"{method.name}:compress", f"{method.name}:wire"]
+
+
+# ------------------------------------------------------------- byte model ---
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def chunk_bounds(numel: int, chunk_numel: int) -> List[Tuple[int, int]]:
+    """``[(begin, length), ...]`` of the chunks the backend cuts a tensor into."""
+    return [(b, min(chunk_numel, numel - b)) for b in range(0, numel, chunk_numel)]
+
+
+@dataclass
+class OnebitLayout:
+    """Segments of one onebit chunk of ``m`` elements (docs/allreduce.md step
+    1, as ``OnebitLayout`` in csrc/distributed/backend.cpp): ``seg`` elements
+    per segment (whole blocks), per segment its length, words, blocks and
+    wire size ``S`` in int32 elements."""
+
+    m: int
+    world: int
+    block: int
+    seg: int = 0
+    length: List[int] = field(default_factory=list)
+    words: List[int] = field(default_factory=list)
+    blocks: List[int] = field(default_factory=list)
+    size: List[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.seg = _cdiv(_cdiv(self.m, self.world), self.block) * self.block
+        for j in range(self.world):
+            n = min(self.m, (j + 1) * self.seg) - min(self.m, j * self.seg)
+            self.length.append(n)
+            self.words.append(_cdiv(n, 32))
+            self.blocks.append(_cdiv(n, self.block))
+            self.size.append(self.words[-1] + self.blocks[-1])
+
+
+def topk_wire_numel(m: int, density: float, approx: bool) -> int:
+    """int32 elements of a topk chunk payload: ``1 + 2 cap``."""
+    from pycomm.compressors.topk import topk_capacity, topk_k
+
+    k = topk_k(m, density)
+    return 1 + 2 * (topk_capacity(k) if approx else k)
+
+
+def bytes_sent(method: Method, numel: int, world: int, chunk_numel: int,
+               block_size: int = 2048, approx: bool = True) -> int:
+    """Bytes one rank puts on the wire per all-reduce of ``numel`` float32
+    elements (the most any rank sends, where ranks differ).
+
+    How we count (docs/allreduce.md): plain is a ring all-reduce, 2 (W-1)
+    steps of n/W elements, so 2 (W-1)/W * 4n bytes; fp16/bf16 the same ring
+    on 2-byte elements, half that. onebit, per chunk: the all_to_all sends
+    segment j's payload (S_j int32s) to rank j for every j != r, i.e. (W-1)/W
+    of one compressed copy, and the all_gather sends this rank's server
+    payload, padded to S_0, to each of the W-1 peers (a ring all_gather also
+    sends W-1 blocks of S_0). topk, per chunk: the padded 1 + 2 cap int32
+    buffer to each of the W-1 peers. The piece a rank "sends" to itself never
+    reaches the wire and is not counted.
+
+    Example::
+
+        >>> bytes_sent(Method("plain", None), 1 << 20, 4, 1 << 20)   # 1.5 * 4 MiB
+        6291456
+        >>> # 2 (W-1) segment payloads of 8192 words + 128 scales, 4 bytes each
+        >>> bytes_sent(Method("onebit", "onebit"), 1 << 20, 4, 1 << 20)
+        199680
+    """
+    if world < 2:
+        return 0
+    if method.compressor is None:
+        return 2 * (world - 1) * 4 * numel // world
+    if method.compressor in ("fp16", "bf16"):
+        return 2 * (world - 1) * 2 * numel // world
+    total = [0] * world  # per rank
+    for _begin, m in chunk_bounds(numel, chunk_numel):
+        if method.compressor == "onebit":
+            lay = OnebitLayout(m, world, block_size)
+            for r in range(world):
+                a2a = sum(lay.size[j] for j in range(world) if j != r)
+                total[r] += 4 * (a2a + (world - 1) * lay.size[0])
+        else:
+            wire = topk_wire_numel(m, float(method.setting("density")), approx)
+            for r in range(world):
+                total[r] += 4 * (world - 1) * wire
+    return max(total)
+
+
+# ---------------------------------------------------- per-rank work (child) ---
+def _grid_data(n: int, world: int, rank: int, seed: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(this rank's input, the exact float32 sum over all ranks' inputs)."""
+    gen = torch.Generator().manual_seed(seed)
+    shared = torch.randn(n + SHIFT * (world - 1), generator=gen)
+    shared.clamp_(-CLAMP, CLAMP).div_(GRID).round_().mul_(GRID)
+    mine = shared[rank * SHIFT: rank * SHIFT + n].clone()
+    exact = shared[0:n].clone()
+    for r in range(1, world):
+        exact.add_(shared[r * SHIFT: r * SHIFT + n])  # exact: see GRID
+    return mine, exact
+
+
+def _digest(t: torch.Tensor) -> str:
+    raw = t.contiguous().view(torch.int32).numpy().view(np.uint8)
+    return hashlib.blake2b(raw, digest_size=16).hexdigest()
+
+
+def _first_difference(got: torch.Tensor, want: torch.Tensor) -> str:
+    bad = (got != want).nonzero().flatten()
+    i = int(bad[0])
+    return (f"{bad.numel()} of {got.numel()} elements differ "
+            f"(first at {i}: {got[i].item()!r} vs {want[i].item()!r})")
+
+
+def _fp16_tolerance(world: int, dtype: torch.dtype) -> float:
+    # Every input is rounded once to the cast dtype and the ring adds W-1
+    # times in it, each rounding by at most half an ulp of |partial| <= 8 W.
+    ulp = 2.0 ** (math.floor(math.log2(8 * world)) - (10 if dtype == torch.float16 else 7))
+    return world * ulp
+
+
+class _RankBench:
+    """What one rank runs for one world size: groups, data, contenders."""
+
+    def __init__(self, rank: int, world: int, cfg: Dict[str, Any], out_q) -> None:
+        import torch.distributed as dist
+
+        import pycomm.distributed as pd
+
+        self.rank, self.world, self.cfg, self.out_q = rank, world, cfg, out_q
+        self.dist, self.pd = dist, pd
+        self.methods = [parse_method(m) for m in cfg["methods"]]
+        self.groups: Dict[str, Any] = {}
+        for m in self.methods:
+            if m.compressed:
+                settings = dict(m.settings)
+                if cfg["chunk_numel"] is not None:
+                    settings["chunk_numel"] = cfg["chunk_numel"]
+                self.groups[m.name] = pd.wrap(compressor=m.compressor, **settings)
+        # The settings the backend really runs with (defaults included).
+        self.options = {name: pd.options_of(g) for name, g in self.groups.items()}
+
+    # -- messages to the parent (rank 0 only speaks for the group) ---------
+    def send(self, *msg: Any) -> None:
+        if self.rank == 0:
+            self.out_q.put(msg)
+
+    def tick(self, n: int = 1) -> None:
+        self.send("tick", n)
+
+    def say(self, text: str) -> None:
+        self.send("say", text)
+
+    # -- one (world, size) case -------------------------------------------
+    def run_size(self, n: int) -> List[Dict[str, Any]]:
+        dist, pd, W, r = self.dist, self.pd, self.world, self.rank
+        self.say(f"W={W} n={_size_label(n)}: data")
+        orig, exact = _grid_data(n, W, r, self.cfg["seed"])
+        buf = torch.empty_like(orig)
+        scratch = torch.empty_like(orig)  # decode target of the compress contenders
+        calls = self.cfg["warmup"] + self.cfg["repeats"]
+
+        records: Dict[str, Dict[str, Any]] = {}
+        timed: Dict[str, Timed] = {}
+
+        def restore_and_barrier() -> None:
+            buf.copy_(orig)
+            dist.barrier()
+
+        def barrier() -> None:
+            dist.barrier()
+
+        for m in self.methods:
+            rec = self._record(m, n)
+            records[m.name] = rec
+            self.say(f"W={W} n={_size_label(n)}: verify {m.name}")
+            buf.copy_(orig)
+            dist.barrier()
+            if m.compressed:
+                pd.all_reduce(buf, key=EF_KEY, group=self.groups[m.name])
+            else:
+                dist.all_reduce(buf)
+            problem = self._verify(m, buf, exact)
+            self.tick()
+            if problem is not None:
+                rec.update(status=VERIFY_FAILED, verified=False, error=problem)
+                self.tick(calls * len(contender_names(m)))
+                continue
+            rec["verified"] = True
+            if m.compressed:
+                group = self.groups[m.name]
+                timed[m.name] = (lambda g=group: pd.all_reduce(buf, key=EF_KEY, group=g), restore_and_barrier)
+                timed[f"{m.name}:compress"] = (self._compute_fn(m, orig, scratch), barrier)
+                timed[f"{m.name}:wire"] = (self._wire_fn(m, n), barrier)
+            else:
+                timed[m.name] = (lambda: dist.all_reduce(buf), restore_and_barrier)
+        del exact
+
+        if timed:
+            self.say(f"W={W} n={_size_label(n)}: time")
+            samples = time_interleaved(timed, self.cfg["repeats"], self.cfg["warmup"],
+                                       on_call=lambda _name: self.tick())
+        else:
+            samples = {}
+        # An all-reduce is done when its last rank is: max across ranks per repeat.
+        everyone: List[Optional[Dict[str, List[float]]]] = [None] * W
+        dist.all_gather_object(everyone, samples)
+        for g in self.groups.values():
+            pd.reset_error_feedback(group=g)  # frees the n-float residuals before the next size
+        worst = {name: [max(s[name][i] for s in everyone) for i in range(len(samples[name]))]
+                 for name in samples}
+        return [self._finish(records[m.name], m, worst) for m in self.methods]
+
+    def _record(self, m: Method, n: int) -> Dict[str, Any]:
+        opts = self.options.get(m.name, {})
+        chunk = opts.get("chunk_numel")
+        block = opts.get("block_size", 2048)
+        approx = bool(opts.get("approx", True))
+        sent = bytes_sent(m, n, self.world, chunk or n, block, approx)
+        plain = bytes_sent(Method("plain", None), n, self.world, n)
+        rec: Dict[str, Any] = {
+            "ranks": self.world,
+            "numel": n,
+            "dtype": "float32",
+            "method": m.name,
+            "compressor": m.compressor,
+            "density": m.setting("density"),
+            "block_size": block if m.compressor == "onebit" else None,
+            "approx": approx if m.compressor == "topk" else None,
+            "chunk_numel": chunk,
+            "error_feedback": m.compressor in ("onebit", "topk"),
+            "status": OK,
+            "error": None,
+            "verified": None,
+            "bytes_sent": sent,
+            "bytes_vs_plain": sent / plain if plain else None,
+            "threads_per_rank": torch.get_num_threads(),
+        }
+        for part in PARTS:
+            prefix = "" if part == "total" else f"{part}_"
+            for key in ("median_s", "p10_s", "p90_s", "times_s"):
+                rec[prefix + key] = None
+        rec.update(algbw_gbps=None, speedup_vs_plain=None, max_compress_wire_s=None,
+                   sum_compress_wire_s=None, measured_vs_max=None)
+        return rec
+
+    def _finish(self, rec: Dict[str, Any], m: Method, worst: Dict[str, List[float]]) -> Dict[str, Any]:
+        for part, name in zip(PARTS, contender_names(m) if m.compressed else [m.name]):
+            if name not in worst:
+                continue
+            prefix = "" if part == "total" else f"{part}_"
+            for key, value in summarize(worst[name]).items():
+                rec[prefix + key] = value
+            rec[prefix + "times_s"] = worst[name]
+        if rec["median_s"] is not None:
+            rec["algbw_gbps"] = 4 * rec["numel"] / rec["median_s"] / 1e9
+        if rec["compress_median_s"] is not None and rec["wire_median_s"] is not None:
+            c, w = rec["compress_median_s"], rec["wire_median_s"]
+            rec["max_compress_wire_s"] = max(c, w)
+            rec["sum_compress_wire_s"] = c + w
+            rec["measured_vs_max"] = rec["median_s"] / max(c, w)
+        return rec
+
+    def _verify(self, m: Method, result: torch.Tensor, exact: torch.Tensor) -> Optional[str]:
+        """None when the first result is right on every rank, else why not
+        (the same answer on every rank, so they skip the same methods)."""
+        problem = None
+        if not m.compressed:
+            if not torch.equal(result, exact):
+                problem = (f"rank {self.rank}: plain Gloo sum is not the exact sum: "
+                           + _first_difference(result, exact))
+        elif not bool(torch.isfinite(result).all()):
+            problem = f"rank {self.rank}: {int((~torch.isfinite(result)).sum())} non-finite elements"
+        elif m.compressor in ("fp16", "bf16"):
+            err = float((result - exact).abs().max())
+            tol = _fp16_tolerance(self.world, torch.float16 if m.compressor == "fp16" else torch.bfloat16)
+            if err > tol:
+                problem = f"rank {self.rank}: {m.compressor} sum off by up to {err:g} (tolerance {tol:g})"
+        verdicts: List[Optional[Tuple[str, Optional[str]]]] = [None] * self.world
+        self.dist.all_gather_object(verdicts, (_digest(result), problem))
+        problems = [p for _d, p in verdicts if p is not None]
+        if problems:
+            return "; ".join(problems)
+        digests = [d for d, _p in verdicts]
+        if len(set(digests)) > 1:
+            return f"results differ between ranks (digests {', '.join(d[:8] for d in digests)})"
+        return None
+
+    # -- compress: the per-rank compute of the algorithm, no communication ----
+    def _compute_fn(self, m: Method, x: torch.Tensor, out: torch.Tensor) -> Callable[[], None]:
+        ops = torch.ops.pycomm
+        W, r, n = self.world, self.rank, x.numel()
+        opts = self.options[m.name]
+        if m.compressor in ("fp16", "bf16"):
+            dtype = torch.float16 if m.compressor == "fp16" else torch.bfloat16
+
+            def cast() -> None:
+                out.copy_(x.to(dtype))  # in and back out, as run_cast does
+
+            return cast
+
+        chunks = chunk_bounds(n, opts["chunk_numel"])
+        # Residuals of their own, updated every call like the backend's, so
+        # the kernels see the same data the timed all-reduce compresses.
+        worker = torch.zeros(n)
+        if m.compressor == "onebit":
+            B = opts["block_size"]
+            lays = [OnebitLayout(mlen, W, B) for _b, mlen in chunks]
+            server = [torch.zeros(lay.length[r]) for lay in lays]
+            # The server accumulator is allocated once and zeroed per chunk: a
+            # fresh multi-MB torch.zeros per chunk costs page faults whose price
+            # depends on the allocator's history (up to 1 ms per 4 MB here),
+            # which is allocator noise, not compressor time.
+            acc_buf = torch.empty(max(lay.length[r] for lay in lays))
+
+            def onebit() -> None:
+                for (b, mlen), lay, srv in zip(chunks, lays, server):
+                    bits, scales = ops.onebit_compress(x.narrow(0, b, mlen), worker.narrow(0, b, mlen), B)
+                    L = lay.length[r]
+                    if L > 0:
+                        # This rank's segment from each of the W ranks (its
+                        # own payload stands in for the peers': same sizes).
+                        mb = bits.narrow(0, r * lay.seg // 32, lay.words[r])
+                        ms = scales.narrow(0, r * lay.seg // B, lay.blocks[r])
+                        acc = acc_buf[:L].zero_()
+                        for _src in range(W):
+                            ops.onebit_decompress(acc, mb, ms, B, True)
+                        ops.onebit_compress(acc, srv, B)
+                    for j in range(W):  # every segment's server payload into the chunk
+                        if lay.length[j] == 0:
+                            continue
+                        sb = bits.narrow(0, j * lay.seg // 32, lay.words[j])
+                        ss = scales.narrow(0, j * lay.seg // B, lay.blocks[j])
+                        ops.onebit_decompress(out.narrow(0, b + j * lay.seg, lay.length[j]), sb, ss, B, False)
+
+            return onebit
+
+        density, approx = float(opts["density"]), bool(opts["approx"])
+        from pycomm.compressors.topk import topk_k
+
+        def topk() -> None:
+            for b, mlen in chunks:
+                idx, vals = ops.topk_compress(x.narrow(0, b, mlen), worker.narrow(0, b, mlen),
+                                              topk_k(mlen, density), approx)
+                o = out.narrow(0, b, mlen)
+                o.zero_()
+                for _src in range(W):
+                    ops.topk_decompress(o, idx, vals, True)
+
+        return topk
+
+    # -- wire: the algorithm's collectives on payload-sized buffers ----------
+    def _wire_fn(self, m: Method, n: int) -> Callable[[], None]:
+        dist, W, r = self.dist, self.world, self.rank
+        # all_gather_into_tensor under its torch >= 2.13 name (the old one warns).
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        opts = self.options[m.name]
+        if m.compressor in ("fp16", "bf16"):
+            half = torch.zeros(n, dtype=torch.float16 if m.compressor == "fp16" else torch.bfloat16)
+            return lambda: dist.all_reduce(half)
+
+        chunks = chunk_bounds(n, opts["chunk_numel"])
+        if m.compressor == "onebit":
+            lays = [OnebitLayout(mlen, W, opts["block_size"]) for _b, mlen in chunks]
+            bufs = [
+                (torch.zeros(sum(lay.size), dtype=torch.int32),  # all_to_all send
+                 torch.empty(W * lay.size[r], dtype=torch.int32),  # all_to_all receive
+                 torch.zeros(lay.size[0], dtype=torch.int32),  # server payload, padded to S_0
+                 torch.empty(W * lay.size[0], dtype=torch.int32))  # all_gather output
+                for lay in lays
+            ]
+
+            def onebit() -> None:
+                # Same issue order and waits as run_onebit with the compute removed:
+                # a2a i, (wait a2a i-1, ag i-1), (wait ag i-2).
+                a2a: List[Any] = []
+                ag: List[Any] = []
+
+                def issue_a2a(i: int) -> None:
+                    lay, (send, recv, _s, _g) = lays[i], bufs[i]
+                    a2a.append(dist.all_to_all_single(recv, send, [lay.size[r]] * W, list(lay.size),
+                                                      async_op=True))
+
+                def issue_ag(i: int) -> None:
+                    a2a[i].wait()
+                    _send, _recv, mine, gathered = bufs[i]
+                    ag.append(gather(gathered, mine, async_op=True))
+
+                for i in range(len(chunks)):
+                    issue_a2a(i)
+                    if i >= 1:
+                        issue_ag(i - 1)
+                    if i >= 2:
+                        ag[i - 2].wait()
+                issue_ag(len(chunks) - 1)
+                for i in range(max(0, len(chunks) - 2), len(chunks)):
+                    ag[i].wait()
+
+            return onebit
+
+        density, approx = float(opts["density"]), bool(opts["approx"])
+        tbufs = []
+        for _b, mlen in chunks:
+            size = topk_wire_numel(mlen, density, approx)
+            tbufs.append((torch.zeros(size, dtype=torch.int32), torch.empty(W * size, dtype=torch.int32)))
+
+        def topk() -> None:
+            # As run_topk: all_gather i issued, then chunk i-1 waited for.
+            works: List[Any] = []
+            for i, (mine, gathered) in enumerate(tbufs):
+                works.append(gather(gathered, mine, async_op=True))
+                if i >= 1:
+                    works[i - 1].wait()
+            works[-1].wait()
+
+        return topk
+
+
+def _watch_parent(parent_pid: int) -> None:
+    # A rank whose parent died (SIGKILL, a closed terminal) must not linger
+    # holding ports and gigabytes: exit as soon as it is orphaned.
+    while True:
+        if os.getppid() != parent_pid:
+            os._exit(3)
+        time.sleep(1.0)
+
+
+def _rank_main(rank: int, world: int, port: int, cfg: Dict[str, Any], out_q, parent_pid: int) -> None:
+    """Entry point of one spawned rank: every size for this world size."""
+    # Ctrl-C reaches the whole process group: the parent handles it and kills
+    # the ranks, which would otherwise print W tracebacks.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    try:
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        torch.set_num_threads(cfg["threads"])
+        dist.init_process_group("gloo", init_method=f"tcp://{HOST}:{port}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=cfg["timeout"]))
+        bench = _RankBench(rank, world, cfg, out_q)
+        for n in cfg["sizes"]:
+            records = bench.run_size(n)
+            if rank == 0:
+                out_q.put(("records", records))
+            gc.collect()
+        dist.barrier()
+        dist.destroy_process_group()
+        out_q.put(("done", rank))
+    except BaseException:  # noqa: BLE001 - anything a rank raises goes to the parent
+        # Reported before the group is torn down: closing the connections
+        # makes the peers fail too, and the parent names the first report.
+        out_q.put(("error", rank, traceback.format_exc()))
+    out_q.close()
+    out_q.join_thread()
+
+
+# --------------------------------------------------------- parent (driver) ---
+def free_port() -> int:
+    """A TCP port that was free on 127.0.0.1 a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+class RanksFailed(RuntimeError):
+    """A rank raised, died or stalled; every rank has been killed."""
+
+
+def run_world(world: int, cfg: Dict[str, Any], on_tick: Callable[[int], None],
+              on_say: Callable[[str], None], on_records: Callable[[List[Dict[str, Any]]], None]) -> None:
+    """Spawn ``world`` ranks that run every size, forwarding rank 0's progress
+    and records. Raises :class:`RanksFailed` if a rank fails or nothing is
+    heard from the ranks for ``cfg["timeout"]`` + 60 s; every rank is killed
+    before this returns or raises (KeyboardInterrupt included)."""
+    ctx = mp.get_context("spawn")
+    out_q = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, world, port, cfg, out_q, os.getpid()),
+                    name=f"pycomm-bench-rank{r}", daemon=True)
+        for r in range(world)
+    ]
+    # A hung collective raises inside the ranks after cfg["timeout"]; this
+    # is the backstop when a rank hangs where no timeout applies.
+    stall = cfg["timeout"] + 60.0
+    done: set = set()
+    errors: Dict[int, str] = {}
+    try:
+        for p in procs:
+            p.start()
+        last_heard = time.monotonic()
+        grace_end: Optional[float] = None
+        while len(done) < world:
+            now = time.monotonic()
+            if grace_end is not None and now >= grace_end:
+                break
+            if now - last_heard > stall:
+                raise RanksFailed(
+                    f"no progress from the {world} ranks for {stall:.0f} s; all ranks were killed")
+            try:
+                msg = out_q.get(timeout=0.25)
+            except _queue.Empty:
+                for r, p in enumerate(procs):
+                    if r not in done and r not in errors and p.exitcode is not None:
+                        # Died without a word (segfault, OOM kill); its message
+                        # may still be in flight, so give it a moment.
+                        if grace_end is None:
+                            grace_end = now + 2.0
+                        elif now >= grace_end - 0.3:
+                            errors[r] = f"rank {r} exited with code {p.exitcode} without reporting"
+                continue
+            last_heard = time.monotonic()
+            kind = msg[0]
+            if kind == "tick":
+                on_tick(msg[1])
+            elif kind == "say":
+                on_say(msg[1])
+            elif kind == "records":
+                on_records(msg[1])
+            elif kind == "done":
+                done.add(msg[1])
+            elif kind == "error":
+                errors[msg[1]] = msg[2]
+                # The peers of a failed rank hang in a collective or fail
+                # because it left: a moment for their own reports, no more.
+                grace_end = grace_end or time.monotonic() + 3.0
+        if errors or len(done) < world:
+            # The first rank to report is usually the cause; the others
+            # typically fail because it left (connection closed) or timed out.
+            first = next(iter(errors)) if errors else None
+            text = errors[first] if first is not None else ""
+            others = [f"rank {r}: {errors[r].strip().splitlines()[-1]}" for r in sorted(errors) if r != first]
+            missing = [r for r in range(world) if r not in done and r not in errors]
+            if missing:
+                others.append(f"ranks {missing} did not finish (killed)")
+            head = f"rank {first} failed:\n{text}" if first is not None else "ranks did not finish"
+            raise RanksFailed(head + ("\n" + "\n".join(others) if others else ""))
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            if p.pid is not None:
+                p.join(timeout=10.0)
+        out_q.close()
+        out_q.cancel_join_thread()
+
+
+def _size_label(n: int) -> str:
+    for suffix, unit in (("G", 1 << 30), ("M", 1 << 20), ("k", 1 << 10)):
+        if n >= unit and n % unit == 0:
+            return f"{n // unit}{suffix}"
+    return str(n)
+
+
+def _split_list(values: Optional[Sequence[str]]) -> Optional[List[str]]:
+    if values is None:
+        return None
+    if isinstance(values, str):
+        values = [values]
+    return [p.strip() for item in values for p in str(item).split(",") if p.strip()]
+
+
+def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
+    """A copy of ``args`` with defaults filled in (``--quick``: 2 ranks, 1M and
+    4M, few repeats) and lists parsed; raises ValueError naming the bad option."""
+    from .cli import positive_int
+
+    a = argparse.Namespace(**vars(args))
+    quick = bool(getattr(a, "quick", False))
+    for name, full, small in (("repeats", DEFAULT_REPEATS, QUICK_REPEATS),
+                              ("warmup", DEFAULT_WARMUP, QUICK_WARMUP)):
+        if getattr(a, name, None) is None:
+            setattr(a, name, small if quick else full)
+    for name, low in (("repeats", 1), ("warmup", 0)):
+        value = getattr(a, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"argument --{name}: must be an integer >= {low}, got {value!r}")
+
+    ranks = _split_list(getattr(a, "ranks", None))
+    if ranks is None:
+        a.ranks = list(QUICK_RANKS if quick else DEFAULT_RANKS)
+    else:
+        if not ranks:
+            raise ValueError("argument --ranks: empty list")
+        parsed = []
+        for text in ranks:
+            try:
+                w = int(text)
+            except ValueError:
+                raise ValueError(f"argument --ranks: expected integers like 2,4, got {text!r}") from None
+            if not 2 <= w <= MAX_RANKS:
+                raise ValueError(f"argument --ranks: a world size must be between 2 and {MAX_RANKS}, got {w}")
+            parsed.append(w)
+        a.ranks = list(dict.fromkeys(parsed))
+
+    sizes = _split_list(getattr(a, "sizes", None))
+    if sizes is None:
+        a.sizes = list(QUICK_SIZES if quick else DEFAULT_SIZES)
+    else:
+        if not sizes:
+            raise ValueError("argument --sizes: empty list")
+        try:
+            a.sizes = list(dict.fromkeys(positive_int(s) for s in sizes))
+        except argparse.ArgumentTypeError as exc:
+            raise ValueError(f"argument --sizes: {exc}") from None
+
+    methods = _split_list(getattr(a, "methods", None))
+    if methods is None:
+        methods = list(DEFAULT_METHODS)
+    if not methods:
+        raise ValueError("argument --methods: empty list")
+    for name in methods:
+        try:
+            parse_method(name)
+        except ValueError as exc:
+            raise ValueError(f"argument --methods: {exc}") from None
+    a.methods = list(dict.fromkeys(methods))
+
+    chunk = getattr(a, "chunk_numel", None)
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise ValueError(f"argument --chunk-numel: must be a positive integer, got {chunk!r}")
+    a.chunk_numel = chunk
+    timeout = getattr(a, "timeout", None)
+    a.timeout = DEFAULT_TIMEOUT if timeout is None else float(timeout)
+    if not (math.isfinite(a.timeout) and a.timeout > 0):
+        raise ValueError(f"argument --timeout: must be a positive number of seconds, got {timeout!r}")
+
+    device = torch.device(getattr(a, "device", None) or "cpu")
+    if device.type != "cpu":
+        raise ValueError(f"argument --device: the all-reduce benchmark runs Gloo on cpu, got {device}")
+    a.device = device
+    a.progress = bool(getattr(a, "progress", True))
+    a.threads = getattr(a, "threads", None)
+    if getattr(a, "json", None) is None:
+        a.json = default_json_path("allreduce", "cpu", quick=quick)
+    return a
+
+
+def make_args(**overrides: Any) -> argparse.Namespace:
+    """Arguments for :func:`run_allreduce` without the command line (tests).
+
+    Example::
+
+        >>> make_args(ranks="2", sizes="64k", methods="plain,onebit").sizes
+        [65536]
+    """
+    base = dict(ranks=None, sizes=None, methods=None, chunk_numel=None, timeout=None, repeats=None,
+                warmup=None, device="cpu", json=None, quick=False, threads=None, progress=False)
+    base.update(overrides)
+    return resolve_args(argparse.Namespace(**base))
+
+
+def threads_per_rank(world: int, threads: Optional[int]) -> int:
+    """``threads`` if given, else the cores shared out: W ranks with torch's
+    default thread count each would oversubscribe a small machine W times."""
+    if threads is not None:
+        return threads
+    return max(1, (os.cpu_count() or 1) // world)
+
+
+def run_allreduce(args: argparse.Namespace) -> Dict[str, Any]:
+    """Run the benchmark and return the JSON document (``records`` included);
+    prints nothing but the progress bar (stderr). A world size whose ranks
+    fail is recorded in ``failures`` and the others still run.
+
+    Example::
+
+        >>> doc = run_allreduce(make_args(ranks="2", sizes="64k", repeats=2))  # doctest: +SKIP
+        >>> sorted({r["method"] for r in doc["records"]})                       # doctest: +SKIP
+        ['fp16', 'onebit', 'plain', 'topk-0.001', 'topk-0.01']
+    """
+    from tqdm import tqdm
+
+    args = resolve_args(args)
+    started = _dt.datetime.now().isoformat(timespec="seconds")
+    t_start = time.monotonic()
+    machine = machine_info("cpu")  # before the run: its load average is the others'
+    methods = [parse_method(m) for m in args.methods]
+    calls = args.warmup + args.repeats
+    per_size = sum(1 + calls * len(contender_names(m)) for m in methods)
+    total = per_size * len(args.sizes) * len(args.ranks)
+    records: List[Dict[str, Any]] = []
+    failures: List[Dict[str, Any]] = []
+    bar = tqdm(total=total, unit="call", disable=not args.progress, leave=False, dynamic_ncols=True,
+               file=sys.stderr)
+    try:
+        for world in args.ranks:
+            cfg = dict(methods=args.methods, sizes=args.sizes, repeats=args.repeats, warmup=args.warmup,
+                       chunk_numel=args.chunk_numel, timeout=args.timeout, seed=SEED,
+                       threads=threads_per_rank(world, args.threads))
+            before = len(records)
+            try:
+                run_world(world, cfg, bar.update, bar.set_description, records.extend)
+            except RanksFailed as exc:
+                failures.append({"ranks": world, "error": str(exc)})
+                # Skip the bar past what this world size will not run.
+                got = (len(records) - before) // max(1, len(methods))
+                bar.update(max(0, per_size * (len(args.sizes) - got)))
+    finally:
+        bar.close()
+
+    # Speedups against plain Gloo of the same (ranks, size): measured in the same rounds.
+    plain = {(r["ranks"], r["numel"]): r["median_s"] for r in records if r["method"] == "plain"}
+    for r in records:
+        base = plain.get((r["ranks"], r["numel"]))
+        if base is not None and r["median_s"] is not None:
+            r["speedup_vs_plain"] = base / r["median_s"]
+    return {
+        "benchmark": "allreduce",
+        "date": started,
+        "machine": machine,
+        "backend": "gloo",
+        "host": HOST,
+        "dtype": "float32",
+        "op": "sum",
+        "ranks": args.ranks,
+        "sizes": args.sizes,
+        "methods": args.methods,
+        "chunk_numel": args.chunk_numel,  # None: the backend's default (each record has the value used)
+        "repeats": args.repeats,
+        "warmup": args.warmup,
+        "quick": bool(getattr(args, "quick", False)),
+        "timeout_s": args.timeout,
+        "total_s": time.monotonic() - t_start,
+        "loadavg_end": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "records": records,
+        "failures": failures,
+    }
+
+
+# ------------------------------------------------------------------ output ---
+def _fmt(x: Optional[float], digits: int = 3) -> str:
+    if x is None or not math.isfinite(x):
+        return "-"
+    if x == 0:
+        return "0"
+    mag = math.floor(math.log10(abs(x)))
+    return f"{x:.{max(0, digits - 1 - mag)}f}"
+
+
+def format_table(doc: Dict[str, Any]) -> str:
+    """The results as a text table (tabulate), times in milliseconds."""
+    from tabulate import tabulate
+
+    def ms(r: Dict[str, Any], key: str) -> Optional[float]:
+        return None if r.get(key) is None else 1e3 * r[key]
+
+    table = []
+    for r in doc["records"]:
+        spread = "-" if r["p10_s"] is None else f"{_fmt(ms(r, 'p10_s'))}-{_fmt(ms(r, 'p90_s'))}"
+        note = "" if r["status"] == OK else f"{r['status'].upper().replace('_', ' ')}: {r['error']}"[:100]
+        table.append([
+            r["ranks"], _size_label(r["numel"]), r["method"], _fmt(ms(r, "median_s")), spread,
+            _fmt(r["algbw_gbps"]), _fmt(r["bytes_sent"] / 2 ** 20), _fmt(r["speedup_vs_plain"]),
+            _fmt(ms(r, "compress_median_s")), _fmt(ms(r, "wire_median_s")),
+            _fmt(ms(r, "max_compress_wire_s")), _fmt(ms(r, "sum_compress_wire_s")),
+            _fmt(r["measured_vs_max"]), note,
+        ])
+    headers = ["W", "numel", "method", "median ms", "p10-p90 ms", "GB/s", "MiB sent/rank", "x vs plain",
+               "compress ms", "wire ms", "max(c,w) ms", "c+w ms", "meas/max", "notes"]
+    m = doc["machine"]
+    load = m.get("loadavg")
+    chunks = sorted({r["chunk_numel"] for r in doc["records"] if r["chunk_numel"] is not None})
+    head = (
+        f"pycomm allreduce: Gloo on {doc['host']}, float32 SUM, {doc['repeats']} repeats after "
+        f"{doc['warmup']} warmup (median, p10-p90 of the max over ranks), "
+        f"chunk_numel {', '.join(map(str, chunks)) or '-'}"
+        + (f", load average {load[0]:.2f} at start on {m['cpu_count']} CPUs" if load else "")
+        + f"\ncpu: {m.get('cpu_model') or m.get('processor')}, torch {m['torch']}; "
+        "GB/s = 4 n / time; compress = the rank's kernels alone, wire = the collectives alone "
+        "(same rounds)\n"
+    )
+    out = head + tabulate(table, headers=headers, disable_numparse=True)
+    for f in doc["failures"]:
+        out += f"\nFAILED W={f['ranks']}: {f['error'].strip().splitlines()[-1]}"
+    return out
+
+
+def failed(doc: Dict[str, Any]) -> List[str]:
+    """One line per verification failure, crashed record or failed world size."""
+    lines = [f"{r['ranks']} ranks, {_size_label(r['numel'])}, {r['method']}: {r['error']}"
+             for r in doc["records"] if r["status"] != OK]
+    lines += [f"{f['ranks']} ranks: {f['error']}" for f in doc["failures"]]
+    return lines
+
+
+# --------------------------------------------------------------------- cli ---
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``allreduce`` options (the common ones are already there)."""
+    from .cli import positive_int
+
+    g = parser.add_argument_group("allreduce options")
+    g.add_argument("--ranks", nargs="+", metavar="W", default=None,
+                   help="world sizes, comma or space separated, each run as that many local "
+                        f"processes (default: {','.join(map(str, DEFAULT_RANKS))}; 2 with --quick); "
+                        "each rank uses --threads threads, by default the CPU count / W (at least 1)")
+    g.add_argument("--sizes", nargs="+", metavar="N", default=None,
+                   help="float32 elements per tensor, comma or space separated, k/M/G suffixes "
+                        f"(default: {','.join(map(_size_label, DEFAULT_SIZES))}; "
+                        f"{','.join(map(_size_label, QUICK_SIZES))} with --quick)")
+    g.add_argument("--methods", nargs="+", metavar="METHOD", default=None,
+                   help="plain, fp16, bf16, onebit, topk-<density>, comma or space separated "
+                        f"(default: {','.join(DEFAULT_METHODS)})")
+    g.add_argument("--chunk-numel", type=positive_int, default=None,
+                   help="pipelining chunk of the pycomm backend (default: the backend's)")
+    g.add_argument("--timeout", type=float, default=None,
+                   help="seconds any one collective may take before the run fails "
+                        f"(default: {DEFAULT_TIMEOUT:g})")
+
+
+def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Fill in defaults; a bad option exits 2 with a message naming it."""
+    try:
+        resolved = resolve_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    vars(args).update(vars(resolved))
+
+
+def run(args: argparse.Namespace) -> int:
+    """``pycomm-bench allreduce``: run, print the table, write the JSON.
+    Exit status 1 if a method failed verification or a world size failed."""
+    from . import write_json
+
+    doc = run_allreduce(args)
+    print(format_table(doc))
+    write_json(args.json, doc)
+    print(f"\nwrote {args.json} ({doc['total_s']:.0f} s)")
+    bad = failed(doc)
+    for line in bad:
+        print(f"FAILED {line}", file=sys.stderr)
+    return 1 if bad else 0
