@@ -11,6 +11,7 @@ from pycomm.compressors import onebit as ob
 from _data import DTYPES, IMPL_DEVICES, KINDS, SIZES, make_grad
 
 IMPLS = [pytest.param(i, d, id=i, marks=[pytest.mark.gpu] if d == "cuda" else []) for i, d in IMPL_DEVICES]
+WITH_REFERENCE = [pytest.param("reference", "cpu", id="reference"), *IMPLS]
 
 
 def run_both(impl, device, grad, residual, block_size):
@@ -96,49 +97,49 @@ def test_decompress_matches_reference(impl, device, n, kind):
     torch.testing.assert_close(fresh.cpu(), expected, equal_nan=True, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("impl", ["reference", "cpu"])
-def test_shapes_and_noncontiguous(impl):
+@pytest.mark.parametrize("impl,device", WITH_REFERENCE)
+def test_shapes_and_noncontiguous(impl, device):
     c = pycomm.get_compressor("onebit", block_size=64, impl=impl)
-    base = torch.randn(37, 3, 5)
+    base = torch.randn(37, 3, 5, device=device)
     grad = base.transpose(0, 2)  # not contiguous
     assert not grad.is_contiguous()
-    residual = torch.zeros(grad.numel())
+    residual = torch.zeros(grad.numel(), device=device)
     p = c.compress(grad, residual)
     assert p.shape == (5, 3, 37) and p.numel == grad.numel()
     out = c.decompress(p)
     assert out.shape == grad.shape and out.dtype == torch.float32
     # Compression works on the flattened (row-major) view of the shaped tensor.
     ref = pycomm.get_compressor("onebit", block_size=64, impl="reference").compress(grad.contiguous().view(-1))
-    assert torch.equal(p.bits, ref.bits)
+    assert torch.equal(p.bits.cpu(), ref.bits.cpu())
     torch.testing.assert_close(out.reshape(-1) + residual, grad.reshape(-1))
 
 
-@pytest.mark.parametrize("impl", ["reference", "cpu"])
+@pytest.mark.parametrize("impl,device", WITH_REFERENCE)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("n", [1, 31, 2049, 100_003])
-def test_error_feedback_invariant(impl, dtype, n):
+def test_error_feedback_invariant(impl, device, dtype, n):
     # decompress(payload) + residual_new == grad + residual_old: nothing lost.
     c = pycomm.get_compressor("onebit", block_size=128, impl=impl)
-    grad = make_grad("random", n, dtype, seed=n)
-    residual = torch.randn(n) * 0.5
+    grad = make_grad("random", n, dtype, seed=n, device=device)
+    residual = torch.randn(n, device=device) * 0.5
     total = grad.float() + residual
     p = c.compress(grad, residual)
     torch.testing.assert_close(c.decompress(p) + residual, total, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("impl", ["reference", "cpu"])
-def test_error_feedback_over_many_steps(impl):
+@pytest.mark.parametrize("impl,device", WITH_REFERENCE)
+def test_error_feedback_over_many_steps(impl, device):
     # The decoded stream tracks the gradient stream: their running sums differ
     # by exactly the residual, and the residual stays bounded.
     n, steps = 10_000, 300
     c = pycomm.get_compressor("onebit", block_size=256, impl=impl)
     gen = torch.Generator().manual_seed(1)
-    residual = torch.zeros(n)
-    sum_grad = torch.zeros(n, dtype=torch.float64)
-    sum_sent = torch.zeros(n, dtype=torch.float64)
+    residual = torch.zeros(n, device=device)
+    sum_grad = torch.zeros(n, dtype=torch.float64, device=device)
+    sum_sent = torch.zeros(n, dtype=torch.float64, device=device)
     norms = []
     for _ in range(steps):
-        g = torch.randn(n, generator=gen) + 0.3  # a bias that 1-bit alone would distort
+        g = (torch.randn(n, generator=gen) + 0.3).to(device)  # a bias that 1-bit alone would distort
         sum_grad += g.double()
         sum_sent += c.decompress(c.compress(g, residual)).double()
         norms.append(residual.norm().item())

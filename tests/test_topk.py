@@ -13,6 +13,7 @@ from pycomm.compressors import topk as tk
 from _data import DTYPES, IMPL_DEVICES, KINDS, SIZES, make_grad
 
 IMPLS = [pytest.param(i, d, id=i, marks=[pytest.mark.gpu] if d == "cuda" else []) for i, d in IMPL_DEVICES]
+WITH_REFERENCE = [pytest.param("reference", "cpu", id="reference"), *IMPLS]
 
 
 def run_both(impl, device, grad, residual, density, approx):
@@ -73,12 +74,12 @@ def test_ties_and_nonfinite_by_hand():
         assert zeros.indices.tolist() == [0, 1, 2, 3]
 
 
-@pytest.mark.parametrize("impl", ["reference", "cpu"])
+@pytest.mark.parametrize("impl,device", WITH_REFERENCE)
 @pytest.mark.parametrize("kind", ["random", "heavy"])
 @pytest.mark.parametrize("density", [0.01, 0.001])
-def test_approx_count_and_recall(impl, kind, density):
+def test_approx_count_and_recall(impl, device, kind, density):
     n = 1 << 20
-    grad = make_grad(kind, n, seed=11)
+    grad = make_grad(kind, n, seed=11).to(device)
     k = tk.topk_k(n, density)
     approx = pycomm.get_compressor("topk", density=density, approx=True, impl=impl).compress(grad)
     exact = pycomm.get_compressor("topk", density=density, approx=False, impl=impl).compress(grad)
@@ -107,14 +108,14 @@ def test_decompress_matches_reference(impl, device, n):
     torch.testing.assert_close(acc.cpu(), base + expected, equal_nan=True, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("impl", ["reference", "cpu"])
+@pytest.mark.parametrize("impl,device", WITH_REFERENCE)
 @pytest.mark.parametrize("approx", [False, True], ids=["exact", "approx"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_error_feedback_invariant(impl, approx, dtype):
+def test_error_feedback_invariant(impl, device, approx, dtype):
     n = 50_001
     c = pycomm.get_compressor("topk", density=0.01, approx=approx, impl=impl)
-    grad = make_grad("random", n, dtype, seed=7)
-    residual = torch.randn(n)
+    grad = make_grad("random", n, dtype, seed=7, device=device)
+    residual = torch.randn(n, device=device)
     total = grad.float() + residual
     p = c.compress(grad, residual)
     # Selection moves values, it does no arithmetic: the invariant is exact.
@@ -122,17 +123,17 @@ def test_error_feedback_invariant(impl, approx, dtype):
     assert bool((residual[p.indices.long()] == 0).all())
 
 
-@pytest.mark.parametrize("impl", ["reference", "cpu"])
-def test_error_feedback_over_many_steps(impl):
+@pytest.mark.parametrize("impl,device", WITH_REFERENCE)
+def test_error_feedback_over_many_steps(impl, device):
     n, steps, density = 5_000, 400, 0.01
     c = pycomm.get_compressor("topk", density=density, approx=True, impl=impl)
     gen = torch.Generator().manual_seed(4)
-    residual = torch.zeros(n)
-    sum_grad = torch.zeros(n, dtype=torch.float64)
-    sum_sent = torch.zeros(n, dtype=torch.float64)
+    residual = torch.zeros(n, device=device)
+    sum_grad = torch.zeros(n, dtype=torch.float64, device=device)
+    sum_sent = torch.zeros(n, dtype=torch.float64, device=device)
     norms = []
     for _ in range(steps):
-        g = torch.randn(n, generator=gen) + 0.05
+        g = (torch.randn(n, generator=gen) + 0.05).to(device)
         sum_grad += g.double()
         sum_sent += c.decompress(c.compress(g, residual)).double()
         norms.append(residual.norm().item())

@@ -1,0 +1,115 @@
+"""benchmarks/gpu_check.sh, the GPU check, dry-run on a machine without a GPU.
+
+``--dry-run`` does all that needs no GPU: argument handling, environment
+checks, nvcc compiling every CUDA kernel for sm_90a with the ptxas register
+report, the Triton kernels compiled for sm_90a, the CPU half of the onebit
+tests, the benchmark on cpu, the result files. So the script that will run on
+the GPU machine (where device time is short) is exercised here first.
+Skipped without nvcc: the dry run compiles the CUDA kernels.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
+DRY_RUN_TIMEOUT_S = 180  # the script's own budget in a dry run is 170 s
+
+
+def _nvcc() -> str | None:
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    for home in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        if home and os.access(os.path.join(home, "bin", "nvcc"), os.X_OK):
+            return os.path.join(home, "bin", "nvcc")
+    return None
+
+
+def _run(args, timeout, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", str(SCRIPT), *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
+@pytest.mark.skipif(_nvcc() is None, reason="nvcc not found: the dry run compiles the CUDA kernels")
+def test_dry_run_writes_results_and_register_report(tmp_path: Path):
+    out = tmp_path / "out"
+    # The interpreter running this test has torch and pycomm: the dry run uses it.
+    env = dict(os.environ, PYCOMM_PYTHON=sys.executable, PYCOMM_GPU_WORK=str(tmp_path / "work"))
+    env.pop("PYCOMM_GPU_OUT", None)
+    proc = _run(["--dry-run", str(out)], DRY_RUN_TIMEOUT_S, env)
+    tail = (proc.stdout + proc.stderr)[-6000:]
+    assert proc.returncode == 0, f"dry run exited {proc.returncode}:\n{tail}"
+
+    log = (out / "gpu_check.log").read_text()
+    assert "RESULT: PASS" in log, tail
+    # The nvcc register report of every CUDA kernel source, for sm_90a.
+    for source in sorted((ROOT / "kernels" / "cuda").glob("*.cu")):
+        assert f"### kernels/cuda/{source.name}: nvcc ok" in log, f"no nvcc report for {source.name}"
+    assert re.search(r"ptxas info\s*: Used \d+ registers", log), "no ptxas register lines in the log"
+    assert re.search(r"Compiling entry function '\S+' for 'sm_90a'", log)
+    assert "onebit_compress_block_kernel<float>" in log and "radix_histogram_kernel<float>" in log
+    kernels = json.loads((out / "ptxas-sm_90a.json").read_text())
+    assert kernels and all(k["registers"] is not None and k["arch"] == "sm_90a" for k in kernels)
+    # The Triton kernels, compiled for sm_90a without a GPU.
+    triton_aot = json.loads((out / "triton-aot-sm_90a.json").read_text())
+    assert triton_aot["variants"] and all(v["ok"] for v in triton_aot["variants"])
+    # It says what it skipped.
+    assert "SKIPPED in this dry run" in log and "nvidia-smi" in log
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["mode"] == "dry-run" and summary["ok"] is True
+    assert {s["step"]: s["status"] for s in summary["steps"]} == {
+        "env": "ok", "build": "ok", "tests": "ok", "bench": "ok"
+    }
+    assert summary["tests"]["tests-cpu.xml"]["failed"] == 0
+    assert summary["tests"]["tests-cpu.xml"]["passed"] > 0
+    bench = json.loads((out / "kernels-cpu-dryrun.json").read_text())
+    assert bench["copy_gbps"] > 0
+    rows = {(r["compressor"], r["op"], r["impl"]): r for r in bench["rows"]}
+    # The extra peer (numpy standing in for CuPy) was verified and timed next to the others.
+    peer = rows[("onebit b=2048", "compress", "unfused-numpy")]
+    assert peer["status"] == "ok" and peer["verified"] is True and peer["kind"] == "peer"
+    assert rows[("onebit b=2048", "compress", "cpu")]["status"] == "ok"
+    assert rows[("topk exact d=0.01", "compress", "torch.topk")]["status"] == "ok"
+    # The table comes last.
+    assert proc.stdout.rstrip().splitlines()[-1] == "RESULT: PASS"
+
+
+def test_unknown_option_exits_with_usage(tmp_path: Path):
+    proc = _run(["--no-such-option", str(tmp_path / "out")], timeout=30)
+    assert proc.returncode != 0
+    assert "unknown option: --no-such-option" in proc.stderr
+    assert "usage: bash benchmarks/gpu_check.sh" in proc.stderr
+    assert not (tmp_path / "out").exists(), "nothing may be written on a usage error"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--budget", "abc"], "--budget"),
+        (["--only", "build,nope"], "--only: unknown step 'nope'"),
+        (["--numel"], "option --numel needs a value"),
+        (["a", "b"], "at most one OUT_DIR"),
+    ],
+)
+def test_bad_arguments_exit_with_usage(args, message):
+    proc = _run(args, timeout=30)
+    assert proc.returncode == 2
+    assert message in proc.stderr and "usage:" in proc.stderr
+
+
+def test_help():
+    proc = _run(["--help"], timeout=30)
+    assert proc.returncode == 0
+    assert "usage: bash benchmarks/gpu_check.sh" in proc.stdout and "--dry-run" in proc.stdout
