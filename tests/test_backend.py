@@ -346,3 +346,32 @@ def test_dead_or_missing_peer_raises_within_timeout(world, mode, tmp_path):
         else:  # init cannot complete without the missing rank
             assert "timeout" in outputs[r].lower() or "timed out" in outputs[r].lower(), outputs[r]
     assert elapsed < 45, f"failing took {elapsed:.0f}s"
+
+
+# ---------------------------------------------------- plain torch entry ----
+def _plain_entry(rank, world):
+    import pycomm.distributed as pd  # registers the "pycomm" backend
+
+    timeout = timedelta(seconds=float(os.environ["PYCOMM_TEST_TIMEOUT"]))
+    dist.init_process_group("pycomm", init_method="env://", timeout=timeout,
+                            pg_options=pd.PycommOptions(compressor="topk", density=0.5, approx=False,
+                                                       min_compress_numel=10))
+    got = {"options": pd.options_of(), "default": None}
+    x = torch.arange(20, dtype=torch.float32) * (rank + 1)
+    dist.all_reduce(x)  # 20 elements >= min_compress_numel: compressed, exact top 10
+    got["x"] = x
+    dist.destroy_process_group()
+    dist.init_process_group("pycomm", init_method="env://", timeout=timeout)  # all defaults
+    got["default"] = pd.options_of()
+    return got
+
+
+def test_torch_init_process_group_with_pycomm_options():
+    for got in run_ranks(_plain_entry, 2, timeout=TIMEOUT, init_process_group=False):
+        assert got["options"]["method"] == "topk" and got["options"]["density"] == 0.5
+        assert got["default"]["method"] == "onebit" and got["default"]["min_compress_numel"] == 65536
+        # Top half by magnitude of (x0 + x1) = 3 * arange(20), each rank keeping
+        # its own top 10: entries 10..19 of both ranks, summed.
+        expected = torch.zeros(20)
+        expected[10:] = 3 * torch.arange(10, 20, dtype=torch.float32)
+        assert torch.equal(got["x"], expected)
