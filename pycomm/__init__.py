@@ -17,7 +17,6 @@ from typing import List, Optional
 
 import torch
 
-from . import _ext
 from .compressors import (
     Compressor,
     OneBitCompressor,

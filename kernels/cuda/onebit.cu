@@ -16,6 +16,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "common.cuh"
 #include "pycomm/compress_math.h"
 
 namespace pycomm {
@@ -32,18 +33,6 @@ void check(cudaError_t err, const char* what) {
 
 constexpr unsigned kFullMask = 0xffffffffu;
 
-__device__ __forceinline__ float to_float(float x) { return x; }
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-
-// c exactly as the reference computes it: grad.float() + residual, or
-// grad.float() alone. Adding 0.0f when there is no residual would turn -0.0
-// into +0.0, so the branch is needed (it is uniform across the grid).
-template <typename T>
-__device__ __forceinline__ float load_c(const T* grad, const float* residual, int64_t i) {
-  const float g = to_float(grad[i]);
-  return residual != nullptr ? g + residual[i] : g;
-}
 
 // One 32-element word: lanes hold elements 32w .. 32w+31 in lane order, so a
 // ballot is the packed word. Out-of-range lanes vote 0 (bits past n are 0);

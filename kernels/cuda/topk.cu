@@ -26,6 +26,7 @@
 #include <string>
 #include <type_traits>
 
+#include "common.cuh"
 #include "pycomm/compress_math.h"
 
 namespace pycomm {
@@ -42,17 +43,6 @@ void check(cudaError_t err, const char* what) {
 
 using u64 = unsigned long long;
 
-__device__ __forceinline__ float to_float(float x) { return x; }
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-
-// c exactly as the reference computes it: grad.float() + residual, or
-// grad.float() alone (adding 0.0f would turn a sent -0.0 into +0.0).
-template <typename T>
-__device__ __forceinline__ float load_c(const T* src, const float* residual, int64_t i) {
-  const float g = to_float(src[i]);
-  return residual != nullptr ? g + residual[i] : g;
-}
 
 constexpr int kThreads = 256;
 

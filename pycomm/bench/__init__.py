@@ -24,6 +24,7 @@ from __future__ import annotations
 import datetime as _dt
 import gc
 import json
+import math
 import os
 import platform
 import time
@@ -181,3 +182,17 @@ __all__ = [
     "time_interleaved",
     "write_json",
 ]
+
+
+def fmt_number(x: Optional[float], digits: int = 3) -> str:
+    """``digits`` significant digits for a table cell; "-" for None/NaN/Inf.
+
+    >>> fmt_number(0.012345), fmt_number(123.4), fmt_number(None)
+    ('0.0123', '123', '-')
+    """
+    if x is None or not math.isfinite(x):
+        return "-"
+    if x == 0:
+        return "0"
+    mag = math.floor(math.log10(abs(x)))
+    return f"{x:.{max(0, digits - 1 - mag)}f}"

@@ -57,7 +57,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from . import Timed, default_json_path, machine_info, summarize, time_interleaved
+from . import Timed, default_json_path, fmt_number, machine_info, summarize, time_interleaved
 
 HELP = "time plain Gloo, fp16, onebit and topk all-reduces on local ranks (verified first)"
 
@@ -878,13 +878,6 @@ def run_allreduce(args: argparse.Namespace) -> Dict[str, Any]:
 
 
 # ------------------------------------------------------------------ output ---
-def _fmt(x: Optional[float], digits: int = 3) -> str:
-    if x is None or not math.isfinite(x):
-        return "-"
-    if x == 0:
-        return "0"
-    mag = math.floor(math.log10(abs(x)))
-    return f"{x:.{max(0, digits - 1 - mag)}f}"
 
 
 def format_table(doc: Dict[str, Any]) -> str:
@@ -896,14 +889,14 @@ def format_table(doc: Dict[str, Any]) -> str:
 
     table = []
     for r in doc["records"]:
-        spread = "-" if r["p10_s"] is None else f"{_fmt(ms(r, 'p10_s'))}-{_fmt(ms(r, 'p90_s'))}"
+        spread = "-" if r["p10_s"] is None else f"{fmt_number(ms(r, 'p10_s'))}-{fmt_number(ms(r, 'p90_s'))}"
         note = "" if r["status"] == OK else f"{r['status'].upper().replace('_', ' ')}: {r['error']}"[:100]
         table.append([
-            r["ranks"], _size_label(r["numel"]), r["method"], _fmt(ms(r, "median_s")), spread,
-            _fmt(r["algbw_gbps"]), _fmt(r["bytes_sent"] / 2 ** 20), _fmt(r["speedup_vs_plain"]),
-            _fmt(ms(r, "compress_median_s")), _fmt(ms(r, "wire_median_s")),
-            _fmt(ms(r, "max_compress_wire_s")), _fmt(ms(r, "sum_compress_wire_s")),
-            _fmt(r["measured_vs_max"]), note,
+            r["ranks"], _size_label(r["numel"]), r["method"], fmt_number(ms(r, "median_s")), spread,
+            fmt_number(r["algbw_gbps"]), fmt_number(r["bytes_sent"] / 2 ** 20), fmt_number(r["speedup_vs_plain"]),
+            fmt_number(ms(r, "compress_median_s")), fmt_number(ms(r, "wire_median_s")),
+            fmt_number(ms(r, "max_compress_wire_s")), fmt_number(ms(r, "sum_compress_wire_s")),
+            fmt_number(r["measured_vs_max"]), note,
         ])
     headers = ["W", "numel", "method", "median ms", "p10-p90 ms", "GB/s", "MiB sent/rank", "x vs plain",
                "compress ms", "wire ms", "max(c,w) ms", "c+w ms", "meas/max", "notes"]

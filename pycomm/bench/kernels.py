@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -44,7 +43,7 @@ from pycomm.compressors import onebit as onebit_ref
 from pycomm.compressors import topk as topk_ref
 from pycomm.compressors.base import compressor_class
 
-from . import Timed, default_json_path, machine_info, summarize, time_interleaved
+from . import Timed, default_json_path, fmt_number, machine_info, summarize, time_interleaved
 
 HELP = "time every compressor kernel against an unfused torch pipeline (verified first)"
 
@@ -807,14 +806,6 @@ def run_kernels(args: argparse.Namespace) -> Dict[str, object]:
 
 
 # ------------------------------------------------------------------ output ---
-def _fmt(x: Optional[float], digits: int = 3) -> str:
-    if x is None or not math.isfinite(x):
-        return "-"
-    if x == 0:
-        return "0"
-    mag = math.floor(math.log10(abs(x)))
-    decimals = max(0, digits - 1 - mag)
-    return f"{x:.{decimals}f}"
 
 
 def format_table(doc: Dict[str, object]) -> str:
@@ -824,7 +815,7 @@ def format_table(doc: Dict[str, object]) -> str:
     table = []
     for r in doc["rows"]:
         ms = lambda key: None if r[key] is None else 1e3 * r[key]  # noqa: E731
-        spread = "-" if r["p10_s"] is None else f"{_fmt(ms('p10_s'))}-{_fmt(ms('p90_s'))}"
+        spread = "-" if r["p10_s"] is None else f"{fmt_number(ms('p10_s'))}-{fmt_number(ms('p90_s'))}"
         notes = []
         if r["status"] != OK:
             notes.append(f"{r['status'].upper().replace('_', ' ')}: {r['error']}"[:100])
@@ -833,9 +824,9 @@ def format_table(doc: Dict[str, object]) -> str:
         if r.get("recall") is not None:
             notes.append(f"recall={r['recall']:.4f}")
         table.append([
-            r["compressor"], r["op"], r["impl"], _fmt(ms("median_s")), spread, _fmt(r["gbps"]),
-            _fmt(r["pct_copy"], 2), _fmt(r["speedup_vs_unfused"]),
-            _fmt(r.get("speedup_vs_torch_topk")), " ".join(notes),
+            r["compressor"], r["op"], r["impl"], fmt_number(ms("median_s")), spread, fmt_number(r["gbps"]),
+            fmt_number(r["pct_copy"], 2), fmt_number(r["speedup_vs_unfused"]),
+            fmt_number(r.get("speedup_vs_torch_topk")), " ".join(notes),
         ])
     headers = ["compressor", "op", "impl", "median ms", "p10-p90 ms", "GB/s", "% copy",
                "x vs unfused", "x vs torch.topk", "notes"]
@@ -849,8 +840,8 @@ def format_table(doc: Dict[str, object]) -> str:
         f"cpu: {m.get('cpu_model') or m.get('processor')}, torch {m['torch']}"
         + (f", gpu: {m['gpu']}" if m.get("gpu") else "")
         + f"\ncopy bandwidth (dst.copy_(src), 8 B/elem, timed in every operation): "
-        f"median {_fmt(doc['copy_gbps'])} GB/s, per operation "
-        f"{_fmt(doc['copy_gbps_min'])}-{_fmt(doc['copy_gbps_max'])} GB/s\n"
+        f"median {fmt_number(doc['copy_gbps'])} GB/s, per operation "
+        f"{fmt_number(doc['copy_gbps_min'])}-{fmt_number(doc['copy_gbps_max'])} GB/s\n"
     )
     lo, hi = doc["copy_gbps_min"], doc["copy_gbps_max"]
     if lo and hi and hi > DRIFT_WARN * lo:

@@ -8,12 +8,13 @@ Bits match the reference exactly; scales match it up to float32 rounding
 
 from __future__ import annotations
 
-import contextlib
 from typing import Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
+
+from ._common import device_guard, load_c
 
 from ..compressors.onebit import WORD_BITS
 
@@ -25,14 +26,6 @@ DECOMPRESS_TILE = 2048
 
 
 @triton.jit
-def _load_c(grad_ptr, res_ptr, offs, mask, HAS_RES: tl.constexpr):
-    c = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if HAS_RES:
-        c = c + tl.load(res_ptr + offs, mask=mask, other=0.0)
-    return c
-
-
-@triton.jit
 def _compress_tile(
     grad_ptr, res_ptr, bits_ptr, tile_begin, end, HAS_RES: tl.constexpr, WORDS: tl.constexpr
 ):
@@ -41,7 +34,7 @@ def _compress_tile(
     lanes = tl.arange(0, 32)
     offs = tile_begin + rows[:, None] * 32 + lanes[None, :]
     mask = offs < end
-    c = _load_c(grad_ptr, res_ptr, offs, mask, HAS_RES)
+    c = load_c(grad_ptr, res_ptr, offs, mask, HAS_RES)
     # Comparison, not the sign bit: NaN -> 0, -0.0 -> 1. Lanes past n load
     # 0.0, which compares >= 0, so they are masked off explicitly.
     bit = ((c >= 0.0) & mask).to(tl.uint32)
@@ -102,7 +95,7 @@ def _compress_kernel(
             lanes = tl.arange(0, 32)
             for start in tl.range(0, block_size, TILE):
                 offs = begin + start + rows[:, None] * 32 + lanes[None, :]
-                c = _load_c(grad_ptr, res_ptr, offs, offs < end, HAS_RES)
+                c = load_c(grad_ptr, res_ptr, offs, offs < end, HAS_RES)
                 _store_residual(res_ptr, begin + start, end, c, scale, WORDS)
 
 
@@ -133,10 +126,6 @@ def _decompress_kernel(
     tl.store(out_ptr + offs, decoded, mask=mask)
 
 
-def _device_guard(t: torch.Tensor):
-    # Triton launches on the current CUDA device, which need not be the
-    # tensor's (several GPUs in one process).
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 def _check_flat(name: str, t: torch.Tensor) -> None:
@@ -171,7 +160,7 @@ def compress(
     bits = torch.empty(words, dtype=torch.int32, device=grad.device)
     scales = torch.empty(blocks, dtype=torch.float32, device=grad.device)
     tile = min(triton.next_power_of_2(block_size), MAX_TILE)
-    with _device_guard(grad):
+    with device_guard(grad):
         _compress_kernel[(blocks,)](
             grad,
             residual if residual is not None else grad,  # never read when HAS_RES is False
@@ -211,7 +200,7 @@ def decompress(
         return
     words_per_prog = DECOMPRESS_TILE // WORD_BITS
     grid = (triton.cdiv(n, DECOMPRESS_TILE),)
-    with _device_guard(out):
+    with device_guard(out):
         _decompress_kernel[grid](
             bits.contiguous(),
             scales.contiguous(),

@@ -21,13 +21,14 @@ untouched until the final compaction, the one pass that writes it:
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from typing import Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
+
+from ._common import device_guard, load_c
 
 from ..compressors import topk as ref
 
@@ -38,14 +39,6 @@ NUM_WARPS = 8
 RADIX_BINS = 256
 RADIX_SHIFTS = (24, 16, 8, 0)
 SCATTER_TILE = 1024
-
-
-@triton.jit
-def _load_c(grad_ptr, res_ptr, offs, mask, HAS_RES: tl.constexpr):
-    c = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if HAS_RES:
-        c = c + tl.load(res_ptr + offs, mask=mask, other=0.0)
-    return c
 
 
 @triton.jit
@@ -80,7 +73,7 @@ def _radix_hist_kernel(
     for tile in tl.range(pid, num_tiles, tl.num_programs(0)):
         offs = tile * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
-        key = _key(_load_c(grad_ptr, res_ptr, offs, mask, HAS_RES))
+        key = _key(load_c(grad_ptr, res_ptr, offs, mask, HAS_RES))
         if SHIFT + 8 < 32:
             # Only keys whose higher digits equal the prefix chosen so far.
             mask = mask & ((key >> (SHIFT + 8)) == (prefix >> (SHIFT + 8)))
@@ -121,7 +114,7 @@ def _count_kernel(
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    key = _key(_load_c(grad_ptr, res_ptr, offs, mask, HAS_RES))
+    key = _key(load_c(grad_ptr, res_ptr, offs, mask, HAS_RES))
     thr = tl.load(thr_ptr)
     tl.store(above_ptr + pid, tl.sum(((key > thr) & mask).to(tl.int32)))
     tl.store(equal_ptr + pid, tl.sum(((key == thr) & mask).to(tl.int32)))
@@ -145,7 +138,7 @@ def _compact_kernel(
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    c = _load_c(grad_ptr, res_ptr, offs, mask, HAS_RES)
+    c = load_c(grad_ptr, res_ptr, offs, mask, HAS_RES)
     key = _key(c)
     thr = tl.load(thr_ptr)
     above = (key > thr) & mask
@@ -250,10 +243,6 @@ class _Pass:
         return indices, values
 
 
-def _device_guard(t: torch.Tensor):
-    # Triton launches on the current CUDA device, which need not be the
-    # tensor's (several GPUs in one process).
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 def _sample_threshold(grad, residual, positions, rank) -> torch.Tensor:
@@ -292,7 +281,7 @@ def compress(
     if not 1 <= k <= n:
         raise ValueError(f"k must be in [1, {n}], got {k}")
 
-    with _device_guard(grad):
+    with device_guard(grad):
         return _select_and_compact(grad, residual, k, approx)
 
 
@@ -346,7 +335,7 @@ def decompress(
     count = indices.numel()
     if count == 0:
         return
-    with _device_guard(out):
+    with device_guard(out):
         _scatter_kernel[(triton.cdiv(count, SCATTER_TILE),)](
             indices.contiguous(), values.contiguous(), out, count,
             ACCUMULATE=bool(accumulate), BLOCK=SCATTER_TILE, num_warps=4,

@@ -1,0 +1,25 @@
+// Device helpers shared by the CUDA kernel families (kernels/cuda/*.cu).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+namespace pycomm {
+namespace cuda {
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+// c exactly as the reference computes it: grad.float() + residual, or
+// grad.float() alone. Adding 0.0f when there is no residual would turn -0.0
+// into +0.0, so the branch is needed (it is uniform across the grid).
+template <typename T>
+__device__ __forceinline__ float load_c(const T* grad, const float* residual, int64_t i) {
+  const float g = to_float(grad[i]);
+  return residual != nullptr ? g + residual[i] : g;
+}
+
+}  // namespace cuda
+}  // namespace pycomm
