@@ -5,8 +5,19 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
+#include <stdexcept>
+#include <string>
+
 namespace pycomm {
 namespace cuda {
+
+// Every CUDA call is checked: an error becomes an exception naming the call.
+inline void check(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) {
+    throw std::runtime_error(std::string("pycomm CUDA error in ") + what + ": " +
+                             cudaGetErrorString(err));
+  }
+}
 
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }

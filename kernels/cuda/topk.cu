@@ -33,14 +33,6 @@ namespace pycomm {
 namespace cuda {
 namespace {
 
-// Duplicated in onebit.cu on purpose: the public header stays free of
-// <string> and <stdexcept>, and each .cu stays self-contained.
-void check(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) {
-    throw std::runtime_error(std::string("pycomm CUDA error in ") + what + ": " + cudaGetErrorString(err));
-  }
-}
-
 using u64 = unsigned long long;
 
 

@@ -950,13 +950,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         f"(default: {DEFAULT_TIMEOUT:g})")
 
 
-def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    """Fill in defaults; a bad option exits 2 with a message naming it."""
-    try:
-        resolved = resolve_args(args)
-    except ValueError as exc:
-        parser.error(str(exc))
-    vars(args).update(vars(resolved))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -6,8 +6,9 @@ Each subcommand is a module of :mod:`pycomm.bench` named in
 - ``HELP``: one line for ``pycomm-bench --help``;
 - ``add_arguments(parser)``: its own options (the common ones, below, are
   already there);
-- ``check_args(args, parser)`` (optional): checks that need more than one
-  option or the machine (report with ``parser.error``, which exits 2);
+- ``resolve_args(args) -> args`` (optional): fills in defaults and checks
+  what needs more than one option or the machine, raising ValueError with a
+  message naming the option (reported like an argparse error: exit 2);
 - ``run(args) -> int``: run, print, write JSON; returns the exit status.
 
 Adding a benchmark (``ddp``, ``allreduce``, ``all``) is adding a module and a
@@ -133,8 +134,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     module, sub_parser = args._module, args._parser
-    if hasattr(module, "check_args"):
-        module.check_args(args, sub_parser)
+    if hasattr(module, "resolve_args"):
+        try:
+            vars(args).update(vars(module.resolve_args(args)))
+        except ValueError as exc:
+            sub_parser.error(str(exc))
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     try:

@@ -872,12 +872,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "device, except triton on cpu). The unfused peer and torch.topk always run.")
 
 
-def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    try:
-        resolved = resolve_args(args)
-    except ValueError as exc:
-        parser.error(str(exc))
-    vars(args).update(vars(resolved))
 
 
 def run(args: argparse.Namespace) -> int:
