@@ -1,0 +1,568 @@
+"""An emulated slow cluster network on one machine, for the all-reduce benchmarks.
+
+Each rank runs in its own network namespace ``<prefix>-r<i>`` with a veth
+``eth0``; the other end of every veth (``v<i>``) sits on a bridge ``br0``
+inside one more namespace, the "switch" ``<prefix>-sw``. Nothing is created
+in the host namespace and the host's interfaces, routes and qdiscs are never
+touched: the veths are created inside the switch namespace and moved straight
+into the rank namespaces. Addresses come from a private /24 that exists only
+inside these namespaces. Every link is shaped in both directions with tbf
+(``tc qdisc replace dev X root tbf rate R burst B latency 100ms``, B about
+R x 1 ms and at least 64 KiB): on the rank's ``eth0`` (rank -> switch) and on
+its peer ``v<i>`` in the switch (switch -> rank). ``lo`` is never shaped
+(shaping one shared ``lo`` caps the sum of all ranks' traffic: not a cluster).
+The kernel here has tbf but no netem: the rate can be limited, latency and
+loss cannot be injected.
+
+Building needs root and iproute2 (``ip``, ``tc``). Namespaces left over by a
+crashed run with the same prefix are deleted (by exact name) before a build;
+everything built is deleted on exit from the ``with`` block, at interpreter
+exit (atexit) and on SIGINT/SIGTERM, after the rank processes started through
+the cluster have been killed and waited for by PID.
+
+Where emulation is not available, :func:`make_cluster` says so once and
+returns a :class:`LoopbackCluster` with the same interface (all ranks on
+127.0.0.1, ``emulated=False``), so results can be labelled as such.
+
+Example (as root)::
+
+    >>> from pycomm.bench.netem import EmulatedCluster, measure_busbw   # doctest: +SKIP
+    >>> with EmulatedCluster(2, 100e6) as c:                             # doctest: +SKIP
+    ...     print(c.describe(), measure_busbw(c) / 1e6, "Mbit/s")
+    2 ranks, namespaces pycomm-r*, tbf 100 Mbit/s each way  95.1 Mbit/s
+
+    $ python -m pycomm.bench.netem check --ranks 2 --rate 100M   # build, measure, print, tear down
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Dict, List, Optional, Sequence, Tuple
+
+log = logging.getLogger(__name__)
+
+#: Private /24 used only inside the namespaces built here (rank i gets .i+1).
+SUBNET = "10.213.37"
+MAX_RANKS = 200
+DEFAULT_PORT = 29500
+#: Seconds any single ``ip``/``tc`` call may take.
+CMD_TIMEOUT = 10.0
+#: Smallest tbf bucket (bytes): below ~64 KiB tbf throttles well under its rate.
+MIN_BURST_BYTES = 64 * 1024
+_NAME_OK = re.compile(r"^[A-Za-z0-9_.]+(-[A-Za-z0-9_.]+)*$")
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _run(argv: Sequence[str], timeout: float = CMD_TIMEOUT, check: bool = True) -> subprocess.CompletedProcess:
+    """Run one ip/tc command, bounded in time; raise with its stderr on failure."""
+    proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} failed ({proc.returncode}): {proc.stderr.strip()}")
+    return proc
+
+
+def _netns_list() -> List[str]:
+    """Names of the existing network namespaces (``ip netns list``)."""
+    out = _run(["ip", "netns", "list"]).stdout
+    # lines look like "name" or "name (id: 3)"
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+def _netns_delete(name: str) -> None:
+    """Delete one namespace by exact name (its veth ends go with it)."""
+    _run(["ip", "netns", "delete", name], check=False)
+
+
+def tbf_burst_bytes(rate_bits_per_s: float) -> int:
+    """tbf bucket: the bytes of ~1 ms at the rate, at least 64 KiB."""
+    return max(MIN_BURST_BYTES, int(rate_bits_per_s / 8 * 1e-3))
+
+
+def parse_rate(text: str) -> Optional[float]:
+    """``"100M"`` / ``"2.5G"`` / ``"800k"`` / ``"1e8"`` bits per second; ``"none"`` -> None.
+
+    >>> parse_rate("100M"), parse_rate("2.5G"), parse_rate("none")
+    (100000000.0, 2500000000.0, None)
+    """
+    t = text.strip().lower().removesuffix("bit/s").removesuffix("bps").removesuffix("bit")
+    if t in ("", "none", "0", "unshaped"):
+        return None
+    mult = {"k": 1e3, "m": 1e6, "g": 1e9}.get(t[-1], 1.0)
+    return float(t[:-1] if mult != 1.0 else t) * mult
+
+
+def fmt_rate(bits_per_s: Optional[float]) -> str:
+    """``100 Mbit/s``, ``2.5 Gbit/s``; ``unshaped`` for None.
+
+    >>> fmt_rate(1e8), fmt_rate(2.5e9), fmt_rate(None)
+    ('100 Mbit/s', '2.5 Gbit/s', 'unshaped')
+    """
+    if bits_per_s is None:
+        return "unshaped"
+    for unit, scale in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
+        if bits_per_s >= scale:
+            return f"{bits_per_s / scale:.3g} {unit}"
+    return f"{bits_per_s:.3g} bit/s"
+
+
+_available: Optional[Tuple[bool, str]] = None
+
+
+def emulation_available() -> Tuple[bool, str]:
+    """(True, "") where namespaces, veths and tbf work here; else (False, why).
+
+    Checks root and iproute2, then builds and removes a throw-away namespace
+    ``pycomm-probe-<pid>`` holding a veth pair shaped with tbf (the host
+    namespace is not touched). The answer is cached for the process.
+    """
+    global _available
+    if _available is not None:
+        return _available
+    if not sys.platform.startswith("linux"):
+        _available = (False, f"network namespaces need Linux (this is {sys.platform})")
+    elif os.geteuid() != 0:
+        _available = (False, "network namespaces and tc need root (not running as root)")
+    elif shutil.which("ip") is None or shutil.which("tc") is None:
+        _available = (False, "iproute2 (ip, tc) is not installed")
+    else:
+        probe = f"pycomm-probe-{os.getpid()}"
+        try:
+            _netns_delete(probe)
+            _run(["ip", "netns", "add", probe])
+            _run(["ip", "-n", probe, "link", "add", "pa", "type", "veth", "peer", "name", "pb"])
+            _run(["tc", "-n", probe, "qdisc", "replace", "dev", "pa", "root", "tbf",
+                  "rate", "100mbit", "burst", str(MIN_BURST_BYTES), "latency", "100ms"])
+            _available = (True, "")
+        except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
+            _available = (False, f"cannot build a shaped namespace here: {exc}")
+        finally:
+            try:
+                _netns_delete(probe)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+    return _available
+
+
+# --------------------------------------------------------------------------- clusters
+
+
+class _ClusterBase:
+    """What both clusters share: rank processes started through them, killed on close."""
+
+    emulated = False
+    world_size: int
+    rate_bits_per_s: Optional[float]
+    master_port: int
+
+    def __init__(self) -> None:
+        self._procs: List[subprocess.Popen] = []
+        self._lock = threading.Lock()
+
+    # per-rank facts, overridden
+    def addr(self, rank: int) -> str:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    @property
+    def master_addr(self) -> str:
+        return self.addr(0)
+
+    def _ifname(self) -> Optional[str]:
+        return None
+
+    def env(self, rank: int) -> Dict[str, str]:
+        """Environment a rank process needs (on top of ``os.environ``) for
+        ``init_process_group("gloo", init_method="env://")``."""
+        e = {
+            "MASTER_ADDR": self.master_addr,
+            "MASTER_PORT": str(self.master_port),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(self.world_size),
+            "LOCAL_RANK": str(rank),
+        }
+        if self._ifname():
+            e["GLOO_SOCKET_IFNAME"] = self._ifname()
+            e["TP_SOCKET_IFNAME"] = self._ifname()
+        return e
+
+    def command(self, rank: int, argv: Sequence[str]) -> List[str]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def spawn(self, rank: int, argv: Sequence[str], **popen_kw) -> subprocess.Popen:
+        """Start ``argv`` as rank ``rank`` (inside its namespace, with :meth:`env`).
+        The process is killed and waited for when the cluster closes."""
+        env = dict(os.environ)
+        env.update(self.env(rank))
+        env.update(popen_kw.pop("env", {}) or {})
+        proc = subprocess.Popen(self.command(rank, argv), env=env, **popen_kw)
+        with self._lock:
+            self._procs.append(proc)
+        return proc
+
+    def kill_ranks(self) -> None:
+        """Kill every still-running rank process started here and wait for each by PID."""
+        with self._lock:
+            procs, self._procs = self._procs, []
+        for p in procs:
+            if p.poll() is None:
+                try:
+                    p.kill()
+                except OSError:
+                    pass
+        for p in procs:
+            try:
+                p.wait(timeout=CMD_TIMEOUT)
+            except subprocess.TimeoutExpired:  # pragma: no cover - unkillable
+                log.error("rank process %d did not exit after SIGKILL", p.pid)
+
+    def describe(self) -> str:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self.kill_ranks()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+_warned_fallback = False
+
+
+class LoopbackCluster(_ClusterBase):
+    """No emulation: every rank on 127.0.0.1 in the host namespace, unshaped.
+
+    Same interface as :class:`EmulatedCluster` (``netns`` is None for every
+    rank, ``command`` returns argv unchanged), ``emulated`` is False and
+    :meth:`describe` says "loopback (not emulated)". The first one built in a
+    process logs a warning with ``reason``.
+    """
+
+    emulated = False
+
+    def __init__(self, world_size: int, reason: str = "", master_port: Optional[int] = None) -> None:
+        super().__init__()
+        global _warned_fallback
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self.world_size = world_size
+        self.rate_bits_per_s = None
+        self.master_port = master_port if master_port is not None else _free_port()
+        self.reason = reason
+        if not _warned_fallback:
+            _warned_fallback = True
+            log.warning("network emulation unavailable%s; running on plain loopback (not emulated)",
+                        f" ({reason})" if reason else "")
+
+    def netns(self, rank: int) -> Optional[str]:
+        self._check_rank(rank)
+        return None
+
+    def addr(self, rank: int) -> str:
+        self._check_rank(rank)
+        return "127.0.0.1"
+
+    def command(self, rank: int, argv: Sequence[str]) -> List[str]:
+        self._check_rank(rank)
+        return list(argv)
+
+    def describe(self) -> str:
+        return f"{self.world_size} ranks, loopback (not emulated)"
+
+    def _check_rank(self, rank: int) -> None:
+        if not 0 <= rank < self.world_size:
+            raise IndexError(f"rank {rank} not in [0, {self.world_size})")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class EmulatedCluster(_ClusterBase):
+    """``world_size`` rank namespaces on a bridge, each link shaped to
+    ``rate_bits_per_s`` in both directions (None: not shaped). Needs root.
+
+    Built on ``__enter__`` (or :meth:`build`), removed on ``__exit__`` /
+    :meth:`close`, at exit and on SIGINT/SIGTERM. Names: ``<prefix>-sw`` (the
+    switch) and ``<prefix>-r<i>``; anything of that form that already exists
+    is a leftover of a crashed run and is deleted first.
+    """
+
+    emulated = True
+
+    def __init__(self, world_size: int, rate_bits_per_s: Optional[float] = None,
+                 prefix: str = "pycomm", master_port: int = DEFAULT_PORT) -> None:
+        super().__init__()
+        if not 1 <= world_size <= MAX_RANKS:
+            raise ValueError(f"world_size must be in [1, {MAX_RANKS}], got {world_size}")
+        if rate_bits_per_s is not None and not rate_bits_per_s > 0:
+            raise ValueError(f"rate must be > 0 bit/s or None, got {rate_bits_per_s}")
+        if not _NAME_OK.match(prefix) or len(prefix) > 40:
+            raise ValueError(f"bad namespace prefix {prefix!r}")
+        self.world_size = world_size
+        self.rate_bits_per_s = rate_bits_per_s
+        self.prefix = prefix
+        self.master_port = master_port
+        self.switch = f"{prefix}-sw"
+        self._rank_ns = [f"{prefix}-r{i}" for i in range(world_size)]
+        self._created: List[str] = []
+        self._built = False
+        self._closed = False
+        self._old_handlers: Dict[int, object] = {}
+
+    # ---- names and addresses
+    def netns(self, rank: int) -> str:
+        return self._rank_ns[rank]
+
+    def addr(self, rank: int) -> str:
+        if not 0 <= rank < self.world_size:
+            raise IndexError(f"rank {rank} not in [0, {self.world_size})")
+        return f"{SUBNET}.{rank + 1}"
+
+    def _ifname(self) -> Optional[str]:
+        return "eth0"
+
+    def command(self, rank: int, argv: Sequence[str]) -> List[str]:
+        return ["ip", "netns", "exec", self.netns(rank), *argv]
+
+    def namespaces(self) -> List[str]:
+        """Every namespace this cluster creates (switch first)."""
+        return [self.switch, *self._rank_ns]
+
+    def describe(self) -> str:
+        shaping = (f"tbf {fmt_rate(self.rate_bits_per_s)} each way" if self.rate_bits_per_s
+                   else "unshaped")
+        return f"{self.world_size} ranks, namespaces {self.prefix}-r*, {shaping}"
+
+    # ---- build / tear down
+    def stale_namespaces(self) -> List[str]:
+        """Existing namespaces named like this prefix's (``<prefix>-sw``, ``<prefix>-r<N>``)."""
+        pat = re.compile(rf"^{re.escape(self.prefix)}-(sw|r[0-9]+)$")
+        return [n for n in _netns_list() if pat.match(n)]
+
+    def remove_stale(self) -> List[str]:
+        stale = self.stale_namespaces()
+        for name in stale:
+            log.info("deleting stale namespace %s", name)
+            _netns_delete(name)
+        return stale
+
+    def build(self) -> "EmulatedCluster":
+        if self._built:
+            return self
+        ok, why = emulation_available()
+        if not ok:
+            raise RuntimeError(f"cannot emulate a network here: {why}")
+        self._install_cleanup()
+        self._built = True
+        try:
+            self.remove_stale()
+            sw = self.switch
+            self._add_ns(sw)
+            _run(["ip", "-n", sw, "link", "add", "br0", "type", "bridge"])
+            _run(["ip", "-n", sw, "link", "set", "br0", "up"])
+            for rank, ns in enumerate(self._rank_ns):
+                self._add_ns(ns)
+                peer = f"v{rank}"
+                # created inside the switch namespace, one end moved straight into the rank's
+                _run(["ip", "-n", sw, "link", "add", peer, "type", "veth", "peer", "name", "eth0", "netns", ns])
+                _run(["ip", "-n", sw, "link", "set", peer, "master", "br0"])
+                _run(["ip", "-n", sw, "link", "set", peer, "up"])
+                _run(["ip", "-n", ns, "addr", "add", f"{self.addr(rank)}/24", "dev", "eth0"])
+                _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+                _run(["ip", "-n", ns, "link", "set", "eth0", "up"])
+                if self.rate_bits_per_s is not None:
+                    self._shape(ns, "eth0")   # rank -> switch
+                    self._shape(sw, peer)     # switch -> rank
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _add_ns(self, name: str) -> None:
+        _run(["ip", "netns", "add", name])
+        self._created.append(name)
+
+    def _shape(self, ns: str, dev: str) -> None:
+        rate = int(self.rate_bits_per_s)
+        _run(["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{rate}bit",
+              "burst", str(tbf_burst_bytes(rate)), "latency", "100ms"])
+
+    def close(self) -> None:
+        """Kill rank processes (waited by PID), then delete every namespace created."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.kill_ranks()
+        finally:
+            for name in reversed(self._created):
+                try:
+                    _netns_delete(name)
+                except (OSError, subprocess.TimeoutExpired) as exc:  # pragma: no cover
+                    log.error("could not delete namespace %s: %s", name, exc)
+            self._created = []
+            self._restore_handlers()
+
+    def __enter__(self) -> "EmulatedCluster":
+        return self.build()
+
+    # ---- cleanup on exit / Ctrl-C
+    def _install_cleanup(self) -> None:
+        atexit.register(self.close)
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._old_handlers[sig] = signal.getsignal(sig)
+            signal.signal(sig, self._on_signal)
+
+    def _restore_handlers(self) -> None:
+        atexit.unregister(self.close)
+        if threading.current_thread() is threading.main_thread():
+            for sig, old in self._old_handlers.items():
+                if signal.getsignal(sig) == self._on_signal:
+                    signal.signal(sig, old)
+        self._old_handlers = {}
+
+    def _on_signal(self, signum, frame) -> None:
+        old = self._old_handlers.get(signum, signal.SIG_DFL)
+        self.close()  # also restores the old handler
+        if callable(old):
+            old(signum, frame)  # e.g. default_int_handler raises KeyboardInterrupt
+        elif old == signal.SIG_DFL:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
+
+def make_cluster(world_size: int, rate_bits_per_s: Optional[float] = None, prefix: str = "pycomm"):
+    """An :class:`EmulatedCluster` where emulation works, else a :class:`LoopbackCluster`
+    (which logs why, once). Use as a context manager."""
+    ok, why = emulation_available()
+    if ok:
+        return EmulatedCluster(world_size, rate_bits_per_s, prefix=prefix)
+    return LoopbackCluster(world_size, reason=why)
+
+
+# --------------------------------------------------------------------------- bus bandwidth
+
+
+def measure_busbw(cluster, nbytes: int = 4 << 20, repeats: int = 5, warmup: int = 1,
+                  timeout: float = 60.0) -> float:
+    """Bus bandwidth (bit/s) of a plain Gloo float32 all-reduce of ``nbytes``
+    across the cluster's ranks, each a process started in its namespace:
+    2(W-1)/W x bits / time, time the median over ``repeats`` of the slowest
+    rank's time (a barrier before each call). Kills the ranks on failure."""
+    w = cluster.world_size
+    argv = [sys.executable, "-m", "pycomm.bench.netem", "busbw", "--nbytes", str(nbytes),
+            "--repeats", str(repeats), "--warmup", str(warmup), "--timeout", str(timeout)]
+    procs = [cluster.spawn(r, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(w)]
+    deadline = time.monotonic() + timeout
+    outs: List[Tuple[str, str]] = []
+    try:
+        for r, p in enumerate(procs):
+            try:
+                out, err = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise TimeoutError(f"busbw rank {r} did not finish within {timeout:.0f} s") from None
+            if p.returncode != 0:
+                raise RuntimeError(f"busbw rank {r} exited with {p.returncode}:\n{err.strip()[-2000:]}")
+            outs.append((out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        for p in procs:
+            p.wait()
+    result = json.loads(outs[0][0].strip().splitlines()[-1])
+    return result["busbw_bits_per_s"]
+
+
+def link_report(cluster, **measure_kw) -> Tuple[float, str]:
+    """Measure the cluster's bus bandwidth (:func:`measure_busbw`) and a line
+    to print before using it: what it is, the set rate and the measured one."""
+    bw = measure_busbw(cluster, **measure_kw)
+    rate = cluster.rate_bits_per_s
+    ratio = f" ({bw / rate:.2f} x)" if rate else ""
+    return bw, f"{cluster.describe()}: set {fmt_rate(rate)}, measured bus bandwidth {fmt_rate(bw)}{ratio}"
+
+
+def _busbw_rank(nbytes: int, repeats: int, warmup: int, timeout: float) -> None:
+    """Entry point of one rank (``python -m pycomm.bench.netem busbw``), env:// init."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=timeout))
+    try:
+        w, rank = dist.get_world_size(), dist.get_rank()
+        x = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
+        times = []
+        for i in range(warmup + repeats):
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_reduce(x)
+            t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            if i >= warmup:
+                times.append(t.item())
+            x.fill_(1.0)
+        times.sort()
+        n = len(times)
+        median = times[n // 2] if n % 2 else 0.5 * (times[n // 2 - 1] + times[n // 2])
+        busbw = 2 * (w - 1) / w * x.numel() * 4 * 8 / median
+        if rank == 0:
+            print(json.dumps({"world_size": w, "nbytes": x.numel() * 4, "times_s": times,
+                              "median_s": median, "busbw_bits_per_s": busbw}), flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m pycomm.bench.netem", description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("busbw", help="one rank of measure_busbw (run inside a rank namespace)")
+    b.add_argument("--nbytes", type=int, default=4 << 20)
+    b.add_argument("--repeats", type=int, default=5)
+    b.add_argument("--warmup", type=int, default=1)
+    b.add_argument("--timeout", type=float, default=60.0)
+    c = sub.add_parser("check", help="build a cluster, measure its bus bandwidth, tear it down")
+    c.add_argument("--ranks", type=int, default=2)
+    c.add_argument("--rate", default="100M", help="e.g. 100M, 1G, none")
+    c.add_argument("--nbytes", type=int, default=4 << 20)
+    c.add_argument("--repeats", type=int, default=5)
+    c.add_argument("--prefix", default="pycomm")
+    args = ap.parse_args(argv)
+    if args.cmd == "busbw":
+        _busbw_rank(args.nbytes, args.repeats, args.warmup, args.timeout)
+        return 0
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    rate = parse_rate(args.rate)
+    with make_cluster(args.ranks, rate, prefix=args.prefix) as cluster:
+        _, line = link_report(cluster, nbytes=args.nbytes, repeats=args.repeats)
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
