@@ -79,8 +79,8 @@ float grad_at(const void* grad, DType dtype, int64_t i) {
 }
 
 // Elements are scanned in groups of kGroup: a vectorized pass over the group
-// computes its counts and whether any key reaches t; only such groups (rare:
-// about density * kGroup of them) are walked element by element.
+// computes its counts and a bit mask of the keys that reach t; the (rare)
+// hits are then visited through the mask, not by a scalar walk.
 constexpr int kGroup = 16;
 
 // Counts keys > t and == t in [begin, end); with `hits`, also appends, in
@@ -91,17 +91,19 @@ void count_chunk(const float* c, int64_t begin, int64_t end, uint32_t t, int64_t
   int64_t i = begin;
   for (; i + kGroup <= end; i += kGroup) {
     int64_t ggt = 0, geq = 0;
-#pragma omp simd reduction(+ : ggt, geq)
+    uint32_t at_least = 0;  // bit j: element i + j has key >= t
+#pragma omp simd reduction(+ : ggt, geq) reduction(| : at_least)
     for (int j = 0; j < kGroup; ++j) {
       const uint32_t key = topk_key(c[i + j]);
       ggt += key > t;
       geq += key == t;
+      at_least |= (uint32_t)(key >= t) << j;
     }
     ngt += ggt;
     neq += geq;
-    if (hits && ggt + geq)
-      for (int j = 0; j < kGroup; ++j)
-        if (topk_key(c[i + j]) >= t) hits->push_back((int32_t)(i + j));
+    // Visit only the hits, lowest index first.
+    for (; hits && at_least; at_least &= at_least - 1)
+      hits->push_back((int32_t)(i + __builtin_ctz(at_least)));
   }
   for (; i < end; ++i) {
     const uint32_t key = topk_key(c[i]);
