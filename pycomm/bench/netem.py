@@ -36,6 +36,7 @@ Example (as root)::
 
 from __future__ import annotations
 
+import abc
 import argparse
 import atexit
 import json
@@ -159,7 +160,7 @@ def emulation_available() -> Tuple[bool, str]:
 # --------------------------------------------------------------------------- clusters
 
 
-class _ClusterBase:
+class _ClusterBase(abc.ABC):
     """What both clusters share: rank processes started through them, killed on close."""
 
     emulated = False
@@ -172,8 +173,9 @@ class _ClusterBase:
         self._lock = threading.Lock()
 
     # per-rank facts, overridden
-    def addr(self, rank: int) -> str:  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abc.abstractmethod
+    def addr(self, rank: int) -> str:
+        """The address rank ``rank`` listens on."""
 
     @property
     def master_addr(self) -> str:
@@ -197,8 +199,9 @@ class _ClusterBase:
             e["TP_SOCKET_IFNAME"] = self._ifname()
         return e
 
-    def command(self, rank: int, argv: Sequence[str]) -> List[str]:  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abc.abstractmethod
+    def command(self, rank: int, argv: Sequence[str]) -> List[str]:
+        """``argv`` prefixed so that it runs where rank ``rank`` lives."""
 
     def spawn(self, rank: int, argv: Sequence[str], **popen_kw) -> subprocess.Popen:
         """Start ``argv`` as rank ``rank`` (inside its namespace, with :meth:`env`).
@@ -227,8 +230,9 @@ class _ClusterBase:
             except subprocess.TimeoutExpired:  # pragma: no cover - unkillable
                 log.error("rank process %d did not exit after SIGKILL", p.pid)
 
-    def describe(self) -> str:  # pragma: no cover - overridden
-        raise NotImplementedError
+    @abc.abstractmethod
+    def describe(self) -> str:
+        """One line saying what this cluster is (for reports)."""
 
     def close(self) -> None:
         self.kill_ranks()
