@@ -13,17 +13,15 @@ Findings (details, evidence and commands: docs/powersgd_on_gloo.md):
 * With one bucket (the whole model fits in ``bucket_cap_mb``) there is
   nothing to race with and the hook works. That is why it is the
   configuration (how many buckets), not error feedback or warm start.
-* :func:`serialized_hook` (below) runs the unmodified hook one bucket at a
+* :func:`pycomm.ddp.serialized_hook` runs the unmodified hook one bucket at a
   time on one worker thread, each bucket's collectives finishing before the
   next bucket's start: same order on every rank, identical parameters.
 """
 
 import os
-import queue
 import sys
 import threading
 import time
-import traceback
 
 import pytest
 import torch
@@ -32,57 +30,12 @@ import torch.nn as nn
 sys.path.insert(0, os.path.dirname(__file__))
 from _dist import RankError, run_ranks  # noqa: E402
 
+from pycomm.ddp import serialized_hook  # noqa: E402
+
 VOCAB, SEQ = 96, 32
 # 0.05 MiB buckets split the test model into ~10 buckets: the race shows at
 # once. With bucket_cap_mb=25 the same model is one bucket and works.
 SMALL_CAP_MB = 0.05
-
-
-def serialized_hook(hook):
-    """Wrap a DDP comm hook so that buckets are reduced strictly one after another.
-
-    ``hook(state, bucket)`` (e.g. ``powerSGD_hook``) runs, unmodified, on one
-    worker thread per wrapper, in the order DDP hands the buckets over (the
-    bucket index order, the same on every rank); that thread waits until the
-    hook's whole future chain (including collectives issued from its
-    ``then()`` callbacks) has completed before it starts the next bucket. The
-    wrapper returns a future at once, so backward computation still overlaps
-    with communication; what is lost is overlap BETWEEN buckets' collectives.
-
-    Example::
-
-        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as P
-        state = P.PowerSGDState(process_group=None, matrix_approximation_rank=4,
-                                start_powerSGD_iter=2)
-        ddp.register_comm_hook(state, serialized_hook(P.powerSGD_hook))
-
-    Only valid when nothing else issues collectives on the same group while
-    the backward pass runs (DDP's ``find_unused_parameters=True`` does: use a
-    separate process group for the hook state then).
-    """
-    tasks: "queue.SimpleQueue" = queue.SimpleQueue()
-
-    def loop():
-        while True:
-            tasks.get()()
-
-    threading.Thread(target=loop, name="serialized-comm-hook", daemon=True).start()
-
-    def wrapped(state, bucket):
-        fut = torch.futures.Future()
-
-        def task():
-            try:
-                fut.set_result(hook(state, bucket).wait())
-            except BaseException as e:  # noqa: BLE001 - DDP re-raises it
-                # DDP's reducer re-raises only str(e) ("Unable to cast <str(e)>
-                # to Tensor"): put the hook's traceback into the message.
-                fut.set_exception(RuntimeError(f"comm hook raised {type(e).__name__}: {e}\n{traceback.format_exc()}"))
-
-        tasks.put(task)
-        return fut
-
-    return wrapped
 
 
 def blocking_hook(hook):

@@ -12,5 +12,6 @@ See :mod:`pycomm.ddp.hook` for how buckets are reduced.
 """
 
 from .hook import CompressionState, compressed_hook
+from .serialized import serialized_hook
 
-__all__ = ["CompressionState", "compressed_hook"]
+__all__ = ["CompressionState", "compressed_hook", "serialized_hook"]
