@@ -34,6 +34,8 @@ import torch
 SUBCOMMANDS = {
     "kernels": "pycomm.bench.kernels",
     "allreduce": "pycomm.bench.allreduce",
+    "ddp": "pycomm.bench.ddp",
+    "all": "pycomm.bench.all",
 }
 
 _SUFFIX = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}

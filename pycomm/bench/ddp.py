@@ -1,0 +1,899 @@
+"""End-to-end DDP benchmark: does compression make training faster on my
+network, and does it hurt the model?
+
+W ranks (``--ranks``) train the same model with DDP, once per method
+(``--methods``), on emulated links of each ``--bandwidth``
+(:mod:`pycomm.bench.netem`: one network namespace per rank, every link shaped
+with tbf both ways; the link's bus bandwidth is measured and printed before
+use). Without root or iproute2 it runs on plain loopback, labelled so.
+
+Methods, side by side in the same rank processes (same seed, same batches):
+
+* ``allreduce``: DDP's own all-reduce, float32 (the baseline);
+* ``fp16``, ``bf16``: PyTorch's ``fp16_compress_hook`` / ``bf16_compress_hook``;
+* ``powersgd-R``: PyTorch's ``powerSGD_hook`` of rank R (error feedback and
+  warm start on), run through :func:`pycomm.ddp.serialized_hook` (the
+  unwrapped hook fails on Gloo with more than one bucket:
+  docs/powersgd_on_gloo.md);
+* ``onebit``, ``topk-D`` (density D): pycomm's :func:`compressed_hook` over
+  the plain Gloo group; ``-noef`` turns error feedback off; ``-backend``
+  runs the same hook over a ``"pycomm"`` process group, so the C++ backend
+  compresses (e.g. ``onebit-noef-backend``).
+
+Every compressing method, PyTorch's and pycomm's, starts after the same
+``start_iter`` plain warm-up steps. At the training bandwidth
+(``--train-bandwidth``, default 1 Gbit/s) every method trains ``--steps``
+steps: loss vs steps and vs seconds, step times after warm-up. At the other
+bandwidths each method runs ``--time-steps`` timed steps after a 2-step
+warm-up: step times only. Per (method, bandwidth) the JSON record has the
+median and p10/p90 step time (max over ranks per step), tokens/s, bytes sent
+per rank per step (counted on each rank's interface), the compression time
+share, the final loss and whether every rank ended with identical
+parameters; the summary adds each method's break-even bandwidth (the link
+speed above which it stops beating ``allreduce``, interpolated in log
+bandwidth between measured points).
+
+Example::
+
+    $ pycomm-bench ddp --quick
+    $ pycomm-bench ddp --ranks 4 --bandwidth 100mbit,1gbit --methods allreduce,fp16,onebit --steps 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+HELP = "end-to-end DDP training on emulated slow links: pycomm vs all-reduce, fp16 and PowerSGD"
+
+DEFAULT_BANDWIDTHS = ["100mbit", "1gbit", "2.5gbit", "none"]
+QUICK_BANDWIDTHS = ["1gbit", "none"]
+DEFAULT_METHODS = [
+    "allreduce", "fp16", "powersgd-1", "powersgd-4",
+    "onebit", "onebit-noef", "topk-0.01", "topk-0.01-noef", "topk-0.001", "topk-0.001-noef",
+    "onebit-backend", "onebit-noef-backend", "topk-0.01-backend", "topk-0.01-noef-backend",
+    "topk-0.001-backend", "topk-0.001-noef-backend",
+]
+QUICK_METHODS = ["allreduce", "fp16", "powersgd-4", "onebit", "onebit-noef", "topk-0.01"]
+WORKLOADS = ("lm", "mlp")
+DEFAULT_STEPS = 200
+QUICK_STEPS = 40
+DEFAULT_TIME_STEPS = 10
+DEFAULT_START_ITER = 10
+#: Plain steps before the timed ones at the timing-only bandwidths (DDP
+#: rebuilds its buckets after the first; the compressors start at the second).
+TIMING_START_ITER = 2
+DEFAULT_TIMEOUT = 600.0
+DEFAULT_BUCKET_CAP_MB = 4.0
+#: The language model's context in the benchmark (shorter than its 128-byte
+#: default: fewer tokens per step keep compute small next to communication,
+#: as on GPUs, which are ~1000x faster than these CPU cores).
+DEFAULT_SEQ_LEN = 64
+#: Loss reported as "final": mean over ranks, mean of the last this many steps.
+FINAL_LOSS_WINDOW = 20
+
+
+# --------------------------------------------------------------------------- methods
+
+
+@dataclass(frozen=True)
+class Method:
+    """One way of reducing DDP's gradient buckets (see the module docstring)."""
+
+    name: str
+    entry: str  # "ddp" (no hook), "torch" (PyTorch's hooks), "hook" (pycomm over Gloo), "backend"
+    compressor: str  # "none", "fp16", "bf16", "powersgd", "onebit", "topk"
+    error_feedback: bool = False
+    density: Optional[float] = None
+    rank: Optional[int] = None
+
+    @property
+    def pycomm(self) -> bool:
+        return self.entry in ("hook", "backend")
+
+
+_METHOD_RE = re.compile(
+    r"^(?P<base>allreduce|fp16|bf16|powersgd-(?P<rank>[0-9]+)|onebit|topk-(?P<density>[0-9.eE+-]+?))"
+    r"(?P<noef>-noef)?(?P<backend>-backend)?$"
+)
+
+
+def parse_method(name: str) -> Method:
+    """``Method`` of a name such as ``onebit-noef-backend`` or ``powersgd-4``.
+
+    >>> parse_method("topk-0.01-noef")
+    Method(name='topk-0.01-noef', entry='hook', compressor='topk', error_feedback=False, density=0.01, rank=None)
+    """
+    m = _METHOD_RE.match(name.strip())
+    if m is None:
+        raise ValueError(
+            f"unknown method {name!r}: expected allreduce, fp16, bf16, powersgd-<rank>, "
+            "onebit or topk-<density>, the last two optionally followed by -noef and/or -backend"
+        )
+    base = m.group("base")
+    is_pycomm = base == "onebit" or base.startswith("topk-")
+    if (m.group("noef") or m.group("backend")) and not is_pycomm:
+        raise ValueError(f"method {name!r}: -noef and -backend apply to onebit and topk only")
+    if base.startswith("powersgd-"):
+        r = int(m.group("rank"))
+        if r < 1:
+            raise ValueError(f"method {name!r}: the PowerSGD rank must be >= 1")
+        return Method(name, "torch", "powersgd", True, rank=r)
+    if base in ("fp16", "bf16"):
+        return Method(name, "torch", base)
+    if base == "allreduce":
+        return Method(name, "ddp", "none")
+    entry = "backend" if m.group("backend") else "hook"
+    ef = not m.group("noef")
+    if base == "onebit":
+        return Method(name, entry, "onebit", ef)
+    try:
+        density = float(m.group("density"))
+    except ValueError:
+        raise ValueError(f"method {name!r}: bad density {m.group('density')!r}") from None
+    if not 0.0 < density <= 1.0:
+        raise ValueError(f"method {name!r}: density must be in (0, 1], got {density}")
+    return Method(name, entry, "topk", ef, density=density)
+
+
+# --------------------------------------------------------------------------- rank side
+
+
+def _tx_bytes(ifname: Optional[str]) -> Optional[int]:
+    """Bytes sent so far on ``ifname`` of this process's network namespace
+    (``/proc/self/net/dev`` is per namespace), or None if there is none."""
+    if not ifname:
+        return None
+    try:
+        with open("/proc/self/net/dev", encoding="ascii") as fh:
+            for line in fh:
+                name, _, rest = line.partition(":")
+                if name.strip() == ifname:
+                    return int(rest.split()[8])  # receive has 8 fields, then transmit bytes
+    except OSError:
+        return None
+    return None
+
+
+class _Emitter:
+    """JSON lines on stdout from rank 0: progress and results for the parent."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def __call__(self, **event: Any) -> None:
+        if self.rank == 0:
+            sys.stdout.write(json.dumps(event, allow_nan=False) + "\n")
+            sys.stdout.flush()
+
+
+def _workload(cfg: Dict[str, Any]):
+    from . import models
+
+    if cfg["workload"] == "lm":
+        return models.char_lm(cfg["model"], batch_size=cfg["batch_size"], seed=cfg["seed"],
+                              seq_len=cfg["seq_len"])
+    return models.narrow_mlp(batch_size=cfg["batch_size"], seed=cfg["seed"])
+
+
+def _optimizer(model, cfg: Dict[str, Any]):
+    """AdamW, fused (one pass over the parameters instead of several: on
+    these cores the unfused step of the 4.9M-parameter model costs as much
+    as a third of the forward + backward)."""
+    import torch
+
+    return torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=0.0, fused=True)
+
+
+def _median(xs: Sequence[float]) -> float:
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
+def _percentile(xs: Sequence[float], q: float) -> float:
+    import numpy as np
+
+    return float(np.percentile(np.asarray(xs, dtype=float), q))
+
+
+class _RankTrainer:
+    """Everything one rank does: every method in turn, same data and seed."""
+
+    def __init__(self, cfg: Dict[str, Any]) -> None:
+        import torch
+        import torch.distributed as dist
+
+        self.cfg = cfg
+        self.dist = dist
+        self.torch = torch
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+        self.emit = _Emitter(self.rank)
+        self.ifname = os.environ.get("GLOO_SOCKET_IFNAME") or cfg.get("count_ifname")
+        self._pycomm_groups: Dict[Tuple, Any] = {}
+
+    # ---- helpers
+    def _max_over_ranks(self, values: List[float]) -> List[float]:
+        t = self.torch.tensor(values, dtype=self.torch.float64)
+        self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX)
+        return t.tolist()
+
+    def _mean_over_ranks(self, values: List[float]) -> List[float]:
+        t = self.torch.tensor(values, dtype=self.torch.float64)
+        self.dist.all_reduce(t)
+        return (t / self.world).tolist()
+
+    def _pycomm_group(self, m: Method):
+        """A "pycomm" group for ``m``'s settings (created once, in method order:
+        every rank creates the same groups in the same order)."""
+        import pycomm.distributed as pd
+
+        key = (m.compressor, m.density)
+        if key not in self._pycomm_groups:
+            settings: Dict[str, Any] = {"compressor": m.compressor}
+            if m.density is not None:
+                settings["density"] = m.density
+            self._pycomm_groups[key] = pd.wrap(None, **settings)
+        return self._pycomm_groups[key]
+
+    def _setup(self, m: Method, start_iter: int):
+        """(ddp model, optimizer, loss_fn, batch_fn, hook state) for method ``m``."""
+        torch = self.torch
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model, batch_fn, loss_fn = _workload(self.cfg)
+        group = self._pycomm_group(m) if m.entry == "backend" else None
+        ddp = DDP(model, process_group=group, bucket_cap_mb=self.cfg["bucket_cap_mb"])
+        state = None
+        if m.entry == "torch":
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as P
+
+            from ..ddp import serialized_hook
+
+            if m.compressor == "fp16":
+                ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+            elif m.compressor == "bf16":
+                ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+            else:
+                state = P.PowerSGDState(process_group=None, matrix_approximation_rank=m.rank,
+                                        start_powerSGD_iter=start_iter, use_error_feedback=True,
+                                        warm_start=True, random_seed=self.cfg["seed"])
+                ddp.register_comm_hook(state, serialized_hook(P.powerSGD_hook))
+        elif m.pycomm:
+            from ..ddp import CompressionState, compressed_hook
+
+            kw: Dict[str, Any] = {}
+            if m.density is not None:
+                kw["density"] = m.density
+            state = CompressionState(process_group=group, compressor=m.compressor, start_iter=start_iter,
+                                     error_feedback=m.error_feedback, **kw)
+            ddp.register_comm_hook(state, compressed_hook)
+        opt = _optimizer(ddp, self.cfg)
+        return ddp, opt, loss_fn, batch_fn, state
+
+    def _params_identical(self, ddp) -> bool:
+        """Every rank ends with bit-identical parameters (DDP's promise; a
+        compressed all-reduce that gave ranks different results breaks it)."""
+        torch = self.torch
+        flat = torch.cat([p.detach().reshape(-1) for p in ddp.parameters()])
+        digest = flat.view(torch.int32).to(torch.int64)
+        # Two position-weighted sums of the bits: equal on every rank iff
+        # (almost surely) the bits are equal.
+        w = torch.arange(1, digest.numel() + 1, dtype=torch.int64)
+        mine = torch.stack([digest.sum(), (digest * w % 1_000_003).sum()])
+        lo, hi = mine.clone(), mine.clone()
+        self.dist.all_reduce(lo, op=self.dist.ReduceOp.MIN)
+        self.dist.all_reduce(hi, op=self.dist.ReduceOp.MAX)
+        return bool(torch.equal(lo, hi))
+
+    def _compress_time(self, m: Method, numel: int) -> Optional[float]:
+        """Seconds this rank's compressor takes for one compress + decompress
+        of a gradient of ``numel`` elements, all ranks at once (as in
+        training), median of 3. None for methods without a pycomm/cast kernel."""
+        torch = self.torch
+        if m.compressor not in ("onebit", "topk", "fp16", "bf16"):
+            return None
+        g = torch.randn(numel, generator=torch.Generator().manual_seed(self.rank))
+        if m.compressor in ("fp16", "bf16"):
+            dt = torch.float16 if m.compressor == "fp16" else torch.bfloat16
+
+            def once() -> None:
+                g.to(dt).to(torch.float32)
+        else:
+            import pycomm
+
+            kw = {"density": m.density} if m.density is not None else {}
+            c = pycomm.get_compressor(m.compressor, **kw)
+            r = torch.zeros(numel) if m.error_feedback else None
+
+            def once() -> None:
+                c.decompress(c.compress(g, r))
+
+        once()
+        times = []
+        for _ in range(3):
+            self.dist.barrier()
+            t0 = time.perf_counter()
+            once()
+            times.append(time.perf_counter() - t0)
+        return self._max_over_ranks([_median(times)])[0]
+
+    def compute_time(self) -> float:
+        """Median seconds of one forward + backward + optimizer step without any
+        communication, all ranks at once (the part no compression removes)."""
+        torch = self.torch
+        model, batch_fn, loss_fn = _workload(self.cfg)
+        opt = _optimizer(model, self.cfg)
+        times = []
+        for step in range(6):
+            self.dist.barrier()
+            t0 = time.perf_counter()
+            loss_fn(model, batch_fn(self.rank, step)).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if step >= 2:
+                times.append(time.perf_counter() - t0)
+        return self._max_over_ranks([_median(times)])[0]
+
+    # ---- one method
+    def train(self, m: Method, steps: int, start_iter: int, timed_from: int, report_every: int) -> Dict[str, Any]:
+        ddp, opt, loss_fn, batch_fn, _ = self._setup(m, start_iter)
+        numel = sum(p.numel() for p in ddp.parameters())
+        times: List[float] = []
+        losses: List[float] = []
+        tx0 = tx1 = None
+        self.dist.barrier()
+        for step in range(steps):
+            if step == timed_from:
+                tx0 = _tx_bytes(self.ifname)
+            t0 = time.perf_counter()
+            loss = loss_fn(ddp, batch_fn(self.rank, step))
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            times.append(time.perf_counter() - t0)
+            losses.append(float(loss.detach()))
+            if (step + 1) % report_every == 0 or step + 1 == steps:
+                self.emit(event="step", method=m.name, step=step + 1, steps=steps)
+        tx1 = _tx_bytes(self.ifname)
+        times = self._max_over_ranks(times)
+        losses = self._mean_over_ranks(losses)
+        sent = None
+        if tx0 is not None and tx1 is not None:
+            sent = self._mean_over_ranks([float(tx1 - tx0)])[0] / max(1, steps - timed_from)
+        timed = times[timed_from:]
+        window = losses[-min(FINAL_LOSS_WINDOW, len(losses)):]
+        rec = {
+            "method": m.name,
+            "entry": m.entry,
+            "compressor": m.compressor,
+            "error_feedback": m.error_feedback,
+            "gradient_numel": numel,
+            "steps": steps,
+            "start_iter": start_iter,
+            "timed_steps": len(timed),
+            "step_time_median_s": _median(timed),
+            "step_time_p10_s": _percentile(timed, 10),
+            "step_time_p90_s": _percentile(timed, 90),
+            "bytes_sent_per_rank_per_step": sent,
+            "final_loss": sum(window) / len(window),
+            "loss_per_step": losses,
+            "step_times_s": times,
+            "params_identical": self._params_identical(ddp),
+        }
+        rec["compress_time_s"] = self._compress_time(m, numel)
+        del ddp, opt
+        return rec
+
+
+def _rank_main(cfg_path: str) -> int:
+    """One rank (``python -m pycomm.bench.ddp --worker CFG``), env:// init."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    with open(cfg_path, encoding="utf-8") as fh:
+        cfg = json.load(fh)
+    torch.set_num_threads(cfg["threads"])
+    dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=cfg["timeout"]))
+    try:
+        trainer = _RankTrainer(cfg)
+        trainer.emit(event="compute", compute_time_s=trainer.compute_time())
+        for name in cfg["methods"]:
+            rec = trainer.train(parse_method(name), cfg["steps"], cfg["start_iter"], cfg["timed_from"],
+                                cfg["report_every"])
+            trainer.emit(event="result", record=rec)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+# --------------------------------------------------------------------------- parent side
+
+
+class RanksFailed(RuntimeError):
+    pass
+
+
+def _read_events(proc: subprocess.Popen) -> Iterator[Dict[str, Any]]:
+    for line in proc.stdout:  # type: ignore[union-attr]
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError:
+                continue
+
+
+def run_on_cluster(cluster, cfg: Dict[str, Any], on_step=None, timeout: float = DEFAULT_TIMEOUT) -> Tuple[float, List[Dict[str, Any]]]:
+    """Start the rank processes on ``cluster`` with ``cfg``, collect rank 0's
+    events: ``(compute_time_s, records)``. Raises :class:`RanksFailed` with
+    the failing rank's stderr if any rank fails or the run passes ``timeout``
+    seconds without progress."""
+    with tempfile.TemporaryDirectory(prefix="pycomm-ddp-") as tmp:
+        cfg_path = os.path.join(tmp, "cfg.json")
+        with open(cfg_path, "w", encoding="utf-8") as fh:
+            json.dump(cfg, fh)
+        argv = [sys.executable, "-m", "pycomm.bench.ddp", "--worker", cfg_path]
+        logs = [open(os.path.join(tmp, f"rank{r}.err"), "w+", encoding="utf-8") for r in range(cluster.world_size)]
+        procs = [cluster.spawn(r, argv, stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL,
+                               stderr=logs[r], text=True) for r in range(cluster.world_size)]
+        records: List[Dict[str, Any]] = []
+        compute = [math.nan]
+        last = [time.monotonic()]
+        stalled = threading.Event()
+
+        def watchdog() -> None:
+            while any(p.poll() is None for p in procs):
+                if time.monotonic() - last[0] > timeout:
+                    stalled.set()
+                    for p in procs:
+                        p.kill()
+                    return
+                time.sleep(0.5)
+
+        threading.Thread(target=watchdog, daemon=True).start()
+        try:
+            for ev in _read_events(procs[0]):
+                last[0] = time.monotonic()
+                if ev.get("event") == "step" and on_step:
+                    on_step(ev)
+                elif ev.get("event") == "compute":
+                    compute[0] = ev["compute_time_s"]
+                elif ev.get("event") == "result":
+                    records.append(ev["record"])
+            for p in procs:
+                p.wait()
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        bad = [r for r, p in enumerate(procs) if p.returncode != 0]
+        if stalled.is_set() or bad:
+            parts = []
+            for r in bad or range(len(procs)):
+                logs[r].seek(0)
+                tail = logs[r].read()[-3000:].strip()
+                parts.append(f"rank {r} (exit {procs[r].returncode}):\n{tail}")
+            why = f"no progress for {timeout:.0f} s" if stalled.is_set() else "rank(s) failed"
+            raise RanksFailed(f"{why} on {cluster.describe()}\n" + "\n".join(parts))
+        for fh in logs:
+            fh.close()
+    return compute[0], records
+
+
+def _split_list(values: Optional[Sequence[str]]) -> Optional[List[str]]:
+    if values is None:
+        return None
+    out = [v.strip() for item in values for v in item.split(",") if v.strip()]
+    return out or None
+
+
+def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
+    """Defaults (``--quick`` shrinks them) and checks; ValueError names the option."""
+    from . import default_json_path
+    from .netem import parse_rate
+
+    if args.device.type != "cpu":
+        raise ValueError("--device: the ddp benchmark trains on CPU ranks over Gloo (emulated links)")
+    if args.repeats is not None:
+        raise ValueError("--repeats: not used by ddp; use --steps (training) and --time-steps (timing)")
+    if args.warmup is not None:
+        raise ValueError("--warmup: not used by ddp; use --start-iter")
+    if args.ranks < 2:
+        raise ValueError(f"--ranks must be >= 2, got {args.ranks}")
+    bws = _split_list(args.bandwidth) or (QUICK_BANDWIDTHS if args.quick else DEFAULT_BANDWIDTHS)
+    rates: List[Optional[float]] = []
+    for b in bws:
+        try:
+            rates.append(parse_rate(b))
+        except ValueError as exc:
+            raise ValueError(f"--bandwidth: {exc}") from None
+    if len(set(rates)) != len(rates):
+        raise ValueError(f"--bandwidth: repeated value in {bws}")
+    args.bandwidth = bws
+    args.rates = rates
+    methods = _split_list(args.methods) or (QUICK_METHODS if args.quick else DEFAULT_METHODS)
+    for name in methods:
+        try:
+            parse_method(name)
+        except ValueError as exc:
+            raise ValueError(f"--methods: {exc}") from None
+    if "allreduce" not in methods:
+        methods = ["allreduce", *methods]  # every ratio is against it
+    if len(set(methods)) != len(methods):
+        raise ValueError(f"--methods: repeated method in {methods}")
+    args.methods = methods
+    if args.steps is None:
+        args.steps = QUICK_STEPS if args.quick else DEFAULT_STEPS
+    if args.start_iter is None:
+        args.start_iter = min(DEFAULT_START_ITER, max(2, args.steps // 4))
+    if args.start_iter < 2:
+        raise ValueError(f"--start-iter must be >= 2 (DDP rebuilds its buckets after step 1), got {args.start_iter}")
+    if args.steps < args.start_iter + 3:
+        raise ValueError(f"--steps ({args.steps}) must exceed --start-iter ({args.start_iter}) by at least 3")
+    if args.train_bandwidth is None:
+        args.train_rate = 1e9 if 1e9 in rates else rates[0]
+    else:
+        try:
+            args.train_rate = parse_rate(args.train_bandwidth)
+        except ValueError as exc:
+            raise ValueError(f"--train-bandwidth: {exc}") from None
+        if args.train_rate not in rates:
+            raise ValueError(f"--train-bandwidth {args.train_bandwidth} is not one of --bandwidth {bws}")
+    if args.batch_size is None:
+        args.batch_size = 1 if args.workload == "lm" else 32
+    if args.json is None:
+        suffix = "" if args.workload == "lm" else f"-{args.workload}"
+        args.json = default_json_path(f"ddp{suffix}", "cpu", quick=args.quick)
+    return args
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``ddp`` options (the common ones are already there)."""
+    from .cli import positive_int
+
+    g = parser.add_argument_group("ddp options")
+    g.add_argument("--ranks", type=positive_int, default=4, help="processes, one per emulated host (default: 4)")
+    g.add_argument("--bandwidth", nargs="+", metavar="RATE", default=None,
+                   help="link rates, comma or space separated, e.g. 100mbit,1gbit,2.5gbit,none "
+                        f"(none: unshaped; default: {','.join(DEFAULT_BANDWIDTHS)}; "
+                        f"{','.join(QUICK_BANDWIDTHS)} with --quick)")
+    g.add_argument("--train-bandwidth", default=None, metavar="RATE",
+                   help="the rate at which every method trains --steps steps (default: 1gbit if "
+                        "swept, else the first); elsewhere only --time-steps are timed")
+    g.add_argument("--methods", nargs="+", metavar="METHOD", default=None,
+                   help="allreduce, fp16, bf16, powersgd-<rank>, onebit, topk-<density>, the last two "
+                        "with -noef and/or -backend (default: all of "
+                        f"{','.join(DEFAULT_METHODS)}; with --quick {','.join(QUICK_METHODS)})")
+    g.add_argument("--workload", choices=WORKLOADS, default="lm",
+                   help="lm: the byte-level GPT on standard-library text (default); mlp: many small tensors")
+    g.add_argument("--steps", type=positive_int, default=None,
+                   help=f"training steps at the training bandwidth (default: {DEFAULT_STEPS}; {QUICK_STEPS} with --quick)")
+    g.add_argument("--time-steps", type=positive_int, default=DEFAULT_TIME_STEPS,
+                   help=f"timed steps at every other bandwidth (default: {DEFAULT_TIME_STEPS})")
+    g.add_argument("--start-iter", type=int, default=None,
+                   help=f"plain all-reduce warm-up steps before any method compresses (default: {DEFAULT_START_ITER})")
+    g.add_argument("--batch-size", type=positive_int, default=None,
+                   help="sequences (lm) or rows (mlp) per rank per step (default: 1 / 32)")
+    g.add_argument("--model", choices=("default", "tiny"), default="default",
+                   help="lm size: default (4.9M parameters) or tiny (43K, for smoke tests)")
+    g.add_argument("--seq-len", type=positive_int, default=DEFAULT_SEQ_LEN,
+                   help=f"lm: bytes per sequence (default: {DEFAULT_SEQ_LEN})")
+    g.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default: 1e-3)")
+    g.add_argument("--bucket-cap-mb", type=float, default=DEFAULT_BUCKET_CAP_MB,
+                   help=f"DDP bucket size (default: {DEFAULT_BUCKET_CAP_MB:g})")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
+                   help=f"seconds without progress before a run is stopped (default: {DEFAULT_TIMEOUT:g})")
+    g.add_argument("--netns-prefix", default="pycomm-ddp",
+                   help="name prefix of the network namespaces built (leftovers with it are deleted first)")
+    g.add_argument("--no-plots", dest="plots", action="store_false", help="do not write PNG plots")
+
+
+def _rank_threads(world: int) -> int:
+    return max(1, (os.cpu_count() or 1) // world)
+
+
+def run_ddp(args: argparse.Namespace, out=sys.stdout) -> List[Dict[str, Any]]:
+    """Run the sweep; the list of records (one per method and bandwidth)."""
+    from . import machine_info
+    from .netem import fmt_rate, link_report, make_cluster
+
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover - tqdm is a dev requirement
+        tqdm = None
+
+    order = [args.train_rate] + [r for r in args.rates if r != args.train_rate]
+    total = sum(args.steps if r == args.train_rate else TIMING_START_ITER + args.time_steps for r in order)
+    total *= len(args.methods)
+    bar = tqdm(total=total, unit="step", disable=not args.progress, file=sys.stderr, dynamic_ncols=True) if tqdm else None
+    date = _dt.date.today().isoformat()
+    machine = machine_info("cpu")
+    records: List[Dict[str, Any]] = []
+    try:
+        for rate in order:
+            training = rate == args.train_rate
+            steps = args.steps if training else TIMING_START_ITER + args.time_steps
+            start_iter = args.start_iter if training else TIMING_START_ITER
+            cfg = {
+                "workload": args.workload, "batch_size": args.batch_size, "seed": args.seed,
+                "seq_len": args.seq_len, "model": args.model,
+                "lr": args.lr, "bucket_cap_mb": args.bucket_cap_mb, "threads": args.threads or _rank_threads(args.ranks),
+                "timeout": args.timeout, "methods": args.methods, "steps": steps,
+                "start_iter": start_iter, "timed_from": start_iter + 1,
+                "report_every": max(1, steps // 20),
+            }
+            with make_cluster(args.ranks, rate, prefix=args.netns_prefix) as cluster:
+                if not cluster.emulated:
+                    cfg["count_ifname"] = "lo"
+                busbw, line = link_report(cluster)
+                if bar is not None:
+                    bar.write(line, file=out)
+                else:
+                    print(line, file=out, flush=True)
+                done = {"n": 0}
+
+                def on_step(ev: Dict[str, Any]) -> None:
+                    if bar is not None:
+                        bar.set_postfix_str(f"{fmt_rate(rate)} {ev['method']}", refresh=False)
+                        bar.update(ev["step"] - done.get(ev["method"], 0))
+                    done[ev["method"]] = ev["step"]
+
+                compute, recs = run_on_cluster(cluster, cfg, on_step, timeout=args.timeout)
+            for rec in recs:
+                tokens = args.ranks * args.batch_size * _seq_len(args)
+                sent = rec["bytes_sent_per_rank_per_step"]
+                if sent is not None and not cluster.emulated:
+                    sent = sent / args.ranks  # loopback counts every rank's traffic once
+                rec.update({
+                    "bandwidth": rate,
+                    "link_busbw_measured": busbw,
+                    "emulated": cluster.emulated,
+                    "link": cluster.describe(),
+                    "ranks": args.ranks,
+                    "workload": args.workload,
+                    "training_run": training,
+                    "bytes_sent_per_rank_per_step": sent,
+                    "tokens_per_s": tokens / rec["step_time_median_s"] if args.workload == "lm" else None,
+                    "samples_per_s": args.ranks * args.batch_size / rec["step_time_median_s"],
+                    "compute_time_s": compute,
+                    "compress_time_share": (rec["compress_time_s"] / rec["step_time_median_s"]
+                                            if rec["compress_time_s"] is not None else None),
+                    "date": date,
+                    "machine": {k: machine.get(k) for k in ("node", "cpu_model", "cpu_count", "torch", "pycomm")},
+                })
+                if not training:
+                    rec.pop("loss_per_step", None)
+                records.append(rec)
+    finally:
+        if bar is not None:
+            bar.close()
+    add_speedups(records)
+    return records
+
+
+def _seq_len(args: argparse.Namespace) -> int:
+    return args.seq_len if args.workload == "lm" else 1
+
+
+# --------------------------------------------------------------------------- analysis
+
+
+def _effective_bw(rec: Dict[str, Any]) -> float:
+    """The x of a record in bandwidth plots and break-even: the set rate, or
+    the measured bus bandwidth for an unshaped link."""
+    return rec["bandwidth"] if rec["bandwidth"] is not None else rec["link_busbw_measured"]
+
+
+def add_speedups(records: List[Dict[str, Any]]) -> None:
+    """Add ``speedup_vs_allreduce`` (plain median / method median, same bandwidth)."""
+    base = {r["bandwidth"]: r["step_time_median_s"] for r in records if r["method"] == "allreduce"}
+    for r in records:
+        b = base.get(r["bandwidth"])
+        r["speedup_vs_allreduce"] = b / r["step_time_median_s"] if b else None
+
+
+def break_even(records: List[Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
+    """Per method: the link speed (bit/s) above which it stops beating plain
+    all-reduce. Interpolated linearly in log(bandwidth) between the two
+    measured bandwidths where its speedup crosses 1; ``None`` with a reason
+    when it wins (or loses) at every measured bandwidth.
+
+    >>> recs = [dict(method=m, bandwidth=b, link_busbw_measured=b, speedup_vs_allreduce=s)
+    ...         for m, b, s in [("x", 1e8, 4.0), ("x", 1e9, 2.0), ("x", 1e10, 0.5)]]
+    >>> round(break_even(recs)["x"]["bits_per_s"] / 1e9, 2)
+    3.16
+    """
+    out: Dict[str, Dict[str, Any]] = {}
+    by_method: Dict[str, List[Tuple[float, float]]] = {}
+    for r in records:
+        if r["method"] == "allreduce" or r.get("speedup_vs_allreduce") is None:
+            continue
+        by_method.setdefault(r["method"], []).append((_effective_bw(r), r["speedup_vs_allreduce"]))
+    for m, pts in by_method.items():
+        pts.sort()
+        res: Dict[str, Any] = {"bits_per_s": None}
+        if all(s >= 1 for _, s in pts):
+            res["note"] = f"faster at every measured bandwidth (up to {pts[-1][0] / 1e9:.2f} Gbit/s)"
+        elif all(s < 1 for _, s in pts):
+            res["note"] = f"slower at every measured bandwidth (from {pts[0][0] / 1e9:.2f} Gbit/s)"
+        else:
+            for (b0, s0), (b1, s1) in zip(pts, pts[1:]):
+                if s0 >= 1 > s1:
+                    f = (math.log(s0)) / (math.log(s0) - math.log(s1))
+                    res["bits_per_s"] = math.exp(math.log(b0) + f * (math.log(b1) - math.log(b0)))
+                    res["note"] = "interpolated"
+                    break
+            else:
+                res["note"] = "no single crossing (slower at low, faster at high bandwidth)"
+        out[m] = res
+    return out
+
+
+def format_table(records: List[Dict[str, Any]]) -> str:
+    """Median step time per method (rows) and bandwidth (columns), with the
+    speedup over plain all-reduce, the bytes and loss at the training bandwidth."""
+    from tabulate import tabulate
+
+    from . import fmt_number
+    from .netem import fmt_rate
+
+    bws: List[Optional[float]] = []
+    for r in records:
+        if r["bandwidth"] not in bws:
+            bws.append(r["bandwidth"])
+    bws.sort(key=lambda b: math.inf if b is None else b)
+    methods: List[str] = []
+    for r in records:
+        if r["method"] not in methods:
+            methods.append(r["method"])
+    cell = {(r["method"], r["bandwidth"]): r for r in records}
+    train = {r["method"]: r for r in records if r.get("training_run")}
+    plain_loss = train.get("allreduce", {}).get("final_loss")
+    be = break_even(records)
+    headers = ["method"] + [f"{fmt_rate(b) if b else 'unshaped'}\nms (x plain)" for b in bws]
+    headers += ["MB sent/rank/step\n(train link)", "compress\nshare", "final loss\n(vs plain)", "ranks\nidentical",
+                "break-even"]
+    rows = []
+    for m in methods:
+        row = [m]
+        for b in bws:
+            r = cell.get((m, b))
+            if r is None:
+                row.append("-")
+                continue
+            sp = r.get("speedup_vs_allreduce")
+            row.append(f"{r['step_time_median_s'] * 1e3:.0f} ({sp:.2f}x)" if sp else f"{r['step_time_median_s'] * 1e3:.0f}")
+        t = train.get(m, {})
+        sent = t.get("bytes_sent_per_rank_per_step")
+        row.append(fmt_number(sent / 1e6) if sent is not None else "-")
+        share = t.get("compress_time_share")
+        row.append(f"{share * 100:.0f}%" if share is not None else "-")
+        loss = t.get("final_loss")
+        row.append(f"{loss:.3f} ({loss / plain_loss:.3f})" if loss is not None and plain_loss else "-")
+        row.append("yes" if all(r.get("params_identical") for r in records if r["method"] == m) else "NO")
+        e = be.get(m)
+        row.append("-" if e is None else (fmt_rate(e["bits_per_s"]) if e["bits_per_s"] else e["note"].split(" (")[0]))
+        rows.append(row)
+    return tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True)
+
+
+def plot(records: List[Dict[str, Any]], prefix: str) -> List[str]:
+    """PNG plots next to the JSON: step time vs bandwidth, loss vs steps and
+    loss vs seconds at the training bandwidth. Returns the paths written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from .netem import fmt_rate
+
+    paths = []
+    methods: List[str] = []
+    for r in records:
+        if r["method"] not in methods:
+            methods.append(r["method"])
+    style = {m: ("-" if not m.endswith("-backend") else "--") for m in methods}
+    ranks = records[0]["ranks"]
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for m in methods:
+        pts = sorted((_effective_bw(r), r["step_time_median_s"]) for r in records if r["method"] == m)
+        ax.plot([p[0] / 1e9 for p in pts], [p[1] * 1e3 for p in pts], style[m], marker="o", label=m,
+                linewidth=2.5 if m == "allreduce" else 1.2)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("link bandwidth, Gbit/s (unshaped: measured)")
+    ax.set_ylabel("median step time, ms")
+    ax.set_title(f"DDP step time vs bandwidth, {ranks} ranks")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    paths.append(prefix + "-step-time.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    train = [r for r in records if r.get("training_run") and r.get("loss_per_step")]
+    if train:
+        rate = train[0]["bandwidth"]
+        for kind in ("steps", "seconds"):
+            fig, ax = plt.subplots(figsize=(8, 5))
+            for r in train:
+                loss = _smooth(r["loss_per_step"])
+                if kind == "steps":
+                    x = list(range(1, len(loss) + 1))
+                else:
+                    x, acc = [], 0.0
+                    for t in r["step_times_s"]:
+                        acc += t
+                        x.append(acc)
+                ax.plot(x, loss, style[r["method"]], label=r["method"], linewidth=2.5 if r["method"] == "allreduce" else 1.2)
+            ax.set_xlabel("step" if kind == "steps" else "wall-clock seconds (sum of measured step times)")
+            ax.set_ylabel("training loss (mean over ranks, smoothed)")
+            ax.set_title(f"loss vs {kind} at {fmt_rate(rate) if rate else 'unshaped'}, {ranks} ranks")
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=7, ncol=2)
+            fig.tight_layout()
+            paths.append(f"{prefix}-loss-vs-{kind}.png")
+            fig.savefig(paths[-1], dpi=110)
+            plt.close(fig)
+    return paths
+
+
+def _smooth(xs: Sequence[float], window: int = 10) -> List[float]:
+    """Trailing moving average (the per-step loss of small batches is noisy)."""
+    out, acc = [], 0.0
+    for i, x in enumerate(xs):
+        acc += x
+        if i >= window:
+            acc -= xs[i - window]
+        out.append(acc / min(i + 1, window))
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    """``pycomm-bench ddp``: run, print the table, write JSON (and plots)."""
+    from . import write_json
+
+    t0 = time.monotonic()
+    records = run_ddp(args)
+    print()
+    print(format_table(records))
+    write_json(args.json, records)  # type: ignore[arg-type]
+    print(f"\nwrote {args.json} ({time.monotonic() - t0:.0f} s)")
+    if args.plots:
+        try:
+            for p in plot(records, os.path.splitext(args.json)[0]):
+                print(f"wrote {p}")
+        except ImportError:
+            print("matplotlib is not installed: no plots", file=sys.stderr)
+    bad = [r["method"] for r in records if not r["params_identical"]]
+    for m in sorted(set(bad)):
+        print(f"FAILED {m}: ranks ended with different parameters", file=sys.stderr)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
+        sys.exit(_rank_main(sys.argv[2]))
+    from .cli import main
+
+    sys.exit(main(["ddp", *sys.argv[1:]]))
