@@ -250,7 +250,6 @@ class _RankTrainer:
 
     def _setup(self, m: Method, start_iter: int):
         """(ddp model, optimizer, loss_fn, batch_fn, hook state) for method ``m``."""
-        torch = self.torch
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         model, batch_fn, loss_fn = _workload(self.cfg)
@@ -334,7 +333,6 @@ class _RankTrainer:
     def compute_time(self) -> float:
         """Median seconds of one forward + backward + optimizer step without any
         communication, all ranks at once (the part no compression removes)."""
-        torch = self.torch
         model, batch_fn, loss_fn = _workload(self.cfg)
         opt = _optimizer(model, self.cfg)
         times = []
