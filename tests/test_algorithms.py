@@ -404,3 +404,20 @@ def test_harness_times_out_naming_the_ranks():
         # No process group (nothing to wait for at start-up); the timeout only
         # has to cover spawning and importing torch on a loaded machine.
         run_ranks(_rank_hangs, 2, timeout=12.0, init_process_group=False)
+
+
+@pytest.mark.parametrize("n, c, want", [
+    (0, 8, []),
+    (5, 8, [(0, 5)]),
+    (11, 8, [(0, 11)]),                       # 1.375 chunks: one, no 3-element sliver
+    (12, 8, [(0, 6), (6, 12)]),               # 1.5 rounds up to two
+    (17, 8, [(0, 9), (9, 17)]),               # last one shorter
+    (1_050_000, 1 << 20, [(0, 1_050_000)]),   # a DDP bucket just over its cap
+    (3 << 20, 1 << 20, [(0, 1 << 20), (1 << 20, 2 << 20), (2 << 20, 3 << 20)]),
+])
+def test_chunk_bounds_never_leave_a_sliver(n, c, want):
+    assert chunk_bounds(n, c) == want
+    bounds = chunk_bounds(n, c)
+    # contiguous cover of [0, n), at most ~1.5x chunk_numel per chunk
+    assert all(b1 == e0 for (_, e0), (b1, _) in zip(bounds, bounds[1:]))
+    assert all(e - b <= max(1.5 * c, 1) + 1 for b, e in bounds)

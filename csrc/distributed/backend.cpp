@@ -56,6 +56,14 @@ void topk_decompress(const at::Tensor& out, const at::Tensor& indices, const at:
   op.call(out, indices, values, accumulate);
 }
 
+// Length of the chunks an n-element tensor is cut into (docs/allreduce.md,
+// "Chunks"): round(n / chunk_numel) chunks, at least one, all of this length
+// but the last. No sliver of a tail chunk costing a full chunk's collectives.
+static int64_t chunk_length(int64_t n, int64_t chunk_numel) {
+  const int64_t count = std::max<int64_t>(1, (2 * n + chunk_numel) / (2 * chunk_numel));
+  return std::max<int64_t>(1, ceil_div(n, count));
+}
+
 // Segment layout of one onebit chunk (docs/allreduce.md, "onebit").
 struct OnebitLayout {
   int64_t m, seg, block;
@@ -243,8 +251,9 @@ ErrorFeedback* CompressedBackend::error_feedback_for(int64_t key, const at::Tens
     auto opts = x.options().dtype(at::kFloat);
     ef.worker = at::zeros({x.numel()}, opts);
     if (config_.method == "onebit") {
-      for (int64_t c0 = 0; c0 < x.numel(); c0 += config_.chunk_numel) {
-        const OnebitLayout lay(std::min(config_.chunk_numel, x.numel() - c0), getSize(),
+      const int64_t C = chunk_length(x.numel(), config_.chunk_numel);
+      for (int64_t c0 = 0; c0 < x.numel(); c0 += C) {
+        const OnebitLayout lay(std::min(C, x.numel() - c0), getSize(),
                                config_.block_size);
         ef.server.push_back(at::zeros({lay.len[getRank()]}, opts));
       }
@@ -295,7 +304,7 @@ void CompressedBackend::run_cast(const at::Tensor& x, bool average) {
 
 void CompressedBackend::run_onebit(const at::Tensor& x, ErrorFeedback* ef, bool average) {
   const int world = getSize(), rank = getRank();
-  const int64_t n = x.numel(), C = config_.chunk_numel, B = config_.block_size;
+  const int64_t n = x.numel(), C = chunk_length(n, config_.chunk_numel), B = config_.block_size;
   const int64_t chunks = ceil_div(n, C);
   const auto int_opts = x.options().dtype(at::kInt);
 
@@ -385,7 +394,7 @@ void CompressedBackend::run_onebit(const at::Tensor& x, ErrorFeedback* ef, bool 
 
 void CompressedBackend::run_topk(const at::Tensor& x, ErrorFeedback* ef, bool average) {
   const int world = getSize();
-  const int64_t n = x.numel(), C = config_.chunk_numel;
+  const int64_t n = x.numel(), C = chunk_length(n, config_.chunk_numel);
   const int64_t chunks = ceil_div(n, C);
   const auto int_opts = x.options().dtype(at::kInt);
 

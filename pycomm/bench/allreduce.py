@@ -153,7 +153,9 @@ def _cdiv(a: int, b: int) -> int:
 
 def chunk_bounds(numel: int, chunk_numel: int) -> List[Tuple[int, int]]:
     """``[(begin, length), ...]`` of the chunks the backend cuts a tensor into."""
-    return [(b, min(chunk_numel, numel - b)) for b in range(0, numel, chunk_numel)]
+    from ..distributed.algorithms import chunk_bounds as bounds
+
+    return [(b, e - b) for b, e in bounds(numel, chunk_numel)]
 
 
 @dataclass

@@ -48,6 +48,7 @@ __all__ = [
     "allreduce_onebit",
     "allreduce_topk",
     "chunk_bounds",
+    "chunk_length",
     "normalize_op",
     "onebit_segments",
     "onebit_wire_numel",
@@ -71,10 +72,25 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def chunk_length(numel: int, chunk_numel: int) -> int:
+    """The length of the chunks a ``numel``-element tensor is cut into
+    (docs/allreduce.md, "Chunks"): ``round(numel / chunk_numel)`` chunks (at
+    least one) of equal length but the last. Never a small tail chunk: a
+    bucket slightly over ``chunk_numel`` is one chunk, not a chunk and a
+    sliver that costs as many collectives as a full one.
+
+    >>> chunk_length(1_050_000, 1 << 20), chunk_length(1_600_000, 1 << 20), chunk_length(0, 8)
+    (1050000, 800000, 1)
+    """
+    count = max(1, (2 * numel + chunk_numel) // (2 * chunk_numel))
+    return max(1, -(-numel // count))
+
+
 def chunk_bounds(numel: int, chunk_numel: int) -> List[Tuple[int, int]]:
-    """``[(start, end), ...]`` of the chunks of a ``numel``-element tensor
-    (the last one shorter); ``[]`` for an empty tensor."""
-    return [(s, min(numel, s + chunk_numel)) for s in range(0, numel, chunk_numel)]
+    """``[(start, end), ...]`` of the chunks of a ``numel``-element tensor,
+    each :func:`chunk_length` long but the last; ``[]`` for an empty tensor."""
+    c = chunk_length(numel, chunk_numel)
+    return [(s, min(numel, s + c)) for s in range(0, numel, c)]
 
 
 def onebit_segments(m: int, world_size: int, block_size: int) -> Tuple[int, List[Tuple[int, int]]]:
@@ -157,12 +173,12 @@ class ErrorFeedback:
 
         >>> from pycomm.distributed.algorithms import ErrorFeedback
         >>> ef = ErrorFeedback()
-        >>> ef.bind(method="onebit", numel=5000, world_size=4, rank=3,
+        >>> ef.bind(method="onebit", numel=7000, world_size=4, rank=3,
         ...         chunk_numel=4096, block_size=256)
-        >>> # chunk 0: 4096 elements, segments of 1024, rank 3 holds [3072, 4096);
-        >>> # chunk 1: 904 elements, segments of 256, rank 3 holds [768, 904)
+        >>> # round(7000 / 4096) = 2 chunks of 3500 elements, segments of 1024:
+        >>> # rank 3 holds [3072, 3500) of each
         >>> ef.worker.numel(), ef.server_segment(0).numel(), ef.server_segment(1).numel()
-        (5000, 1024, 136)
+        (7000, 428, 428)
         >>> sd = ef.state_dict(); ef2 = ErrorFeedback(); ef2.load_state_dict(sd)
     """
 

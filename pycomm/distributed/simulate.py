@@ -40,7 +40,7 @@ from typing import Any, List, Optional, Sequence
 import torch
 
 from .. import get_compressor
-from .algorithms import DEFAULT_CHUNK_NUMEL, ErrorFeedback, normalize_op
+from .algorithms import DEFAULT_CHUNK_NUMEL, ErrorFeedback, chunk_bounds, normalize_op
 
 __all__ = ["simulate_allreduce"]
 
@@ -102,8 +102,7 @@ def simulate_allreduce(
                     block_size=getattr(comp, "block_size", None), device=xs[r].device,
                 )
         out = torch.empty(n, dtype=torch.float32, device=xs[0].device)
-        for ci, start in enumerate(range(0, n, chunk_numel)):
-            end = min(n, start + chunk_numel)
+        for ci, (start, end) in enumerate(chunk_bounds(n, chunk_numel)):
             chunk = [x[start:end] for x in xs]
             workers = [efs[r].worker[start:end] for r in range(world)] if efs is not None else None
             if method == "onebit":
