@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # The benchmark harness, from a fresh machine: sets up, builds, runs.
-# Arguments go to pycomm-bench; without any, it runs the kernel benchmark and
-# then the all-reduce benchmark (about 6 minutes on a 2-core machine).
+# Without arguments it runs the end-to-end comparison a user needs first,
+# `pycomm-bench ddp` (about 10 minutes on a 2-core machine): DDP training on
+# emulated 100 Mbit/s, 1 Gbit/s, 2.5 Gbit/s and unshaped links, pycomm against
+# plain all-reduce, PyTorch's fp16 and PowerSGD hooks. Arguments go to
+# pycomm-bench instead, e.g. `bash scripts/bench.sh all` (every benchmark) or
+# `bash scripts/bench.sh kernels --quick`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
@@ -9,5 +13,4 @@ P="${PYCOMM_VENV:-.venv}/bin/python"
 if [ $# -gt 0 ]; then
   exec "$P" -m pycomm.bench "$@"
 fi
-"$P" -m pycomm.bench kernels
-"$P" -m pycomm.bench allreduce
+exec "$P" -m pycomm.bench ddp
