@@ -141,7 +141,7 @@ def test_end_to_end_small_run(tmp_path):
     methods = "fp16,powersgd-1,onebit,onebit-backend,topk-0.01-noef,topk-0.01-noef-backend"
     cmd = [sys.executable, "-m", "pycomm.bench", "ddp", "--ranks", "2", "--model", "tiny", "--bandwidth", bws,
            "--methods", methods, "--steps", "10", "--start-iter", "4", "--time-steps", "3", "--json", str(out),
-           "--netns-prefix", "pycommtest-ddp", "--no-progress"]
+           "--netns-prefix", "pycommtest-ddp", "--no-progress", "--train-all"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     recs = json.loads(out.read_text())
@@ -170,6 +170,18 @@ def test_end_to_end_small_run(tmp_path):
     assert train["onebit"]["bytes_sent_per_rank_per_step"] < plain / 4
     assert train["fp16"]["bytes_sent_per_rank_per_step"] < plain * 0.75
     assert (tmp_path / "r" / "d-step-time.png").exists() and "break-even" in proc.stdout
+
+
+def test_backend_twins_are_timed_not_retrained():
+    a = _args("--methods", "onebit,onebit-backend,topk-0.01-backend", "--steps", "50", "--time-steps", "4")
+    plan = {r["method"]: r for r in ddp.run_plan(a, training=True)}
+    assert plan["onebit"]["steps"] == 50 and plan["onebit"]["training"]
+    assert plan["onebit-backend"] == dict(method="onebit-backend", steps=6, start_iter=2, timed_from=3,
+                                          training=False, loss_from="onebit")
+    assert plan["topk-0.01-backend"]["training"]  # no hook twin in the run: trained
+    assert all(not r["training"] for r in ddp.run_plan(a, training=False))
+    a.train_all = True
+    assert all(r["training"] for r in ddp.run_plan(a, training=True))
 
 
 def test_small_tensor_workload_runs(tmp_path):

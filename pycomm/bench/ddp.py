@@ -428,9 +428,9 @@ def _rank_main(cfg_path: str) -> int:
     try:
         trainer = _RankTrainer(cfg)
         trainer.emit(event="compute", compute_time_s=trainer.compute_time())
-        for name in cfg["methods"]:
-            rec = trainer.train(parse_method(name), cfg["steps"], cfg["start_iter"], cfg["timed_from"],
-                                cfg["report_every"])
+        for run in cfg["plan"]:
+            rec = trainer.train(parse_method(run["method"]), run["steps"], run["start_iter"], run["timed_from"],
+                                max(1, run["steps"] // 20))
             trainer.emit(event="result", record=rec)
         dist.barrier()
     finally:
@@ -628,6 +628,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help=f"seconds without progress before a run is stopped (default: {DEFAULT_TIMEOUT:g})")
     g.add_argument("--netns-prefix", default="pycomm-ddp",
                    help="name prefix of the network namespaces built (leftovers with it are deleted first)")
+    g.add_argument("--train-all", action="store_true",
+                   help="train every method --steps steps at the training bandwidth, -backend ones too "
+                        "(by default those are only timed there: their training is their hook twin's, bit for bit)")
     g.add_argument("--no-plots", dest="plots", action="store_false", help="do not write PNG plots")
 
 
@@ -646,25 +649,21 @@ def run_ddp(args: argparse.Namespace, out=sys.stdout) -> List[Dict[str, Any]]:
         tqdm = None
 
     order = [args.train_rate] + [r for r in args.rates if r != args.train_rate]
-    total = sum(args.steps if r == args.train_rate else TIMING_START_ITER + args.time_steps for r in order)
-    total *= len(args.methods)
+    plans = {r: run_plan(args, r == args.train_rate) for r in order}
+    total = sum(run["steps"] for plan in plans.values() for run in plan)
     bar = tqdm(total=total, unit="step", disable=not args.progress, file=sys.stderr, dynamic_ncols=True) if tqdm else None
     date = _dt.date.today().isoformat()
     machine = machine_info("cpu")
     records: List[Dict[str, Any]] = []
     try:
         for rate in order:
-            training = rate == args.train_rate
-            steps = args.steps if training else TIMING_START_ITER + args.time_steps
-            start_iter = args.start_iter if training else TIMING_START_ITER
+            plan = plans[rate]
             cfg = {
                 "workload": args.workload, "batch_size": args.batch_size, "seed": args.seed,
                 "seq_len": args.seq_len, "model": args.model, "optimizer": args.optimizer,
                 "block_size": args.block_size,
                 "lr": args.lr, "bucket_cap_mb": args.bucket_cap_mb, "threads": args.threads or _rank_threads(args.ranks),
-                "timeout": args.timeout, "methods": args.methods, "steps": steps,
-                "start_iter": start_iter, "timed_from": start_iter + 1,
-                "report_every": max(1, steps // 20),
+                "timeout": args.timeout, "plan": plan,
             }
             with make_cluster(args.ranks, rate, prefix=args.netns_prefix) as cluster:
                 if not cluster.emulated:
@@ -683,7 +682,7 @@ def run_ddp(args: argparse.Namespace, out=sys.stdout) -> List[Dict[str, Any]]:
                     done[ev["method"]] = ev["step"]
 
                 compute, recs = run_on_cluster(cluster, cfg, on_step, timeout=args.timeout)
-            for rec in recs:
+            for rec, run in zip(recs, plan):
                 tokens = args.ranks * args.batch_size * _seq_len(args)
                 sent = rec["bytes_sent_per_rank_per_step"]
                 if sent is not None and not cluster.emulated:
@@ -695,7 +694,8 @@ def run_ddp(args: argparse.Namespace, out=sys.stdout) -> List[Dict[str, Any]]:
                     "link": cluster.describe(),
                     "ranks": args.ranks,
                     "workload": args.workload,
-                    "training_run": training,
+                    "training_run": run["training"],
+                    "loss_from": run.get("loss_from"),
                     "bytes_sent_per_rank_per_step": sent,
                     "tokens_per_s": tokens / rec["step_time_median_s"] if args.workload == "lm" else None,
                     "samples_per_s": args.ranks * args.batch_size / rec["step_time_median_s"],
@@ -705,7 +705,7 @@ def run_ddp(args: argparse.Namespace, out=sys.stdout) -> List[Dict[str, Any]]:
                     "date": date,
                     "machine": {k: machine.get(k) for k in ("node", "cpu_model", "cpu_count", "torch", "pycomm")},
                 })
-                if not training:
+                if not run["training"]:
                     rec.pop("loss_per_step", None)
                 records.append(rec)
     finally:
@@ -713,6 +713,36 @@ def run_ddp(args: argparse.Namespace, out=sys.stdout) -> List[Dict[str, Any]]:
             bar.close()
     add_speedups(records)
     return records
+
+
+def run_plan(args: argparse.Namespace, training: bool) -> List[Dict[str, Any]]:
+    """What each method runs at one bandwidth: ``--steps`` at the training
+    bandwidth, ``--time-steps`` timed steps after a 2-step warm-up elsewhere.
+    A ``-backend`` method whose hook twin also runs is only timed at the
+    training bandwidth too: the backend and the hook compute the same thing
+    bit for bit (tests/test_bench_ddp.py checks it on the same run), so its
+    loss is the twin's (``loss_from``) and training it again would only
+    double the run time.
+
+    >>> a = argparse.Namespace(methods=["allreduce", "onebit", "onebit-backend"], steps=100,
+    ...                        start_iter=10, time_steps=5)
+    >>> [(r["method"], r["steps"], r["training"]) for r in run_plan(a, True)]
+    [('allreduce', 100, True), ('onebit', 100, True), ('onebit-backend', 7, False)]
+    """
+    timing = {"steps": TIMING_START_ITER + args.time_steps, "start_iter": TIMING_START_ITER,
+              "timed_from": TIMING_START_ITER + 1, "training": False}
+    full = {"steps": args.steps, "start_iter": args.start_iter, "timed_from": args.start_iter + 1,
+            "training": True}
+    plan = []
+    for name in args.methods:
+        twin = name[: -len("-backend")] if name.endswith("-backend") else None
+        if not training:
+            plan.append({"method": name, **timing})
+        elif twin is not None and twin in args.methods and not getattr(args, "train_all", False):
+            plan.append({"method": name, **timing, "loss_from": twin})
+        else:
+            plan.append({"method": name, **full})
+    return plan
 
 
 def _seq_len(args: argparse.Namespace) -> int:
@@ -807,13 +837,17 @@ def format_table(records: List[Dict[str, Any]]) -> str:
                 continue
             sp = r.get("speedup_vs_allreduce")
             row.append(f"{r['step_time_median_s'] * 1e3:.0f} ({sp:.2f}x)" if sp else f"{r['step_time_median_s'] * 1e3:.0f}")
-        t = train.get(m, {})
+        t = train.get(m) or next((r for r in records if r["method"] == m and r.get("loss_from")), {})
         sent = t.get("bytes_sent_per_rank_per_step")
         row.append(fmt_number(sent / 1e6) if sent is not None else "-")
         share = t.get("compress_time_share")
         row.append(f"{share * 100:.0f}%" if share is not None else "-")
         loss = t.get("final_loss")
-        row.append(f"{loss:.3f} ({loss / plain_loss:.3f})" if loss is not None and plain_loss else "-")
+        if t.get("loss_from"):
+            loss = train.get(t["loss_from"], {}).get("final_loss")
+            row.append(f"as {t['loss_from']}" if loss is not None else "-")
+        else:
+            row.append(f"{loss:.3f} ({loss / plain_loss:.3f})" if loss is not None and plain_loss else "-")
         row.append("yes" if all(r.get("params_identical") for r in records if r["method"] == m) else "NO")
         e = be.get(m)
         row.append("-" if e is None else (fmt_rate(e["bits_per_s"]) if e["bits_per_s"] else e["note"].split(" (")[0]))
