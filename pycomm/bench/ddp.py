@@ -67,7 +67,7 @@ DEFAULT_METHODS = [
 ]
 QUICK_METHODS = ["allreduce", "fp16", "powersgd-4", "onebit", "onebit-noef", "topk-0.01"]
 WORKLOADS = ("lm", "mlp")
-DEFAULT_STEPS = 200
+DEFAULT_STEPS = 150
 QUICK_STEPS = 40
 DEFAULT_TIME_STEPS = 10
 DEFAULT_START_ITER = 10
