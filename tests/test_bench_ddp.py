@@ -194,3 +194,14 @@ def test_small_tensor_workload_runs(tmp_path):
     recs = json.loads(out.read_text())
     assert [r["method"] for r in recs] == ["allreduce", "onebit"]
     assert all(r["workload"] == "mlp" and r["tokens_per_s"] is None and r["samples_per_s"] > 0 for r in recs)
+
+
+def test_all_runs_each_benchmark_with_valid_arguments():
+    from pycomm.bench import all as bench_all
+
+    parser = build_parser()
+    for _, argv in bench_all.PARTS:
+        args = parser.parse_args(argv + ["--quick"])
+        args._module.resolve_args(args)  # every part's own checks accept it
+    with pytest.raises(ValueError, match="--json"):
+        bench_all.resolve_args(parser.parse_args(["all", "--json", "x.json"]))
