@@ -1,0 +1,230 @@
+"""pycomm plan: the alpha-beta formulas, the presets, the checks a user relies
+on (the 70B-over-PCIe envelope), argument errors and the JSON output."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from pycomm import plan as P
+
+
+def test_70b_fp32_over_pcie4_envelope():
+    # The classic back-of-envelope: 70e9 fp32 gradients = 280 GB; over PCIe
+    # Gen4 x16 at 64 GB/s (as quoted, both directions) that is 4.375 s.
+    p = P.plan(params=70e9, gpus=8, gpus_per_node=8, intra="pcie4", dtype="fp32", kernels_json=False)
+    assert p["gradient_bytes"] == 280e9
+    assert p["envelope"]["link"] == "pcie4"
+    assert p["envelope"]["seconds"] == pytest.approx(4.375)
+    # A ring moves 2(W-1)/W x the bytes each way at 32 GB/s per direction.
+    flat = p["methods"][0]
+    assert flat["transfer_s"] == pytest.approx(2 * 7 / 8 * 280e9 / 32e9)
+    assert flat["total_s"] >= 4.375
+
+
+def test_70b_pcie_case_printed(capsys):
+    assert P.main(["plan", "--params", "70e9", "--gpus", "8", "--intra", "pcie4"]) == 0
+    out = capsys.readouterr().out
+    assert "280 GB" in out
+    assert "gradient bytes / link bandwidth: 280 GB / 64 GB/s bidirectional (pcie4) = 4.38 s" in out
+    assert "flat ring" in out and "hierarchical" in out
+
+
+@pytest.mark.parametrize("world,nbytes,bw,alpha", [(2, 8, 1.0, 0.5), (4, 1000, 10.0, 0.01), (3, 3e6, 1e9, 1e-6)])
+def test_ring_formula_exact(world, nbytes, bw, alpha):
+    c = P.ring_allreduce(nbytes, world, bw, alpha)
+    assert c["messages"] == 2 * (world - 1)
+    assert c["latency_s"] + c["transfer_s"] == pytest.approx(2 * (world - 1) * alpha + 2 * (world - 1) / world * nbytes / bw)
+    r = P.predict_allreduce_time("allreduce", int(nbytes), world, bw, alpha, dtype="fp32")
+    assert r["wire_s"] == pytest.approx(2 * (world - 1) * alpha + 2 * (world - 1) / world * 4 * int(nbytes) / bw)
+    assert r["compute_s"] is None and r["total_s"] == r["wire_s"]
+
+
+def test_ring_small_case_by_hand():
+    # W=2, 8 bytes at 1 B/s, alpha 0.5 s: 2 messages (1 s) + 8 bytes (8 s).
+    c = P.ring_allreduce(8, 2, 1.0, 0.5)
+    assert (c["latency_s"], c["transfer_s"]) == (1.0, 8.0)
+    assert P.predict_allreduce_time("allreduce", 10, 1, 1.0, 1.0)["wire_s"] == 0
+
+
+def test_hierarchical_beats_flat_when_intra_fast():
+    p = P.plan(params=7e9, gpus=64, gpus_per_node=8, intra="nvlink4", inter="ib-hdr", kernels_json=False)
+    flat, hier = p["methods"][0], p["methods"][1]
+    assert hier["method"] == "hierarchical"
+    assert hier["total_s"] <= flat["total_s"]
+    assert p["topology"] == {**p["topology"], "dp": 64, "dp_ranks_per_node": 8, "dp_nodes": 8}
+
+
+def test_single_node_hierarchical_is_flat():
+    p = P.plan(params=1e9, gpus=8, gpus_per_node=8, kernels_json=False)
+    assert p["topology"]["flat_ring_link"] == "intra"
+    assert p["methods"][0]["total_s"] == p["methods"][1]["total_s"]
+
+
+def test_onebit_traffic_about_one_32nd():
+    n, W = 1 << 24, 8
+    dense = P.predict_allreduce_time("allreduce", n, W, 1e9, 0.0)
+    onebit = P.predict_allreduce_time("onebit", n, W, 1e9, 0.0, block_size=2048)
+    scales = 2 * (W - 1) / W * 4 * math.ceil(n / 2048)
+    assert onebit["bytes_per_rank"] == pytest.approx(dense["bytes_per_rank"] / 32 + scales)
+    assert onebit["messages"] == 2 * (W - 1)
+
+
+def test_topk_traffic_grows_with_world():
+    n = 1 << 22
+    sent = [P.predict_allreduce_time("topk", n, W, 1e9, 0.0, density=0.01, approx=False)["bytes_per_rank"]
+            for W in (2, 4, 8, 16)]
+    assert sent == sorted(sent) and sent[-1] > 7 * sent[0]
+    k = math.ceil(0.01 * n)
+    assert sent[1] == 3 * (4 + 8 * k)  # (W-1) payloads of a count word + k (index, value)
+    approx = P.predict_allreduce_time("topk", n, 4, 1e9, 0.0, density=0.01)["bytes_per_rank"]
+    assert approx == 3 * (4 + 8 * (k + k // 4))  # approximate mode reserves 1.25 k
+
+
+def test_half_precision_halves_bytes():
+    fp32 = P.predict_allreduce_time("allreduce", 1000, 4, 1e9, 0.0)
+    half = P.predict_allreduce_time("bf16", 1000, 4, 1e9, 0.0)
+    assert half["bytes_per_rank"] == fp32["bytes_per_rank"] / 2
+    assert half["compute_s"] is None and "cast" in half["compute_excluded"]
+
+
+def test_compute_throughput_number_and_mapping():
+    n, W = 1_000_000, 4
+    r = P.predict_allreduce_time("onebit", n, W, 1e9, 0.0, compress_throughput=1e9)
+    assert r["compute_s"] == pytest.approx((n + n / W + n + n) / 1e9)
+    r = P.predict_allreduce_time("onebit", n, W, 1e9, 0.0, compress_throughput={"compress": 1e9})
+    assert r["compute_s"] == pytest.approx((n + n / W) / 1e9)
+    assert r["compute_excluded"] == ["decompress", "decompress_acc"]
+    assert r["total_s"] == pytest.approx(r["wire_s"] + r["compute_s"])
+
+
+def test_chunks_multiply_latency_only():
+    one = P.predict_allreduce_time("onebit", 1 << 22, 4, 1e9, 1e-3)
+    four = P.predict_allreduce_time("onebit", 1 << 22, 4, 1e9, 1e-3, chunks=4)
+    assert four["latency_s"] == pytest.approx(4 * one["latency_s"])
+    assert four["bytes_per_rank"] == pytest.approx(one["bytes_per_rank"])
+
+
+def test_kernel_json_measured_and_missing(tmp_path):
+    doc = {"device": "cpu", "date": "2026-12-02T14:05:23", "machine": {"cpu_model": "TestCPU"}, "rows": [
+        {"family": "onebit", "params": {"block_size": 2048}, "op": op, "impl": impl, "kind": kind,
+         "status": "ok", "elements_per_s": eps}
+        for op in ("compress", "decompress", "decompress_acc")
+        for impl, kind, eps in (("reference", "impl", 1e7), ("cpu", "impl", 1e9), ("unfused", "peer", 5e9))]}
+    path = tmp_path / "kernels-cpu-2026-12-02.json"
+    path.write_text(json.dumps(doc))
+    p = P.plan(params=4.9e6, gpus=4, gpus_per_node=1, inter="1gbit", compressor="onebit", kernels_json=str(path))
+    assert p["kernels"]["label"] == "measured on TestCPU (cpu, cpu kernels), 2026-12-02"
+    assert p["kernels"]["rates"]["compress"] == 1e9  # the fastest impl, never a peer
+    ob = p["methods"][2]
+    assert ob["compute"] == "measured" and ob["compute_s"] > 0
+    # a block size the file did not measure: no measurement, compute left out
+    p = P.plan(params=4.9e6, gpus=4, gpus_per_node=1, inter="1gbit", compressor="onebit", block_size=4096,
+               kernels_json=str(path))
+    ob = p["methods"][2]
+    assert ob["compute"] == "no measurement" and ob["compute_s"] is None
+    assert ob["total_s"] == ob["wire_s"]
+    assert p["kernels"]["note"].startswith("no measurement")
+
+
+def test_free_rates_and_presets():
+    assert P.parse_link("1gbit").bytes_per_s == 125e6
+    assert P.parse_link("100mbit").bytes_per_s == 12.5e6
+    assert P.parse_link("2.5gbit").bytes_per_s == 312.5e6
+    assert P.parse_link("25Gbit/s").bytes_per_s == 25e9 / 8
+    assert P.parse_link("40GB/s").bytes_per_s == 40e9
+    assert P.LINKS["eth1"].bytes_per_s == P.parse_link("1gbit").bytes_per_s
+    assert P.LINKS["nvlink4"].bytes_per_s == 450e9 and P.LINKS["nvlink4"].quoted_bytes_per_s == 900e9
+    assert P.LINKS["nvlink3"].bytes_per_s == 300e9
+    assert P.LINKS["ib-ndr400"].bytes_per_s == 50e9 and P.LINKS["ib-hdr"].bytes_per_s == 25e9
+    for link in P.LINKS.values():
+        assert link.source and ("per direction" in link.quoted or "bidirectional" in link.quoted)
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    (dict(inter="warp9"), "--inter: unknown link 'warp9'; presets: nvlink3, nvlink4"),
+    (dict(intra="nvlink9"), "--intra: unknown link"),
+    (dict(gpus=12, tp=8), "--gpus 12 is not a multiple of --tp x --pp = 8 x 1 = 8"),
+    (dict(gpus=20, gpus_per_node=8), "--gpus 20 is not a multiple of --gpus-per-node 8"),
+    (dict(compressor="zip"), "--compressor must be one of none, onebit, topk, fp16, bf16"),
+    (dict(dtype="fp8"), "--dtype must be one of fp32, bf16, fp16"),
+    (dict(gpu="tpu"), "--gpu must be one of h100, h200, a100, v100"),
+    (dict(mfu=1.5), "--mfu must be in"),
+    (dict(density=0.0, compressor="topk"), "--density must be in"),
+    (dict(gpus=0), "--gpus must be an integer >= 1"),
+    (dict(params="lots"), "--params: expected a positive number"),
+    (dict(tp=3, gpus=24), "--tp 3 must divide --gpus-per-node 8"),
+])
+def test_bad_arguments_name_the_flag(kwargs, needle):
+    args = {"params": 1e9, "gpus": 16, "kernels_json": False, **kwargs}
+    with pytest.raises(ValueError) as err:
+        P.plan(**args)
+    assert needle in str(err.value)
+
+
+def test_cli_errors_exit_2(capsys):
+    with pytest.raises(SystemExit) as e:
+        P.main(["--params", "1e9", "--gpus", "16", "--inter", "warp9"])
+    assert e.value.code == 2
+    assert "ib-ndr400" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        P.main(["--params", "1e9", "--gpus", "12", "--tp", "8"])
+    assert e.value.code == 2 and "--tp x --pp" in capsys.readouterr().err
+    assert P.main(["frobnicate"]) == 2
+
+
+JSON_KEYS = {"inputs", "topology", "links", "gradient_elements", "gradient_bytes", "envelope", "methods",
+             "compute", "comm_to_compute", "kernels", "best", "recommendation"}
+METHOD_KEYS = {"method", "messages", "bytes_per_rank", "latency_s", "transfer_s", "wire_s", "compute_s",
+               "compute_excluded", "compute", "total_s", "exposed_s", "step_s", "saving_vs_plain"}
+
+
+def test_json_output_keys(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert P.main(["plan", "--params", "4.9e6", "--gpus", "4", "--gpus-per-node", "1", "--inter", "1gbit",
+                   "--compressor", "topk", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert set(doc) == JSON_KEYS
+    assert [m["method"] for m in doc["methods"]] == ["flat ring", "hierarchical", "topk", "hierarchical + topk"]
+    for m in doc["methods"]:
+        assert set(m) == METHOD_KEYS
+    assert set(doc["envelope"]) == {"link", "quoted", "seconds", "per_direction_seconds"}
+    assert doc["topology"]["dp"] == 4
+    assert "recommendation:" in capsys.readouterr().out
+
+
+def test_recommendation():
+    # a slow network and a small model: compression pays
+    p = P.plan(params=4.9e6, gpus=4, gpus_per_node=1, inter="1gbit", compressor="onebit", kernels_json=False)
+    assert p["best"] == "onebit" and p["recommendation"].startswith("use onebit")
+    assert "lower bound" in p["recommendation"]  # compute was not measured
+    # fast links, big batch: communication is small next to compute
+    p = P.plan(params=7e9, gpus=64, inter="ib-ndr400", compressor="fp16", kernels_json=False)
+    assert "plain is fine" in p["recommendation"]
+    p = P.plan(params=70e9, gpus=64, tp=8, pp=8, kernels_json=False)
+    assert p["topology"]["dp"] == 1 and "no gradient all-reduce" in p["recommendation"]
+
+
+def test_compute_estimate_and_overlap():
+    p = P.plan(params=70e9, gpus=64, gpu="h100", mfu=0.4, tokens_per_step=4e6, kernels_json=False)
+    assert p["compute"]["seconds"] == pytest.approx(6 * 70e9 * 4e6 / (64 * 989e12 * 0.4))
+    q = P.plan(params=70e9, gpus=64, gpu="h100", mfu=0.4, tokens_per_step=4e6, overlap=1.0, kernels_json=False)
+    assert all(m["step_s"] <= n["step_s"] for m, n in zip(q["methods"], p["methods"]))
+
+
+def test_python_m_pycomm_plan():
+    r = subprocess.run([sys.executable, "-m", "pycomm", "plan", "--params", "70e9", "--gpus", "8",
+                        "--intra", "pcie4"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "280 GB" in r.stdout and "4.38 s" in r.stdout
+
+
+def test_docs_examples_run():
+    import doctest
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "plan.md")
+    result = doctest.testfile(path, module_relative=False)
+    assert result.failed == 0 and result.attempted >= 5
