@@ -9,6 +9,9 @@
 
 #include "pycomm/compress_math.h"
 
+#include <sstream>
+#include <string.h>
+
 namespace pycomm {
 namespace dist {
 namespace {
@@ -116,6 +119,9 @@ CompressedBackend::CompressedBackend(c10::intrusive_ptr<c10d::Backend> inner, Co
               "block_size must be a positive multiple of 32, got ", config_.block_size);
   TORCH_CHECK(config_.density > 0.0 && config_.density <= 1.0, "density must be in (0, 1], got ",
               config_.density);
+  TORCH_CHECK(config_.check_calls >= 0 && config_.check_calls <= 2,
+              "check_calls must be 0 (off), 1 (first use) or 2 (every call), got ",
+              config_.check_calls);
   // Gloo has no AVG: forwarded AVGs become SUM and a division here.
   inner_has_avg_ = inner_->getBackendName() != "gloo";
   worker_ = std::thread([this] { run_worker(); });
@@ -264,23 +270,176 @@ ErrorFeedback* CompressedBackend::error_feedback_for(int64_t key, const at::Tens
   return &ef;
 }
 
+namespace {
+
+const char* dtype_name(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "float32";
+    case at::kHalf: return "float16";
+    case at::kBFloat16: return "bfloat16";
+    default: return c10::toString(t);
+  }
+}
+
+const char* const kMethods[] = {"onebit", "topk", "fp16", "bf16", "none"};
+
+int64_t method_code(const std::string& m) {
+  for (int64_t i = 0; i < 5; ++i)
+    if (m == kMethods[i]) return i;
+  return -1;
+}
+
+// The descriptor of a compressed call that ranks compare (check_call).
+enum Field { kNumel, kDtype, kOp, kKey, kMethod, kChunk, kBlock, kDensity, kApprox, kDevice, kFields };
+const char* const kFieldNames[kFields] = {"numel", "dtype", "op", "key", "compressor",
+                                          "chunk_numel", "block_size", "density", "approx",
+                                          "device type"};
+
+std::string field_value(int field, int64_t v) {
+  switch (field) {
+    case kDtype: return dtype_name(static_cast<at::ScalarType>(v));
+    case kOp: return v ? "avg" : "sum";
+    case kKey: return v < 0 ? "None" : std::to_string(v);
+    case kMethod: return v >= 0 && v < 5 ? kMethods[v] : "?";
+    case kDensity: {
+      double d;
+      memcpy(&d, &v, sizeof(d));
+      std::ostringstream o;
+      o << d;
+      return o.str();
+    }
+    case kApprox: return v ? "True" : "False";
+    case kDevice: return c10::DeviceTypeName(static_cast<c10::DeviceType>(v), true);
+    default: return std::to_string(v);
+  }
+}
+
+// The backups exist from the first call on, so taking one allocates nothing.
+void snapshot(ErrorFeedback& ef) {
+  if (!ef.worker_backup.defined()) ef.worker_backup = at::empty_like(ef.worker);
+  ef.worker_backup.copy_(ef.worker);
+  ef.server_backup.resize(ef.server.size());
+  for (size_t i = 0; i < ef.server.size(); ++i) {
+    if (!ef.server_backup[i].defined()) ef.server_backup[i] = at::empty_like(ef.server[i]);
+    ef.server_backup[i].copy_(ef.server[i]);
+  }
+}
+
+// Swapping, not copying: the backup (the old residual) becomes the residual.
+void restore(ErrorFeedback& ef) {
+  std::swap(ef.worker, ef.worker_backup);
+  for (size_t i = 0; i < ef.server.size(); ++i) std::swap(ef.server[i], ef.server_backup[i]);
+}
+
+}  // namespace
+
+std::string CompressedBackend::describe_call(const at::Tensor& tensor, std::optional<int64_t> key,
+                                             bool average) const {
+  std::ostringstream o;
+  o << "all_reduce key=" << (key ? std::to_string(*key) : "None") << " " << tensor.numel() << " "
+    << dtype_name(tensor.scalar_type()) << " " << config_.method << " "
+    << (average ? "avg" : "sum");
+  return o.str();
+}
+
+void CompressedBackend::check_call(const at::Tensor& tensor, std::optional<int64_t> key,
+                                   bool average) {
+  if (config_.check_calls == 0) return;
+  const int64_t numel = tensor.numel();
+  const int dtype = static_cast<int>(tensor.scalar_type());
+  const auto signature = std::make_tuple(numel, dtype, average);
+  if (config_.check_calls == 1) {
+    if (key ? checked_keys_.count(*key) > 0 : checked_signatures_.count(signature) > 0) return;
+  }
+  int64_t density_bits;
+  memcpy(&density_bits, &config_.density, sizeof(density_bits));
+  std::vector<int64_t> mine(kFields);
+  mine[kNumel] = numel;
+  mine[kDtype] = dtype;
+  mine[kOp] = average;
+  mine[kKey] = key ? *key : -1;
+  mine[kMethod] = method_code(config_.method);
+  mine[kChunk] = config_.chunk_numel;
+  mine[kBlock] = config_.block_size;
+  mine[kDensity] = density_bits;
+  mine[kApprox] = config_.approx;
+  mine[kDevice] = static_cast<int64_t>(tensor.device().type());
+  const int world = getSize();
+  const auto opts = tensor.options().dtype(at::kLong);
+  at::Tensor in = at::tensor(mine, at::kLong).to(tensor.device());
+  at::Tensor out = at::empty({world * kFields}, opts);
+  inner_->_allgather_base(out, in, c10d::AllgatherOptions())->wait();
+  const at::Tensor all = out.cpu().view({world, kFields});
+  const int64_t* a = all.data_ptr<int64_t>();
+  auto same = [&](int f) {
+    for (int r = 1; r < world; ++r)
+      if (a[r * kFields + f] != a[f]) return false;
+    return true;
+  };
+  // Another compressor has other settings anyway: then name it alone.
+  const bool same_method = same(kMethod);
+  std::ostringstream diffs;
+  for (int f = 0; f < kFields; ++f) {
+    if (same(f) || (!same_method && f != kMethod)) continue;
+    diffs << (diffs.tellp() > 0 ? "; " : "") << kFieldNames[f] << " (";
+    for (int r = 0; r < world; ++r)
+      diffs << (r ? ", " : "") << "rank " << r << ": " << field_value(f, a[r * kFields + f]);
+    diffs << ")";
+  }
+  TORCH_CHECK(diffs.tellp() == 0,
+              "ranks called the compressed all_reduce with different arguments: ", diffs.str(),
+              ". Every rank must make the same compressed calls in the same order with the same "
+              "settings (checked at the first use of each key and of each keyless "
+              "(numel, dtype, op); PYCOMM_DEBUG=detail checks every call)");
+  if (key) {
+    checked_keys_.insert(*key);
+  } else {
+    checked_signatures_.insert(signature);
+  }
+}
+
 void CompressedBackend::run_compressed(const at::Tensor& tensor, std::optional<int64_t> key,
                                        bool average) {
-  // Work on a flat, contiguous float32 view (a copy only when needed).
-  const bool direct = tensor.scalar_type() == at::kFloat && tensor.is_contiguous();
-  at::Tensor x = direct ? tensor.view({-1}) : tensor.reshape({-1}).to(at::kFloat).contiguous();
-  const auto& m = config_.method;
-  if (m == "fp16" || m == "bf16") {
-    run_cast(x, average);
-  } else {
-    ErrorFeedback* ef = key.has_value() ? error_feedback_for(*key, x) : nullptr;
-    if (m == "onebit") {
-      run_onebit(x, ef, average);
-    } else {
-      run_topk(x, ef, average);
+  try {
+    check_call(tensor, key, average);
+    // Work on a flat, contiguous float32 view (a copy only when needed).
+    const bool direct = tensor.scalar_type() == at::kFloat && tensor.is_contiguous();
+    at::Tensor x = direct ? tensor.view({-1}) : tensor.reshape({-1}).to(at::kFloat).contiguous();
+    const auto& m = config_.method;
+    if (m == "fp16" || m == "bf16") {
+      run_cast(x, average);
+      if (!direct) tensor.copy_(x.view(tensor.sizes()));
+      return;
     }
+    ErrorFeedback* ef = key.has_value() ? error_feedback_for(*key, x) : nullptr;
+    if (ef) snapshot(*ef);
+    bool finite = m == "onebit" ? run_onebit(x, ef, average) : run_topk(x, ef, average);
+    if (!direct) {
+      tensor.copy_(x.view(tensor.sizes()));
+      // A float32 result can still overflow the tensor's 16-bit dtype.
+      if (ef && finite) finite = at::isfinite(tensor).all().item<bool>();
+    }
+    // The result is identical on every rank, so every rank decides alike:
+    // a step that GradScaler will skip leaves the residuals as they were.
+    if (ef && !finite) restore(*ef);
+  } catch (const c10::DistBackendError& e) {
+    C10_THROW_ERROR(DistBackendError, failure_context(tensor, key, average) + e.what_without_backtrace());
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, failure_context(tensor, key, average), e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, failure_context(tensor, key, average), e.what());
   }
-  if (!direct) tensor.copy_(x.view(tensor.sizes()));
+}
+
+std::string CompressedBackend::failure_context(const at::Tensor& tensor,
+                                               std::optional<int64_t> key, bool average) const {
+  std::ostringstream o;
+  o << "pycomm rank " << getRank() << " of " << getSize();
+  // With two ranks the peer is known; with more, Gloo's own message below
+  // names the peer's address when the failure is a connection.
+  if (getSize() == 2) o << " (peer: rank " << 1 - getRank() << ")";
+  o << ": " << describe_call(tensor, key, average) << " failed: ";
+  return o.str();
 }
 
 void CompressedBackend::run_cast(const at::Tensor& x, bool average) {
@@ -293,7 +452,7 @@ void CompressedBackend::run_cast(const at::Tensor& x, bool average) {
   x.copy_(y);
 }
 
-void CompressedBackend::run_onebit(const at::Tensor& x, ErrorFeedback* ef, bool average) {
+bool CompressedBackend::run_onebit(const at::Tensor& x, ErrorFeedback* ef, bool average) {
   const int world = getSize(), rank = getRank();
   const int64_t n = x.numel(), C = config_.chunk_numel, B = config_.block_size;
   const int64_t chunks = ceil_div(n, C);
@@ -307,6 +466,10 @@ void CompressedBackend::run_onebit(const at::Tensor& x, ErrorFeedback* ef, bool 
   };
   std::vector<Chunk> st;
   st.reserve(chunks);
+  // The result is +-scale of the server payloads: it is finite exactly when
+  // every gathered server scale is (a read of n / B floats). Only error
+  // feedback needs to know; the flags stay on the device until the end.
+  std::vector<at::Tensor> finite;
 
   // Stage 1: worker compress, all_to_all of segment payloads.
   auto stage1 = [&](int64_t i) {
@@ -366,6 +529,7 @@ void CompressedBackend::run_onebit(const at::Tensor& x, ErrorFeedback* ef, bool 
       if (lay.len[j] == 0) continue;
       auto [b, s] = split_onebit(ch.gathered, j * lay.size[0], lay.words[j], lay.blocks[j]);
       onebit_decompress(x.narrow(0, ch.begin + j * lay.seg, lay.len[j]), b, s, B, false);
+      if (ef) finite.push_back(at::isfinite(s).all());
     }
     ch.recv = at::Tensor();
     ch.gathered = at::Tensor();
@@ -381,9 +545,10 @@ void CompressedBackend::run_onebit(const at::Tensor& x, ErrorFeedback* ef, bool 
   }
   stage2(chunks - 1);
   for (int64_t i = std::max<int64_t>(0, chunks - 2); i < chunks; ++i) stage3(i);
+  return finite.empty() || at::stack(finite).all().item<bool>();
 }
 
-void CompressedBackend::run_topk(const at::Tensor& x, ErrorFeedback* ef, bool average) {
+bool CompressedBackend::run_topk(const at::Tensor& x, ErrorFeedback* ef, bool average) {
   const int world = getSize();
   const int64_t n = x.numel(), C = config_.chunk_numel;
   const int64_t chunks = ceil_div(n, C);
@@ -396,6 +561,9 @@ void CompressedBackend::run_topk(const at::Tensor& x, ErrorFeedback* ef, bool av
   };
   std::vector<Chunk> st;
   st.reserve(chunks);
+  // Sums of finite values can overflow, so the output itself is checked (a
+  // read of n floats, small next to the selection); only for error feedback.
+  std::vector<at::Tensor> finite;
 
   auto stage1 = [&](int64_t i) {
     const int64_t begin = i * C, m = std::min(C, n - begin);
@@ -429,6 +597,7 @@ void CompressedBackend::run_topk(const at::Tensor& x, ErrorFeedback* ef, bool av
                       ch.gathered.narrow(0, off + 1 + count, count).view(at::kFloat), true);
     }
     if (average) out.div_(world);
+    if (ef) finite.push_back(at::isfinite(out).all());
     ch.gathered = at::Tensor();
   };
 
@@ -437,6 +606,7 @@ void CompressedBackend::run_topk(const at::Tensor& x, ErrorFeedback* ef, bool av
     if (i >= 1) stage2(i - 1);
   }
   stage2(chunks - 1);
+  return finite.empty() || at::stack(finite).all().item<bool>();
 }
 
 // -------------------------------------------------- error-feedback state ---

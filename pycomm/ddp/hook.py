@@ -52,7 +52,7 @@ import torch.distributed as dist
 
 from .. import get_compressor
 from ..compressors.base import check_density
-from ..distributed.algorithms import ErrorFeedback, allreduce_compressed
+from ..distributed.algorithms import ErrorFeedback, allreduce_compressed, check_mode
 
 __all__ = ["CompressionState", "compressed_hook"]
 
@@ -118,6 +118,9 @@ class CompressionState:
             buckets after the first iteration).
         error_feedback: keep residuals (onebit, topk; fp16/bf16 have none).
         impl: compressor implementation ("auto", "reference", "cpu", ...).
+        check_calls: when ranks compare their calls, to raise on every rank
+            on a mismatch instead of hanging: "first" (first use of each
+            bucket), "every" or "off"; ``PYCOMM_DEBUG=detail`` means "every".
         private_group: reduce over a private copy of ``process_group``
             (``dist.new_group``, so every rank of the default group must
             construct the state, in the same order as its other new_group
@@ -156,7 +159,14 @@ class CompressionState:
         error_feedback: bool = True,
         impl: str = "auto",
         private_group: bool = False,
+        check_calls: str = "first",
     ) -> None:
+        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+            raise TypeError(
+                f"process_group must be a torch.distributed.ProcessGroup or None, got {type(process_group).__name__}"
+            )
+        if not isinstance(private_group, bool):
+            raise TypeError(f"private_group must be a bool, got {private_group!r}")
         self.process_group = process_group
         self._apply_config(
             dict(
@@ -166,6 +176,11 @@ class CompressionState:
         )
         if not isinstance(impl, str):
             raise TypeError(f"impl must be a string, got {impl!r}")
+        if compressor in ("onebit", "topk"):
+            get_compressor(compressor, impl=impl)  # names the allowed impls
+        #: When ranks compare their calls (see allreduce_compressed's ``check``).
+        check_mode(check_calls, "check_calls")  # validates
+        self.check_calls = check_calls
         self.impl = impl
         #: Backward passes completed (counted at the last bucket of each).
         self.iteration = 0
@@ -418,6 +433,7 @@ class CompressionState:
 
     def __setstate__(self, d: Dict[str, Any]) -> None:
         self.__dict__.update(d)
+        self.__dict__.setdefault("check_calls", "first")
         self.process_group = None  # the default group of the process that unpickles
         self.private_group = False  # a private group cannot be re-created here safely
         self._init_runtime()
@@ -519,6 +535,10 @@ def compressed_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.f
             opt.step()
             opt.zero_grad()
     """
+    if not isinstance(state, CompressionState):
+        return _failed(TypeError(
+            f"compressed_hook needs a pycomm.ddp.CompressionState as its state, got {type(state).__name__}"
+        ))
     tensor = bucket.buffer()
     index = bucket.index()
     is_last = bucket.is_last()
@@ -577,7 +597,7 @@ def compressed_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.f
             body = lambda: _plain_avg(tensor, group)  # noqa: E731
         elif stable or state.bucket_layouts.get(index) == record:
             ef = state._ef_for(index)
-            body = _compressed_body(state, tensor, group, ef)
+            body = _compressed_body(state, tensor, group, ef, index)
         else:
             body = _remapped_body(state, bucket, tensor, positions, group, it)
     except Exception as exc:
@@ -594,11 +614,12 @@ def _first_tensor(value: Any, default: torch.Tensor) -> torch.Tensor:
     return default
 
 
-def _compressed_body(state: CompressionState, tensor: torch.Tensor, group, ef) -> Callable[[], None]:
-    method, kwargs, chunk = state.compressor, state._compressor_kwargs(), state.chunk_numel
+def _compressed_body(state: CompressionState, tensor: torch.Tensor, group, ef, index: int) -> Callable[[], None]:
+    method, kwargs, chunk, check = state.compressor, state._compressor_kwargs(), state.chunk_numel, state.check_calls
 
     def body() -> None:
-        allreduce_compressed(tensor, group=group, method=method, op="avg", chunk_numel=chunk, ef=ef, **kwargs)
+        allreduce_compressed(tensor, group=group, method=method, op="avg", chunk_numel=chunk, ef=ef,
+                             key=index, check=check, **kwargs)
 
     return body
 
@@ -636,13 +657,14 @@ def _remapped_body(state: CompressionState, bucket, tensor, positions, group, it
                 stacklevel=3,
             )
         return lambda: _plain_avg(tensor, group)
-    jobs = [(state._ef_for(index), [where[p] for p in pos]) for index, _, pos in parts]
-    method, kwargs, chunk = state.compressor, state._compressor_kwargs(), state.chunk_numel
+    jobs = [(index, state._ef_for(index), [where[p] for p in pos]) for index, _, pos in parts]
+    method, kwargs, chunk, check = state.compressor, state._compressor_kwargs(), state.chunk_numel, state.check_calls
 
     def body() -> None:
-        for ef, slices in jobs:
+        for index, ef, slices in jobs:
             flat = torch.cat([tensor[o : o + n] for o, n in slices])
-            allreduce_compressed(flat, group=group, method=method, op="avg", chunk_numel=chunk, ef=ef, **kwargs)
+            allreduce_compressed(flat, group=group, method=method, op="avg", chunk_numel=chunk, ef=ef,
+                                 key=index, check=check, **kwargs)
             start = 0
             for o, n in slices:
                 tensor[o : o + n].copy_(flat[start : start + n])
