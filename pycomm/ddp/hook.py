@@ -557,26 +557,6 @@ def compressed_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.f
     # the buckets are not the ones the residuals belong to.
     stable = local >= 1
 
-    api = _pycomm_group_api()
-    group = state._group()
-    if api is not None and api[0](group, tensor.device):
-        # The backend compresses, keeps the residuals (per key) and orders
-        # the collectives itself.
-        _, pycomm_all_reduce = api
-        try:
-            state._check_pycomm_group(group, tensor.device)
-            if warm:
-                work = pycomm_all_reduce(tensor, group=group, op="avg", async_op=True, compress=False)
-            else:
-                # Before the first bucket rebuild of this process the index is
-                # not the residuals' key: compress without error feedback.
-                key = index if (stable and state._uses_ef()) else None
-                work = pycomm_all_reduce(tensor, key=key, group=group, op="avg", async_op=True)
-        except Exception as exc:
-            return _failed(exc)
-        return work.get_future().then(lambda f: _first_tensor(f.value(), tensor))
-
-    fut, stream = _new_future(tensor)
     numel = tensor.numel()
     record = (numel, positions)
     try:
@@ -593,9 +573,28 @@ def compressed_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.f
                         f"state with reset_error_feedback=True to start the residuals over"
                     )
                 state.bucket_layouts[index] = record
+    except Exception as exc:
+        return _failed(exc)
+    # This bucket is one whose residuals are kept under its index (else: the
+    # first iteration of a resumed process, before DDP's rebuild).
+    keyed = stable or state.bucket_layouts.get(index) == record
+
+    api = _pycomm_group_api()
+    group = state._group()
+    if api is not None and api[0](group, tensor.device):
+        # The backend compresses, keeps the residuals (per key) and orders
+        # the collectives itself.
+        try:
+            state._check_pycomm_group(group, tensor.device)
+            return _pycomm_hook(state, bucket, tensor, positions, group, api[1], warm, keyed, it)
+        except Exception as exc:
+            return _failed(exc)
+
+    fut, stream = _new_future(tensor)
+    try:
         if warm:
             body = lambda: _plain_avg(tensor, group)  # noqa: E731
-        elif stable or state.bucket_layouts.get(index) == record:
+        elif keyed:
             ef = state._ef_for(index)
             body = _compressed_body(state, tensor, group, ef, index)
         else:
@@ -604,6 +603,42 @@ def compressed_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.f
         return _failed(exc)
     state._get_worker().submit(_run(fut, tensor, body, stream))
     return fut
+
+
+def _pycomm_hook(state, bucket, tensor, positions, group, pycomm_all_reduce, warm, keyed, it):
+    """The bucket through a pycomm group: the backend's residuals are keyed
+    by bucket index, so a resumed process's first (unrebuilt) bucket is cut
+    into the saved buckets, as over a plain group."""
+    if warm:
+        work = pycomm_all_reduce(tensor, group=group, op="avg", async_op=True, compress=False)
+        return work.get_future().then(lambda f: _first_tensor(f.value(), tensor))
+    if keyed:
+        key = bucket.index() if state._uses_ef() else None
+        work = pycomm_all_reduce(tensor, key=key, group=group, op="avg", async_op=True)
+        return work.get_future().then(lambda f: _first_tensor(f.value(), tensor))
+    parts = _saved_parts(state, bucket, tensor, positions, it)
+    if parts is None:
+        work = pycomm_all_reduce(tensor, group=group, op="avg", async_op=True, compress=False)
+        return work.get_future().then(lambda f: _first_tensor(f.value(), tensor))
+    # One backend call per saved bucket, issued now in index order (the
+    # backend runs them in submission order, the same on every rank).
+    pending = []
+    for index, slices in parts:
+        flat = torch.cat([tensor[o : o + n] for o, n in slices])
+        key = index if state._uses_ef() else None
+        work = pycomm_all_reduce(flat, key=key, group=group, op="avg", async_op=True)
+        pending.append((work.get_future(), flat, slices))
+
+    def copy_back(_):
+        for f, flat, slices in pending:
+            f.wait()  # raises that call's error, if any
+            start = 0
+            for o, n in slices:
+                tensor[o : o + n].copy_(flat[start : start + n])
+                start += n
+        return tensor
+
+    return torch.futures.collect_all([f for f, _, _ in pending]).then(copy_back)
 
 
 def _first_tensor(value: Any, default: torch.Tensor) -> torch.Tensor:
@@ -624,11 +659,12 @@ def _compressed_body(state: CompressionState, tensor: torch.Tensor, group, ef, i
     return body
 
 
-def _remapped_body(state: CompressionState, bucket, tensor, positions, group, it) -> Callable[[], None]:
+def _saved_parts(state: CompressionState, bucket, tensor, positions, it) -> Optional[List[Tuple[int, List[Tuple[int, int]]]]]:
     """First iteration of a process that resumes a saved state: DDP's bucket
-    is not yet one of the saved ones (it holds every parameter). Reduce the
-    saved buckets it contains, each on its own, as they were when saved, so
-    the run continues exactly; if they do not tile it, reduce it plainly."""
+    is not yet one of the saved ones (it holds every parameter). Returns the
+    saved buckets it contains, as ``[(index, [(offset, numel) in this
+    bucket's buffer, per parameter])]``, or None (with a warning, once) if
+    they do not tile it."""
     buf_ptr, esize = tensor.data_ptr(), tensor.element_size()
     where = {}  # position -> (offset, numel) in this bucket's buffer
     for pos, g in zip(positions, bucket.gradients()):
@@ -654,10 +690,20 @@ def _remapped_body(state: CompressionState, bucket, tensor, positions, group, it
                 f"this process yet and bucket {bucket.index()} does not match the saved bucket "
                 f"layout; this iteration is all-reduced uncompressed (residuals kept)",
                 RuntimeWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
+        return None
+    return [(index, [where[p] for p in pos]) for index, _, pos in parts]
+
+
+def _remapped_body(state: CompressionState, bucket, tensor, positions, group, it) -> Callable[[], None]:
+    """Reduce the saved buckets that DDP's unrebuilt bucket contains, each on
+    its own, as they were when saved, so the run continues exactly; if they
+    do not tile it, reduce it plainly."""
+    parts = _saved_parts(state, bucket, tensor, positions, it)
+    if parts is None:
         return lambda: _plain_avg(tensor, group)
-    jobs = [(index, state._ef_for(index), [where[p] for p in pos]) for index, _, pos in parts]
+    jobs = [(index, state._ef_for(index), slices) for index, slices in parts]
     method, kwargs, chunk, check = state.compressor, state._compressor_kwargs(), state.chunk_numel, state.check_calls
 
     def body() -> None:
