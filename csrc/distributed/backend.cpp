@@ -31,6 +31,16 @@ std::tuple<at::Tensor, at::Tensor> onebit_compress(const at::Tensor& g,
   return op.call(g, r, block_size);
 }
 
+std::tuple<at::Tensor, at::Tensor> onebit_compress_into(const at::Tensor& g, const at::Tensor& r,
+                                                        const at::Tensor& r_out,
+                                                        int64_t block_size) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("pycomm::onebit_compress_into", "")
+                       .typed<std::tuple<at::Tensor, at::Tensor>(
+                           const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t)>();
+  return op.call(g, r, r_out, block_size);
+}
+
 void onebit_decompress(const at::Tensor& out, const at::Tensor& bits, const at::Tensor& scales,
                        int64_t block_size, bool accumulate) {
   static auto op = c10::Dispatcher::singleton()
@@ -314,24 +324,35 @@ std::string field_value(int field, int64_t v) {
   }
 }
 
-// The backups exist from the first call on, so taking one allocates nothing.
-void snapshot(ErrorFeedback& ef) {
+// Second buffers for the residuals, allocated at the first call (see
+// onebit_with_spare).
+void prepare_backup(ErrorFeedback& ef) {
   if (!ef.worker_backup.defined()) ef.worker_backup = at::empty_like(ef.worker);
-  ef.worker_backup.copy_(ef.worker);
   ef.server_backup.resize(ef.server.size());
   for (size_t i = 0; i < ef.server.size(); ++i) {
     if (!ef.server_backup[i].defined()) ef.server_backup[i] = at::empty_like(ef.server[i]);
-    ef.server_backup[i].copy_(ef.server[i]);
   }
 }
 
-// Swapping, not copying: the backup (the old residual) becomes the residual.
-void restore(ErrorFeedback& ef) {
+// Whether every element is finite: one vectorized read (a sum is finite
+// only if every term is); the exact check only when the sum itself
+// overflows. `sums`: float32 sums of parts of `t`, taken on the way.
+bool all_finite(const std::vector<at::Tensor>& sums, const at::Tensor& t) {
+  if (sums.empty() || at::isfinite(at::stack(sums)).all().item<bool>()) return true;
+  return at::isfinite(t).all().item<bool>();
+}
+
+// Exchanges the residuals and their second buffers (a swap, no copy).
+void swap_residuals(ErrorFeedback& ef) {
   std::swap(ef.worker, ef.worker_backup);
   for (size_t i = 0; i < ef.server.size(); ++i) std::swap(ef.server[i], ef.server_backup[i]);
 }
 
 }  // namespace
+
+bool CompressedBackend::double_buffered(const at::Tensor& x) const {
+  return config_.method == "onebit" && x.is_cpu();
+}
 
 std::string CompressedBackend::describe_call(const at::Tensor& tensor, std::optional<int64_t> key,
                                              bool average) const {
@@ -412,16 +433,18 @@ void CompressedBackend::run_compressed(const at::Tensor& tensor, std::optional<i
       return;
     }
     ErrorFeedback* ef = key.has_value() ? error_feedback_for(*key, x) : nullptr;
-    if (ef) snapshot(*ef);
+    if (ef) prepare_backup(*ef);
     bool finite = m == "onebit" ? run_onebit(x, ef, average) : run_topk(x, ef, average);
     if (!direct) {
       tensor.copy_(x.view(tensor.sizes()));
       // A float32 result can still overflow the tensor's 16-bit dtype.
-      if (ef && finite) finite = at::isfinite(tensor).all().item<bool>();
+      if (ef && finite) finite = all_finite({tensor.sum(at::kFloat)}, tensor);
     }
     // The result is identical on every rank, so every rank decides alike:
     // a step that GradScaler will skip leaves the residuals as they were.
-    if (ef && !finite) restore(*ef);
+    // Double-buffered: the new residuals are in the second buffers, commit
+    // them if finite; copied: the old ones are, restore them if not.
+    if (ef && finite == double_buffered(x)) swap_residuals(*ef);
   } catch (const c10::DistBackendError& e) {
     C10_THROW_ERROR(DistBackendError, failure_context(tensor, key, average) + e.what_without_backtrace());
   } catch (const c10::Error& e) {
@@ -466,6 +489,13 @@ bool CompressedBackend::run_onebit(const at::Tensor& x, ErrorFeedback* ef, bool 
   };
   std::vector<Chunk> st;
   st.reserve(chunks);
+  // Compress with error feedback, the old residual kept in `spare` or the
+  // new one written there (see double_buffered).
+  auto onebit_ef = [&](const at::Tensor& g, const at::Tensor& r, const at::Tensor& spare) {
+    if (double_buffered(x)) return onebit_compress_into(g, r, spare, B);
+    spare.copy_(r);
+    return onebit_compress(g, r, B);
+  };
   // The result is +-scale of the server payloads: it is finite exactly when
   // every gathered server scale is (a read of n / B floats). Only error
   // feedback needs to know; the flags stay on the device until the end.
@@ -477,9 +507,9 @@ bool CompressedBackend::run_onebit(const at::Tensor& x, ErrorFeedback* ef, bool 
     st.push_back(Chunk{begin, OnebitLayout(m, world, B), {}, {}, {}, {}});
     Chunk& ch = st.back();
     const OnebitLayout& lay = ch.lay;
-    std::optional<at::Tensor> residual;
-    if (ef) residual = ef->worker.narrow(0, begin, m);
-    auto [bits, scales] = onebit_compress(x.narrow(0, begin, m), residual, B);
+    auto [bits, scales] = ef ? onebit_ef(x.narrow(0, begin, m), ef->worker.narrow(0, begin, m),
+                                         ef->worker_backup.narrow(0, begin, m))
+                             : onebit_compress(x.narrow(0, begin, m), std::nullopt, B);
     std::vector<at::Tensor> parts;
     std::vector<int64_t> in_splits, out_splits(world, lay.size[rank]);
     for (int j = 0; j < world; ++j) {
@@ -511,9 +541,8 @@ bool CompressedBackend::run_onebit(const at::Tensor& x, ErrorFeedback* ef, bool 
         onebit_decompress(acc, b, s, B, /*accumulate=*/src > 0);
       }
       if (average) acc.div_(world);
-      std::optional<at::Tensor> server;
-      if (ef) server = ef->server[i];
-      auto [sb, ss] = onebit_compress(acc, server, B);
+      auto [sb, ss] = ef ? onebit_ef(acc, ef->server[i], ef->server_backup[i])
+                         : onebit_compress(acc, std::nullopt, B);
       mine.narrow(0, 0, lay.size[rank]).copy_(at::cat({sb, ss.view(at::kInt)}));
     }
     ch.gathered = at::empty({world * lay.size[0]}, int_opts);
@@ -562,15 +591,18 @@ bool CompressedBackend::run_topk(const at::Tensor& x, ErrorFeedback* ef, bool av
   std::vector<Chunk> st;
   st.reserve(chunks);
   // Sums of finite values can overflow, so the output itself is checked (a
-  // read of n floats, small next to the selection); only for error feedback.
-  std::vector<at::Tensor> finite;
+  // sum per chunk, small next to the selection); only for error feedback.
+  std::vector<at::Tensor> sums;
 
   auto stage1 = [&](int64_t i) {
     const int64_t begin = i * C, m = std::min(C, n - begin);
     const int64_t k = topk_k(m, config_.density);
     const int64_t cap = config_.approx ? topk_capacity(k) : k;
     std::optional<at::Tensor> residual;
-    if (ef) residual = ef->worker.narrow(0, begin, m);
+    if (ef) {
+      residual = ef->worker.narrow(0, begin, m);
+      ef->worker_backup.narrow(0, begin, m).copy_(*residual);
+    }
     auto [idx, vals] = topk_compress(x.narrow(0, begin, m), residual, k, config_.approx);
     const int64_t count = idx.numel();
     // [count, indices, values as float bits], zero-padded to 1 + 2 cap.
@@ -597,7 +629,7 @@ bool CompressedBackend::run_topk(const at::Tensor& x, ErrorFeedback* ef, bool av
                       ch.gathered.narrow(0, off + 1 + count, count).view(at::kFloat), true);
     }
     if (average) out.div_(world);
-    if (ef) finite.push_back(at::isfinite(out).all());
+    if (ef) sums.push_back(out.sum());
     ch.gathered = at::Tensor();
   };
 
@@ -606,7 +638,7 @@ bool CompressedBackend::run_topk(const at::Tensor& x, ErrorFeedback* ef, bool av
     if (i >= 1) stage2(i - 1);
   }
   stage2(chunks - 1);
-  return finite.empty() || at::stack(finite).all().item<bool>();
+  return all_finite(sums, x);
 }
 
 // -------------------------------------------------- error-feedback state ---

@@ -48,8 +48,8 @@ struct ErrorFeedback {
   std::string method;
   at::Tensor worker;                // numel floats
   std::vector<at::Tensor> server;   // onebit: this rank's segment of each chunk
-  // Copies taken before each call, restored when its result is not finite
-  // (docs/allreduce.md, "Non-finite results"); not part of the saved state.
+  // Second buffers: the old residuals while a call runs, or its new ones
+  // (see CompressedBackend::double_buffered); not part of the saved state.
   at::Tensor worker_backup;
   std::vector<at::Tensor> server_backup;
 };
@@ -151,6 +151,10 @@ class CompressedBackend : public c10d::Backend {
                                                    const c10d::AllreduceOptions& opts);
 
   void run_compressed(const at::Tensor& tensor, std::optional<int64_t> key, bool average);
+  // Error feedback with a rollback (docs/allreduce.md, "Non-finite results"):
+  // true where the compress writes the new residual to the second buffer
+  // (onebit on CPU: no copy), false where the old one is copied there first.
+  bool double_buffered(const at::Tensor& x) const;
   // Both return whether the reduced result is finite (the same on every rank).
   bool run_onebit(const at::Tensor& x, ErrorFeedback* ef, bool average);
   bool run_topk(const at::Tensor& x, ErrorFeedback* ef, bool average);

@@ -378,9 +378,9 @@ class _Work:
 
 # ---------------------------------------------------------------- onebit -----
 def _onebit_chunk(xc, comp, group, world, rank, avg, ew, es) -> Optional[torch.Tensor]:
-    """Reduces one chunk in place; with error feedback, returns a bool tensor:
-    whether the result is finite (it is +-scale of the gathered server
-    payloads, so their scales decide, the same on every rank)."""
+    """Reduces one chunk in place; with error feedback, returns the sum of
+    the gathered server scales: the result is +-scale, so it is finite if
+    that sum is (the same on every rank)."""
     m = xc.numel()
     bsz = comp.block_size
     _, bounds = onebit_segments(m, world, bsz)
@@ -437,8 +437,18 @@ def _onebit_chunk(xc, comp, group, world, rank, avg, ew, es) -> Optional[torch.T
         payload = OneBitPayload(buf[:nw], buf[nw:].view(torch.float32), n, (n,), bsz)
         comp.decompress(payload, out=xc[b:e], accumulate=False)
         if ew is not None:
-            finite.append(torch.isfinite(payload.scales).all())
-    return torch.stack(finite).all() if finite else None
+            finite.append(payload.scales.sum())
+    return torch.stack(finite).sum() if finite else None
+
+
+def _all_finite(t: torch.Tensor, sums: List[torch.Tensor]) -> bool:
+    """Whether every element of ``t`` is finite, from ``sums`` taken on the
+    way (of parts of ``t``, or of the scales it was decoded from: a sum is
+    finite only if every term is); the exact check only when one of them
+    is not (a sum of finite terms may overflow)."""
+    if all(bool(torch.isfinite(s).all()) for s in sums):
+        return True
+    return bool(torch.isfinite(t).all())
 
 
 def _finish_with_error_feedback(work: "_Work", ef: Optional[ErrorFeedback], finite: List) -> None:
@@ -449,9 +459,9 @@ def _finish_with_error_feedback(work: "_Work", ef: Optional[ErrorFeedback], fini
     work.finish()
     if ef is None:
         return
-    ok = all(bool(f) for f in finite if f is not None)
+    ok = _all_finite(work.flat, [f for f in finite if f is not None])
     if ok and not work.inplace:  # a float32 result can overflow a 16-bit dtype
-        ok = bool(torch.isfinite(work.tensor).all())
+        ok = _all_finite(work.tensor, [work.tensor.sum(dtype=torch.float32)])
     if not ok:
         ef.rollback()
 
@@ -497,9 +507,9 @@ def allreduce_onebit(
 
 # ------------------------------------------------------------------ topk -----
 def _topk_chunk(xc, comp, group, world, avg, ew) -> Optional[torch.Tensor]:
-    """Reduces one chunk in place; with error feedback, returns whether the
-    result is finite (the output itself is checked: sums of finite values
-    can overflow)."""
+    """Reduces one chunk in place; with error feedback, returns the sum of
+    the result (finite only if the result is: sums of finite values can
+    overflow, so the output itself is what counts)."""
     m = xc.numel()
     k = topk_k(m, comp.density)
     cap = topk_capacity(k) if comp.approx else k
@@ -528,7 +538,7 @@ def _topk_chunk(xc, comp, group, world, avg, ew) -> Optional[torch.Tensor]:
     if avg:
         out.div_(world)
     xc.copy_(out)
-    return torch.isfinite(out).all() if ew is not None else None
+    return out.sum() if ew is not None else None
 
 
 def allreduce_topk(
