@@ -58,7 +58,8 @@ def simulate_allreduce(
     Returns one new tensor per rank (dtype and shape of the inputs); the
     inputs are not modified. ``efs`` (one :class:`ErrorFeedback` per rank,
     rank ``r``'s at index ``r``) are used and updated as the ranks' own
-    would be. ``compressor_kwargs`` as in
+    would be: left as they were when the result is not finite.
+    ``compressor_kwargs`` as in
     :func:`pycomm.distributed.algorithms.allreduce_compressed`; ``impl``
     defaults to "reference".
     """
