@@ -47,7 +47,7 @@ PYBIND11_MODULE(_C, m) {
       "A c10d Backend wrapping `inner` that compresses float SUM/AVG all-reduces.")
       .def(py::init([](const c10::intrusive_ptr<c10d::Backend>& inner, const std::string& method,
                        int64_t min_compress_numel, int64_t chunk_numel, int64_t block_size,
-                       double density, bool approx) {
+                       double density, bool approx, int check_calls) {
              pycomm::dist::Config c;
              c.method = method;
              c.min_compress_numel = min_compress_numel;
@@ -55,10 +55,12 @@ PYBIND11_MODULE(_C, m) {
              c.block_size = block_size;
              c.density = density;
              c.approx = approx;
+             c.check_calls = check_calls;
              return c10::make_intrusive<CompressedBackend>(inner, c);
            }),
            py::arg("inner"), py::arg("method"), py::arg("min_compress_numel"),
-           py::arg("chunk_numel"), py::arg("block_size"), py::arg("density"), py::arg("approx"))
+           py::arg("chunk_numel"), py::arg("block_size"), py::arg("density"), py::arg("approx"),
+           py::arg("check_calls") = 1)
       .def("allreduce_keyed", &CompressedBackend::allreduce_keyed, py::arg("tensor"),
            py::arg("key"), py::arg("average"), py::call_guard<py::gil_scoped_release>())
       .def("allreduce_plain", &CompressedBackend::allreduce_plain, py::arg("tensor"),
@@ -74,6 +76,7 @@ PYBIND11_MODULE(_C, m) {
                                d["block_size"] = c.block_size;
                                d["density"] = c.density;
                                d["approx"] = c.approx;
+                               d["check_calls"] = c.check_calls;
                                return d;
                              })
       .def("error_feedback_state",

@@ -343,12 +343,15 @@ def test_start_iter_must_be_at_least_two():
 def test_state_pickles_without_process_group():
     from pycomm.distributed.algorithms import ErrorFeedback
 
-    state = CompressionState(process_group=object(), compressor="onebit", block_size=64, start_iter=3)
+    group = dist.ProcessGroup(dist.HashStore(), 0, 1)
+    state = CompressionState(process_group=group, compressor="onebit", block_size=64, start_iter=3)
     state.iteration = 7
     state.error_dict[2] = ErrorFeedback()
     state.error_dict[2].bind(method="onebit", numel=100, world_size=2, rank=1, chunk_numel=64, block_size=64)
     state.error_dict[2].worker.normal_()
-    copy = pickle.loads(pickle.dumps(state))  # an object() group could not be pickled
+    with pytest.raises(TypeError):
+        pickle.dumps(group)
+    copy = pickle.loads(pickle.dumps(state))  # the group could not be pickled
     assert copy.process_group is None
     assert copy.iteration == 7 and copy.config() == state.config()
     assert torch.equal(copy.error_dict[2].worker, state.error_dict[2].worker)

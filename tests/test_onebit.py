@@ -185,3 +185,25 @@ def test_opcheck():
     torch.library.opcheck(torch.ops.pycomm.onebit_compress, (g.half(), None, 32))
     bits, scales = torch.ops.pycomm.onebit_compress(g, r.clone(), 64)
     torch.library.opcheck(torch.ops.pycomm.onebit_decompress, (torch.zeros(3001), bits, scales, 64, True))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_compress_into_a_second_buffer(dtype):
+    # The backend's double-buffered error feedback: the same payload and new
+    # residual as the in-place compress, the old residual left as it was.
+    n = 5000
+    g = make_grad("nonfinite", n, dtype, seed=3)
+    r = torch.randn(n)
+    r_inplace, r_old, r_out = r.clone(), r.clone(), torch.full((n,), 7.0)
+    bits, scales = torch.ops.pycomm.onebit_compress(g, r_inplace, 64)
+    bits2, scales2 = torch.ops.pycomm.onebit_compress_into(g, r, r_out, 64)
+    assert torch.equal(bits2, bits)
+    torch.testing.assert_close(scales2, scales, equal_nan=True, rtol=0, atol=0)
+    torch.testing.assert_close(r_out, r_inplace, equal_nan=True, rtol=0, atol=0)
+    assert torch.equal(r, r_old)
+    # The same tensor twice is the in-place compress; a partial overlap is refused.
+    buf = torch.cat([r_old, torch.zeros(64)])
+    torch.ops.pycomm.onebit_compress_into(g, buf[:n], buf[:n], 64)
+    torch.testing.assert_close(buf[:n], r_inplace, equal_nan=True, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="must be the same tensor or not overlap"):
+        torch.ops.pycomm.onebit_compress_into(g, buf[:n], buf[32 : n + 32], 64)

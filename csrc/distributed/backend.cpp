@@ -9,6 +9,9 @@
 
 #include "pycomm/compress_math.h"
 
+#include <sstream>
+#include <string.h>
+
 namespace pycomm {
 namespace dist {
 namespace {
@@ -26,6 +29,16 @@ std::tuple<at::Tensor, at::Tensor> onebit_compress(const at::Tensor& g,
           .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&,
                                                     const std::optional<at::Tensor>&, int64_t)>();
   return op.call(g, r, block_size);
+}
+
+std::tuple<at::Tensor, at::Tensor> onebit_compress_into(const at::Tensor& g, const at::Tensor& r,
+                                                        const at::Tensor& r_out,
+                                                        int64_t block_size) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("pycomm::onebit_compress_into", "")
+                       .typed<std::tuple<at::Tensor, at::Tensor>(
+                           const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t)>();
+  return op.call(g, r, r_out, block_size);
 }
 
 void onebit_decompress(const at::Tensor& out, const at::Tensor& bits, const at::Tensor& scales,
@@ -124,6 +137,9 @@ CompressedBackend::CompressedBackend(c10::intrusive_ptr<c10d::Backend> inner, Co
               "block_size must be a positive multiple of 32, got ", config_.block_size);
   TORCH_CHECK(config_.density > 0.0 && config_.density <= 1.0, "density must be in (0, 1], got ",
               config_.density);
+  TORCH_CHECK(config_.check_calls >= 0 && config_.check_calls <= 2,
+              "check_calls must be 0 (off), 1 (first use) or 2 (every call), got ",
+              config_.check_calls);
   // Gloo has no AVG: forwarded AVGs become SUM and a division here.
   inner_has_avg_ = inner_->getBackendName() != "gloo";
   worker_ = std::thread([this] { run_worker(); });
@@ -273,23 +289,189 @@ ErrorFeedback* CompressedBackend::error_feedback_for(int64_t key, const at::Tens
   return &ef;
 }
 
+namespace {
+
+const char* dtype_name(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "float32";
+    case at::kHalf: return "float16";
+    case at::kBFloat16: return "bfloat16";
+    default: return c10::toString(t);
+  }
+}
+
+const char* const kMethods[] = {"onebit", "topk", "fp16", "bf16", "none"};
+
+int64_t method_code(const std::string& m) {
+  for (int64_t i = 0; i < 5; ++i)
+    if (m == kMethods[i]) return i;
+  return -1;
+}
+
+// The descriptor of a compressed call that ranks compare (check_call).
+enum Field { kNumel, kDtype, kOp, kKey, kMethod, kChunk, kBlock, kDensity, kApprox, kDevice, kFields };
+const char* const kFieldNames[kFields] = {"numel", "dtype", "op", "key", "compressor",
+                                          "chunk_numel", "block_size", "density", "approx",
+                                          "device type"};
+
+std::string field_value(int field, int64_t v) {
+  switch (field) {
+    case kDtype: return dtype_name(static_cast<at::ScalarType>(v));
+    case kOp: return v ? "avg" : "sum";
+    case kKey: return v < 0 ? "None" : std::to_string(v);
+    case kMethod: return v >= 0 && v < 5 ? kMethods[v] : "?";
+    case kDensity: {
+      double d;
+      memcpy(&d, &v, sizeof(d));
+      std::ostringstream o;
+      o << d;
+      return o.str();
+    }
+    case kApprox: return v ? "True" : "False";
+    case kDevice: return c10::DeviceTypeName(static_cast<c10::DeviceType>(v), true);
+    default: return std::to_string(v);
+  }
+}
+
+// Second buffers for the residuals, allocated at the first call (see
+// onebit_with_spare).
+void prepare_backup(ErrorFeedback& ef) {
+  if (!ef.worker_backup.defined()) ef.worker_backup = at::empty_like(ef.worker);
+  ef.server_backup.resize(ef.server.size());
+  for (size_t i = 0; i < ef.server.size(); ++i) {
+    if (!ef.server_backup[i].defined()) ef.server_backup[i] = at::empty_like(ef.server[i]);
+  }
+}
+
+// Whether every element is finite: one vectorized read (a sum is finite
+// only if every term is); the exact check only when the sum itself
+// overflows. `sums`: float32 sums of parts of `t`, taken on the way.
+bool all_finite(const std::vector<at::Tensor>& sums, const at::Tensor& t) {
+  if (sums.empty() || at::isfinite(at::stack(sums)).all().item<bool>()) return true;
+  return at::isfinite(t).all().item<bool>();
+}
+
+// Exchanges the residuals and their second buffers (a swap, no copy).
+void swap_residuals(ErrorFeedback& ef) {
+  std::swap(ef.worker, ef.worker_backup);
+  for (size_t i = 0; i < ef.server.size(); ++i) std::swap(ef.server[i], ef.server_backup[i]);
+}
+
+}  // namespace
+
+bool CompressedBackend::double_buffered(const at::Tensor& x) const {
+  return config_.method == "onebit" && x.is_cpu();
+}
+
+std::string CompressedBackend::describe_call(const at::Tensor& tensor, std::optional<int64_t> key,
+                                             bool average) const {
+  std::ostringstream o;
+  o << "all_reduce key=" << (key ? std::to_string(*key) : "None") << " " << tensor.numel() << " "
+    << dtype_name(tensor.scalar_type()) << " " << config_.method << " "
+    << (average ? "avg" : "sum");
+  return o.str();
+}
+
+void CompressedBackend::check_call(const at::Tensor& tensor, std::optional<int64_t> key,
+                                   bool average) {
+  if (config_.check_calls == 0) return;
+  const int64_t numel = tensor.numel();
+  const int dtype = static_cast<int>(tensor.scalar_type());
+  const auto signature = std::make_tuple(numel, dtype, average);
+  if (config_.check_calls == 1) {
+    if (key ? checked_keys_.count(*key) > 0 : checked_signatures_.count(signature) > 0) return;
+  }
+  int64_t density_bits;
+  memcpy(&density_bits, &config_.density, sizeof(density_bits));
+  std::vector<int64_t> mine(kFields);
+  mine[kNumel] = numel;
+  mine[kDtype] = dtype;
+  mine[kOp] = average;
+  mine[kKey] = key ? *key : -1;
+  mine[kMethod] = method_code(config_.method);
+  mine[kChunk] = config_.chunk_numel;
+  mine[kBlock] = config_.block_size;
+  mine[kDensity] = density_bits;
+  mine[kApprox] = config_.approx;
+  mine[kDevice] = static_cast<int64_t>(tensor.device().type());
+  const int world = getSize();
+  const auto opts = tensor.options().dtype(at::kLong);
+  at::Tensor in = at::tensor(mine, at::kLong).to(tensor.device());
+  at::Tensor out = at::empty({world * kFields}, opts);
+  inner_->_allgather_base(out, in, c10d::AllgatherOptions())->wait();
+  const at::Tensor all = out.cpu().view({world, kFields});
+  const int64_t* a = all.data_ptr<int64_t>();
+  auto same = [&](int f) {
+    for (int r = 1; r < world; ++r)
+      if (a[r * kFields + f] != a[f]) return false;
+    return true;
+  };
+  // Another compressor has other settings anyway: then name it alone.
+  const bool same_method = same(kMethod);
+  std::ostringstream diffs;
+  for (int f = 0; f < kFields; ++f) {
+    if (same(f) || (!same_method && f != kMethod)) continue;
+    diffs << (diffs.tellp() > 0 ? "; " : "") << kFieldNames[f] << " (";
+    for (int r = 0; r < world; ++r)
+      diffs << (r ? ", " : "") << "rank " << r << ": " << field_value(f, a[r * kFields + f]);
+    diffs << ")";
+  }
+  TORCH_CHECK(diffs.tellp() == 0,
+              "ranks called the compressed all_reduce with different arguments: ", diffs.str(),
+              ". Every rank must make the same compressed calls in the same order with the same "
+              "settings (checked at the first use of each key and of each keyless "
+              "(numel, dtype, op); PYCOMM_DEBUG=detail checks every call)");
+  if (key) {
+    checked_keys_.insert(*key);
+  } else {
+    checked_signatures_.insert(signature);
+  }
+}
+
 void CompressedBackend::run_compressed(const at::Tensor& tensor, std::optional<int64_t> key,
                                        bool average) {
-  // Work on a flat, contiguous float32 view (a copy only when needed).
-  const bool direct = tensor.scalar_type() == at::kFloat && tensor.is_contiguous();
-  at::Tensor x = direct ? tensor.view({-1}) : tensor.reshape({-1}).to(at::kFloat).contiguous();
-  const auto& m = config_.method;
-  if (m == "fp16" || m == "bf16") {
-    run_cast(x, average);
-  } else {
-    ErrorFeedback* ef = key.has_value() ? error_feedback_for(*key, x) : nullptr;
-    if (m == "onebit") {
-      run_onebit(x, ef, average);
-    } else {
-      run_topk(x, ef, average);
+  try {
+    check_call(tensor, key, average);
+    // Work on a flat, contiguous float32 view (a copy only when needed).
+    const bool direct = tensor.scalar_type() == at::kFloat && tensor.is_contiguous();
+    at::Tensor x = direct ? tensor.view({-1}) : tensor.reshape({-1}).to(at::kFloat).contiguous();
+    const auto& m = config_.method;
+    if (m == "fp16" || m == "bf16") {
+      run_cast(x, average);
+      if (!direct) tensor.copy_(x.view(tensor.sizes()));
+      return;
     }
+    ErrorFeedback* ef = key.has_value() ? error_feedback_for(*key, x) : nullptr;
+    if (ef) prepare_backup(*ef);
+    bool finite = m == "onebit" ? run_onebit(x, ef, average) : run_topk(x, ef, average);
+    if (!direct) {
+      tensor.copy_(x.view(tensor.sizes()));
+      // A float32 result can still overflow the tensor's 16-bit dtype.
+      if (ef && finite) finite = all_finite({tensor.sum(at::kFloat)}, tensor);
+    }
+    // The result is identical on every rank, so every rank decides alike:
+    // a step that GradScaler will skip leaves the residuals as they were.
+    // Double-buffered: the new residuals are in the second buffers, commit
+    // them if finite; copied: the old ones are, restore them if not.
+    if (ef && finite == double_buffered(x)) swap_residuals(*ef);
+  } catch (const c10::DistBackendError& e) {
+    C10_THROW_ERROR(DistBackendError, failure_context(tensor, key, average) + e.what_without_backtrace());
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, failure_context(tensor, key, average), e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, failure_context(tensor, key, average), e.what());
   }
-  if (!direct) tensor.copy_(x.view(tensor.sizes()));
+}
+
+std::string CompressedBackend::failure_context(const at::Tensor& tensor,
+                                               std::optional<int64_t> key, bool average) const {
+  std::ostringstream o;
+  o << "pycomm rank " << getRank() << " of " << getSize();
+  // With two ranks the peer is known; with more, Gloo's own message below
+  // names the peer's address when the failure is a connection.
+  if (getSize() == 2) o << " (peer: rank " << 1 - getRank() << ")";
+  o << ": " << describe_call(tensor, key, average) << " failed: ";
+  return o.str();
 }
 
 void CompressedBackend::run_cast(const at::Tensor& x, bool average) {
@@ -302,7 +484,7 @@ void CompressedBackend::run_cast(const at::Tensor& x, bool average) {
   x.copy_(y);
 }
 
-void CompressedBackend::run_onebit(const at::Tensor& x, ErrorFeedback* ef, bool average) {
+bool CompressedBackend::run_onebit(const at::Tensor& x, ErrorFeedback* ef, bool average) {
   const int world = getSize(), rank = getRank();
   const int64_t n = x.numel(), C = chunk_length(n, config_.chunk_numel), B = config_.block_size;
   const int64_t chunks = ceil_div(n, C);
@@ -316,6 +498,17 @@ void CompressedBackend::run_onebit(const at::Tensor& x, ErrorFeedback* ef, bool 
   };
   std::vector<Chunk> st;
   st.reserve(chunks);
+  // Compress with error feedback, the old residual kept in `spare` or the
+  // new one written there (see double_buffered).
+  auto onebit_ef = [&](const at::Tensor& g, const at::Tensor& r, const at::Tensor& spare) {
+    if (double_buffered(x)) return onebit_compress_into(g, r, spare, B);
+    spare.copy_(r);
+    return onebit_compress(g, r, B);
+  };
+  // The result is +-scale of the server payloads: it is finite exactly when
+  // every gathered server scale is (a read of n / B floats). Only error
+  // feedback needs to know; the flags stay on the device until the end.
+  std::vector<at::Tensor> finite;
 
   // Stage 1: worker compress, all_to_all of segment payloads.
   auto stage1 = [&](int64_t i) {
@@ -323,9 +516,9 @@ void CompressedBackend::run_onebit(const at::Tensor& x, ErrorFeedback* ef, bool 
     st.push_back(Chunk{begin, OnebitLayout(m, world, B), {}, {}, {}, {}});
     Chunk& ch = st.back();
     const OnebitLayout& lay = ch.lay;
-    std::optional<at::Tensor> residual;
-    if (ef) residual = ef->worker.narrow(0, begin, m);
-    auto [bits, scales] = onebit_compress(x.narrow(0, begin, m), residual, B);
+    auto [bits, scales] = ef ? onebit_ef(x.narrow(0, begin, m), ef->worker.narrow(0, begin, m),
+                                         ef->worker_backup.narrow(0, begin, m))
+                             : onebit_compress(x.narrow(0, begin, m), std::nullopt, B);
     std::vector<at::Tensor> parts;
     std::vector<int64_t> in_splits, out_splits(world, lay.size[rank]);
     for (int j = 0; j < world; ++j) {
@@ -357,9 +550,8 @@ void CompressedBackend::run_onebit(const at::Tensor& x, ErrorFeedback* ef, bool 
         onebit_decompress(acc, b, s, B, /*accumulate=*/src > 0);
       }
       if (average) acc.div_(world);
-      std::optional<at::Tensor> server;
-      if (ef) server = ef->server[i];
-      auto [sb, ss] = onebit_compress(acc, server, B);
+      auto [sb, ss] = ef ? onebit_ef(acc, ef->server[i], ef->server_backup[i])
+                         : onebit_compress(acc, std::nullopt, B);
       mine.narrow(0, 0, lay.size[rank]).copy_(at::cat({sb, ss.view(at::kInt)}));
     }
     ch.gathered = at::empty({world * lay.size[0]}, int_opts);
@@ -375,6 +567,7 @@ void CompressedBackend::run_onebit(const at::Tensor& x, ErrorFeedback* ef, bool 
       if (lay.len[j] == 0) continue;
       auto [b, s] = split_onebit(ch.gathered, j * lay.size[0], lay.words[j], lay.blocks[j]);
       onebit_decompress(x.narrow(0, ch.begin + j * lay.seg, lay.len[j]), b, s, B, false);
+      if (ef) finite.push_back(at::isfinite(s).all());
     }
     ch.recv = at::Tensor();
     ch.gathered = at::Tensor();
@@ -390,9 +583,10 @@ void CompressedBackend::run_onebit(const at::Tensor& x, ErrorFeedback* ef, bool 
   }
   stage2(chunks - 1);
   for (int64_t i = std::max<int64_t>(0, chunks - 2); i < chunks; ++i) stage3(i);
+  return finite.empty() || at::stack(finite).all().item<bool>();
 }
 
-void CompressedBackend::run_topk(const at::Tensor& x, ErrorFeedback* ef, bool average) {
+bool CompressedBackend::run_topk(const at::Tensor& x, ErrorFeedback* ef, bool average) {
   const int world = getSize();
   const int64_t n = x.numel(), C = chunk_length(n, config_.chunk_numel);
   const int64_t chunks = ceil_div(n, C);
@@ -405,13 +599,19 @@ void CompressedBackend::run_topk(const at::Tensor& x, ErrorFeedback* ef, bool av
   };
   std::vector<Chunk> st;
   st.reserve(chunks);
+  // Sums of finite values can overflow, so the output itself is checked (a
+  // sum per chunk, small next to the selection); only for error feedback.
+  std::vector<at::Tensor> sums;
 
   auto stage1 = [&](int64_t i) {
     const int64_t begin = i * C, m = std::min(C, n - begin);
     const int64_t k = topk_k(m, config_.density);
     const int64_t cap = config_.approx ? topk_capacity(k) : k;
     std::optional<at::Tensor> residual;
-    if (ef) residual = ef->worker.narrow(0, begin, m);
+    if (ef) {
+      residual = ef->worker.narrow(0, begin, m);
+      ef->worker_backup.narrow(0, begin, m).copy_(*residual);
+    }
     auto [idx, vals] = topk_compress(x.narrow(0, begin, m), residual, k, config_.approx);
     const int64_t count = idx.numel();
     // [count, indices, values as float bits], zero-padded to 1 + 2 cap.
@@ -438,6 +638,7 @@ void CompressedBackend::run_topk(const at::Tensor& x, ErrorFeedback* ef, bool av
                       ch.gathered.narrow(0, off + 1 + count, count).view(at::kFloat), true);
     }
     if (average) out.div_(world);
+    if (ef) sums.push_back(out.sum());
     ch.gathered = at::Tensor();
   };
 
@@ -446,6 +647,7 @@ void CompressedBackend::run_topk(const at::Tensor& x, ErrorFeedback* ef, bool av
     if (i >= 1) stage2(i - 1);
   }
   stage2(chunks - 1);
+  return all_finite(sums, x);
 }
 
 // -------------------------------------------------- error-feedback state ---

@@ -16,8 +16,10 @@
 #include <map>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -33,6 +35,9 @@ struct Config {
   int64_t block_size = 2048;
   double density = 0.01;
   bool approx = true;
+  // Cross-rank check of compressed calls (docs/reliability.md): 0 never,
+  // 1 at the first use of each key / keyless signature, 2 every call.
+  int check_calls = 1;
 };
 
 // Error-feedback residuals of one key (see docs/allreduce.md).
@@ -43,6 +48,10 @@ struct ErrorFeedback {
   std::string method;
   at::Tensor worker;                // numel floats
   std::vector<at::Tensor> server;   // onebit: this rank's segment of each chunk
+  // Second buffers: the old residuals while a call runs, or its new ones
+  // (see CompressedBackend::double_buffered); not part of the saved state.
+  at::Tensor worker_backup;
+  std::vector<at::Tensor> server_backup;
 };
 
 // A Work completed by the worker thread; its future holds the result tensors.
@@ -142,8 +151,21 @@ class CompressedBackend : public c10d::Backend {
                                                    const c10d::AllreduceOptions& opts);
 
   void run_compressed(const at::Tensor& tensor, std::optional<int64_t> key, bool average);
-  void run_onebit(const at::Tensor& x, ErrorFeedback* ef, bool average);
-  void run_topk(const at::Tensor& x, ErrorFeedback* ef, bool average);
+  // Error feedback with a rollback (docs/allreduce.md, "Non-finite results"):
+  // true where the compress writes the new residual to the second buffer
+  // (onebit on CPU: no copy), false where the old one is copied there first.
+  bool double_buffered(const at::Tensor& x) const;
+  // Both return whether the reduced result is finite (the same on every rank).
+  bool run_onebit(const at::Tensor& x, ErrorFeedback* ef, bool average);
+  bool run_topk(const at::Tensor& x, ErrorFeedback* ef, bool average);
+  // Exchanges a descriptor of this call with every rank and throws, on every
+  // rank, when they differ (Config::check_calls decides when).
+  void check_call(const at::Tensor& tensor, std::optional<int64_t> key, bool average);
+  std::string describe_call(const at::Tensor& tensor, std::optional<int64_t> key,
+                            bool average) const;
+  // "pycomm rank R of W [(peer: rank P)]: <call> failed: " for errors.
+  std::string failure_context(const at::Tensor& tensor, std::optional<int64_t> key,
+                              bool average) const;
   void run_cast(const at::Tensor& x, bool average);
   ErrorFeedback* error_feedback_for(int64_t key, const at::Tensor& x);
 
@@ -160,6 +182,9 @@ class CompressedBackend : public c10d::Backend {
   // Only the worker thread touches these while collectives run; the state
   // accessors go through the queue too.
   std::map<int64_t, ErrorFeedback> error_feedback_;
+  // Keys and keyless (numel, dtype, op) signatures already checked.
+  std::set<int64_t> checked_keys_;
+  std::set<std::tuple<int64_t, int, bool>> checked_signatures_;
 };
 
 }  // namespace dist

@@ -66,6 +66,32 @@ std::tuple<at::Tensor, at::Tensor> onebit_compress_cpu(const at::Tensor& grad,
   return {bits, scales};
 }
 
+// grad + residual compressed, the new residual written to residual_out and
+// residual left as it was (the backend's double-buffered error feedback).
+std::tuple<at::Tensor, at::Tensor> onebit_compress_into_cpu(const at::Tensor& grad,
+                                                            const at::Tensor& residual,
+                                                            const at::Tensor& residual_out,
+                                                            int64_t block_size) {
+  check_compress_inputs(grad, residual);
+  check_compress_inputs(grad, residual_out);
+  check_block_size(block_size);
+  const float* r_in = residual.const_data_ptr<float>();
+  float* r_out = residual_out.data_ptr<float>();
+  const int64_t n = grad.numel();
+  TORCH_CHECK(r_in == r_out || r_in + n <= r_out || r_out + n <= r_in,
+              "residual and residual_out must be the same tensor or not overlap");
+  auto [bits, scales] = alloc_payload(grad, block_size);
+  const cpu::DType dtype = cpu_dtype(grad, "grad");
+  const void* g = grad.const_data_ptr();
+  auto* w = reinterpret_cast<uint32_t*>(bits.data_ptr<int32_t>());
+  float* s = scales.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / block_size);
+  at::parallel_for(0, onebit_num_blocks(n, block_size), grain, [&](int64_t b, int64_t e) {
+    cpu::onebit_compress_blocks_into(g, dtype, r_in, r_out, w, s, n, block_size, b, e);
+  });
+  return {bits, scales};
+}
+
 void onebit_decompress_cpu(const at::Tensor& out, const at::Tensor& bits,
                            const at::Tensor& scales, int64_t block_size, bool accumulate) {
   check_decompress(out, bits, scales, block_size);
@@ -113,12 +139,16 @@ void onebit_decompress_cuda(const at::Tensor& out, const at::Tensor& bits,
 TORCH_LIBRARY_FRAGMENT(pycomm, m) {
   m.def("onebit_compress(Tensor grad, Tensor(a!)? residual, int block_size) -> (Tensor, Tensor)");
   m.def(
+      "onebit_compress_into(Tensor grad, Tensor residual, Tensor(a!) residual_out, "
+      "int block_size) -> (Tensor, Tensor)");
+  m.def(
       "onebit_decompress(Tensor(a!) out, Tensor bits, Tensor scales, int block_size, "
       "bool accumulate) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pycomm, CPU, m) {
   m.impl("onebit_compress", &onebit_compress_cpu);
+  m.impl("onebit_compress_into", &onebit_compress_into_cpu);
   m.impl("onebit_decompress", &onebit_decompress_cpu);
 }
 

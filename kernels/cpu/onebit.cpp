@@ -63,8 +63,10 @@ void pack_block(Load c_of, float* r, uint32_t* bits, float scale, int64_t begin,
   }
 }
 
+// r_in: the residual read (r_in == r: updated in place); r: where c and
+// then the new residual are written.
 template <typename Load>
-void compress_blocks(Load g, float* r, uint32_t* bits, float* scales, int64_t n,
+void compress_blocks(Load g, const float* r_in, float* r, uint32_t* bits, float* scales, int64_t n,
                      int64_t block_size, int64_t block_begin, int64_t block_end) {
   for (int64_t b = block_begin; b < block_end; ++b) {
     const int64_t begin = b * block_size;
@@ -73,7 +75,7 @@ void compress_blocks(Load g, float* r, uint32_t* bits, float* scales, int64_t n,
     if (r) {
 #pragma omp simd reduction(+ : sum)
       for (int64_t i = begin; i < begin + len; ++i) {
-        const float c = g(i) + r[i];
+        const float c = g(i) + r_in[i];
         r[i] = c;
         sum += fabsf(c);
       }
@@ -96,18 +98,25 @@ void compress_blocks(Load g, float* r, uint32_t* bits, float* scales, int64_t n,
 void onebit_compress_blocks(const void* grad, DType dtype, float* residual, uint32_t* bits,
                             float* scales, int64_t n, int64_t block_size, int64_t block_begin,
                             int64_t block_end) {
+  onebit_compress_blocks_into(grad, dtype, residual, residual, bits, scales, n, block_size,
+                              block_begin, block_end);
+}
+
+void onebit_compress_blocks_into(const void* grad, DType dtype, const float* residual_in,
+                                 float* residual_out, uint32_t* bits, float* scales, int64_t n,
+                                 int64_t block_size, int64_t block_begin, int64_t block_end) {
   switch (dtype) {
     case DType::kFloat32:
-      compress_blocks(LoadF32{static_cast<const float*>(grad)}, residual, bits, scales, n,
-                      block_size, block_begin, block_end);
+      compress_blocks(LoadF32{static_cast<const float*>(grad)}, residual_in, residual_out, bits,
+                      scales, n, block_size, block_begin, block_end);
       break;
     case DType::kFloat16:
-      compress_blocks(LoadF16{static_cast<const uint16_t*>(grad)}, residual, bits, scales, n,
-                      block_size, block_begin, block_end);
+      compress_blocks(LoadF16{static_cast<const uint16_t*>(grad)}, residual_in, residual_out,
+                      bits, scales, n, block_size, block_begin, block_end);
       break;
     case DType::kBFloat16:
-      compress_blocks(LoadBF16{static_cast<const uint16_t*>(grad)}, residual, bits, scales, n,
-                      block_size, block_begin, block_end);
+      compress_blocks(LoadBF16{static_cast<const uint16_t*>(grad)}, residual_in, residual_out,
+                      bits, scales, n, block_size, block_begin, block_end);
       break;
   }
 }

@@ -52,7 +52,7 @@ import torch.distributed as dist
 
 from .. import get_compressor
 from ..compressors.base import check_density
-from ..distributed.algorithms import ErrorFeedback, allreduce_compressed
+from ..distributed.algorithms import ErrorFeedback, allreduce_compressed, check_mode
 
 __all__ = ["CompressionState", "compressed_hook"]
 
@@ -118,6 +118,9 @@ class CompressionState:
             buckets after the first iteration).
         error_feedback: keep residuals (onebit, topk; fp16/bf16 have none).
         impl: compressor implementation ("auto", "reference", "cpu", ...).
+        check_calls: when ranks compare their calls, to raise on every rank
+            on a mismatch instead of hanging: "first" (first use of each
+            bucket), "every" or "off"; ``PYCOMM_DEBUG=detail`` means "every".
         private_group: reduce over a private copy of ``process_group``
             (``dist.new_group``, so every rank of the default group must
             construct the state, in the same order as its other new_group
@@ -156,7 +159,14 @@ class CompressionState:
         error_feedback: bool = True,
         impl: str = "auto",
         private_group: bool = False,
+        check_calls: str = "first",
     ) -> None:
+        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+            raise TypeError(
+                f"process_group must be a torch.distributed.ProcessGroup or None, got {type(process_group).__name__}"
+            )
+        if not isinstance(private_group, bool):
+            raise TypeError(f"private_group must be a bool, got {private_group!r}")
         self.process_group = process_group
         self._apply_config(
             dict(
@@ -166,6 +176,11 @@ class CompressionState:
         )
         if not isinstance(impl, str):
             raise TypeError(f"impl must be a string, got {impl!r}")
+        if compressor in ("onebit", "topk"):
+            get_compressor(compressor, impl=impl)  # names the allowed impls
+        #: When ranks compare their calls (see allreduce_compressed's ``check``).
+        check_mode(check_calls, "check_calls")  # validates
+        self.check_calls = check_calls
         self.impl = impl
         #: Backward passes completed (counted at the last bucket of each).
         self.iteration = 0
@@ -418,6 +433,7 @@ class CompressionState:
 
     def __setstate__(self, d: Dict[str, Any]) -> None:
         self.__dict__.update(d)
+        self.__dict__.setdefault("check_calls", "first")
         self.process_group = None  # the default group of the process that unpickles
         self.private_group = False  # a private group cannot be re-created here safely
         self._init_runtime()
@@ -519,6 +535,10 @@ def compressed_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.f
             opt.step()
             opt.zero_grad()
     """
+    if not isinstance(state, CompressionState):
+        return _failed(TypeError(
+            f"compressed_hook needs a pycomm.ddp.CompressionState as its state, got {type(state).__name__}"
+        ))
     tensor = bucket.buffer()
     index = bucket.index()
     is_last = bucket.is_last()
@@ -537,26 +557,6 @@ def compressed_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.f
     # the buckets are not the ones the residuals belong to.
     stable = local >= 1
 
-    api = _pycomm_group_api()
-    group = state._group()
-    if api is not None and api[0](group, tensor.device):
-        # The backend compresses, keeps the residuals (per key) and orders
-        # the collectives itself.
-        _, pycomm_all_reduce = api
-        try:
-            state._check_pycomm_group(group, tensor.device)
-            if warm:
-                work = pycomm_all_reduce(tensor, group=group, op="avg", async_op=True, compress=False)
-            else:
-                # Before the first bucket rebuild of this process the index is
-                # not the residuals' key: compress without error feedback.
-                key = index if (stable and state._uses_ef()) else None
-                work = pycomm_all_reduce(tensor, key=key, group=group, op="avg", async_op=True)
-        except Exception as exc:
-            return _failed(exc)
-        return work.get_future().then(lambda f: _first_tensor(f.value(), tensor))
-
-    fut, stream = _new_future(tensor)
     numel = tensor.numel()
     record = (numel, positions)
     try:
@@ -573,17 +573,72 @@ def compressed_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.f
                         f"state with reset_error_feedback=True to start the residuals over"
                     )
                 state.bucket_layouts[index] = record
+    except Exception as exc:
+        return _failed(exc)
+    # This bucket is one whose residuals are kept under its index (else: the
+    # first iteration of a resumed process, before DDP's rebuild).
+    keyed = stable or state.bucket_layouts.get(index) == record
+
+    api = _pycomm_group_api()
+    group = state._group()
+    if api is not None and api[0](group, tensor.device):
+        # The backend compresses, keeps the residuals (per key) and orders
+        # the collectives itself.
+        try:
+            state._check_pycomm_group(group, tensor.device)
+            return _pycomm_hook(state, bucket, tensor, positions, group, api[1], warm, keyed, it)
+        except Exception as exc:
+            return _failed(exc)
+
+    fut, stream = _new_future(tensor)
+    try:
         if warm:
             body = lambda: _plain_avg(tensor, group)  # noqa: E731
-        elif stable or state.bucket_layouts.get(index) == record:
+        elif keyed:
             ef = state._ef_for(index)
-            body = _compressed_body(state, tensor, group, ef)
+            body = _compressed_body(state, tensor, group, ef, index)
         else:
             body = _remapped_body(state, bucket, tensor, positions, group, it)
     except Exception as exc:
         return _failed(exc)
     state._get_worker().submit(_run(fut, tensor, body, stream))
     return fut
+
+
+def _pycomm_hook(state, bucket, tensor, positions, group, pycomm_all_reduce, warm, keyed, it):
+    """The bucket through a pycomm group: the backend's residuals are keyed
+    by bucket index, so a resumed process's first (unrebuilt) bucket is cut
+    into the saved buckets, as over a plain group."""
+    if warm:
+        work = pycomm_all_reduce(tensor, group=group, op="avg", async_op=True, compress=False)
+        return work.get_future().then(lambda f: _first_tensor(f.value(), tensor))
+    if keyed:
+        key = bucket.index() if state._uses_ef() else None
+        work = pycomm_all_reduce(tensor, key=key, group=group, op="avg", async_op=True)
+        return work.get_future().then(lambda f: _first_tensor(f.value(), tensor))
+    parts = _saved_parts(state, bucket, tensor, positions, it)
+    if parts is None:
+        work = pycomm_all_reduce(tensor, group=group, op="avg", async_op=True, compress=False)
+        return work.get_future().then(lambda f: _first_tensor(f.value(), tensor))
+    # One backend call per saved bucket, issued now in index order (the
+    # backend runs them in submission order, the same on every rank).
+    pending = []
+    for index, slices in parts:
+        flat = torch.cat([tensor[o : o + n] for o, n in slices])
+        key = index if state._uses_ef() else None
+        work = pycomm_all_reduce(flat, key=key, group=group, op="avg", async_op=True)
+        pending.append((work.get_future(), flat, slices))
+
+    def copy_back(_):
+        for f, flat, slices in pending:
+            f.wait()  # raises that call's error, if any
+            start = 0
+            for o, n in slices:
+                tensor[o : o + n].copy_(flat[start : start + n])
+                start += n
+        return tensor
+
+    return torch.futures.collect_all([f for f, _, _ in pending]).then(copy_back)
 
 
 def _first_tensor(value: Any, default: torch.Tensor) -> torch.Tensor:
@@ -594,20 +649,22 @@ def _first_tensor(value: Any, default: torch.Tensor) -> torch.Tensor:
     return default
 
 
-def _compressed_body(state: CompressionState, tensor: torch.Tensor, group, ef) -> Callable[[], None]:
-    method, kwargs, chunk = state.compressor, state._compressor_kwargs(), state.chunk_numel
+def _compressed_body(state: CompressionState, tensor: torch.Tensor, group, ef, index: int) -> Callable[[], None]:
+    method, kwargs, chunk, check = state.compressor, state._compressor_kwargs(), state.chunk_numel, state.check_calls
 
     def body() -> None:
-        allreduce_compressed(tensor, group=group, method=method, op="avg", chunk_numel=chunk, ef=ef, **kwargs)
+        allreduce_compressed(tensor, group=group, method=method, op="avg", chunk_numel=chunk, ef=ef,
+                             key=index, check=check, **kwargs)
 
     return body
 
 
-def _remapped_body(state: CompressionState, bucket, tensor, positions, group, it) -> Callable[[], None]:
+def _saved_parts(state: CompressionState, bucket, tensor, positions, it) -> Optional[List[Tuple[int, List[Tuple[int, int]]]]]:
     """First iteration of a process that resumes a saved state: DDP's bucket
-    is not yet one of the saved ones (it holds every parameter). Reduce the
-    saved buckets it contains, each on its own, as they were when saved, so
-    the run continues exactly; if they do not tile it, reduce it plainly."""
+    is not yet one of the saved ones (it holds every parameter). Returns the
+    saved buckets it contains, as ``[(index, [(offset, numel) in this
+    bucket's buffer, per parameter])]``, or None (with a warning, once) if
+    they do not tile it."""
     buf_ptr, esize = tensor.data_ptr(), tensor.element_size()
     where = {}  # position -> (offset, numel) in this bucket's buffer
     for pos, g in zip(positions, bucket.gradients()):
@@ -633,16 +690,27 @@ def _remapped_body(state: CompressionState, bucket, tensor, positions, group, it
                 f"this process yet and bucket {bucket.index()} does not match the saved bucket "
                 f"layout; this iteration is all-reduced uncompressed (residuals kept)",
                 RuntimeWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
+        return None
+    return [(index, [where[p] for p in pos]) for index, _, pos in parts]
+
+
+def _remapped_body(state: CompressionState, bucket, tensor, positions, group, it) -> Callable[[], None]:
+    """Reduce the saved buckets that DDP's unrebuilt bucket contains, each on
+    its own, as they were when saved, so the run continues exactly; if they
+    do not tile it, reduce it plainly."""
+    parts = _saved_parts(state, bucket, tensor, positions, it)
+    if parts is None:
         return lambda: _plain_avg(tensor, group)
-    jobs = [(state._ef_for(index), [where[p] for p in pos]) for index, _, pos in parts]
-    method, kwargs, chunk = state.compressor, state._compressor_kwargs(), state.chunk_numel
+    jobs = [(index, state._ef_for(index), slices) for index, slices in parts]
+    method, kwargs, chunk, check = state.compressor, state._compressor_kwargs(), state.chunk_numel, state.check_calls
 
     def body() -> None:
-        for ef, slices in jobs:
+        for index, ef, slices in jobs:
             flat = torch.cat([tensor[o : o + n] for o, n in slices])
-            allreduce_compressed(flat, group=group, method=method, op="avg", chunk_numel=chunk, ef=ef, **kwargs)
+            allreduce_compressed(flat, group=group, method=method, op="avg", chunk_numel=chunk, ef=ef,
+                                 key=index, check=check, **kwargs)
             start = 0
             for o, n in slices:
                 tensor[o : o + n].copy_(flat[start : start + n])

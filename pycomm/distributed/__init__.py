@@ -21,7 +21,7 @@ too.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Dict, Optional
 
 import torch
@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from .. import _ext
 from ..compressors.base import check_density, check_positive_int
+from .algorithms import CHECK_MODES, check_mode
 
 BACKEND_NAME = "pycomm"
 METHODS = ("onebit", "topk", "fp16", "bf16", "none")
@@ -42,6 +43,11 @@ class PycommOptions:
     ``inner``: the wrapped backend, "gloo" or "nccl" (default: nccl when CUDA
     is available, else gloo). ``chunk_numel``: pipelining granularity (a
     chunk is compressed while the previous one is on the wire).
+    ``check_calls``: when the ranks compare their compressed calls (numel,
+    dtype, op, key, settings), so that a mismatch raises on every rank
+    instead of hanging: "first" (first use of each key and of each keyless
+    (numel, dtype, op)), "every" (debugging; also what ``PYCOMM_DEBUG=detail``
+    in the environment selects) or "off".
     """
 
     compressor: str = "onebit"
@@ -51,6 +57,7 @@ class PycommOptions:
     block_size: int = 2048
     density: float = 0.01
     approx: bool = True
+    check_calls: str = "first"
 
     def __post_init__(self) -> None:
         if self.compressor not in METHODS:
@@ -65,6 +72,8 @@ class PycommOptions:
         self.density = check_density(self.density)
         if not isinstance(self.approx, bool):
             raise TypeError(f"approx must be a bool, got {self.approx!r}")
+        if self.check_calls not in CHECK_MODES:
+            raise ValueError(f"check_calls must be one of {CHECK_MODES}, got {self.check_calls!r}")
 
 
 def _create_backend(dist_opts: Any, options: Optional[PycommOptions]) -> Any:
@@ -93,6 +102,7 @@ def _create_backend(dist_opts: Any, options: Optional[PycommOptions]) -> Any:
         options.block_size,
         options.density,
         options.approx,
+        CHECK_MODES.index(check_mode(options.check_calls)),
     )
 
 
@@ -115,6 +125,7 @@ def init_process_group(
     block_size: int = 2048,
     density: float = 0.01,
     approx: bool = True,
+    check_calls: str = "first",
     **kwargs: Any,
 ) -> None:
     """Initialize the default process group as a compressing wrapper of
@@ -128,7 +139,10 @@ def init_process_group(
     """
     if "pg_options" in kwargs:
         raise TypeError("pass the compressor settings as arguments, not pg_options")
-    options = PycommOptions(compressor, backend, min_compress_numel, chunk_numel, block_size, density, approx)
+    if backend not in (None, "gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo', 'nccl' or None (by device), got {backend!r}")
+    options = PycommOptions(compressor, backend, min_compress_numel, chunk_numel, block_size, density, approx,
+                            check_calls)
     dist.init_process_group(backend=BACKEND_NAME, pg_options=options, **kwargs)
 
 
@@ -141,6 +155,11 @@ def wrap(group: Optional[dist.ProcessGroup] = None, compressor: str = "onebit", 
         pg = pd.wrap(compressor="onebit", block_size=1024)
         pd.all_reduce(t, key=0, group=pg)
     """
+    _check_group(group)
+    allowed = [f.name for f in fields(PycommOptions) if f.name != "compressor"]
+    unknown = sorted(set(settings) - set(allowed))
+    if unknown:
+        raise TypeError(f"wrap() got unknown settings {unknown}; allowed: {allowed}")
     group = group or dist.group.WORLD
     inner = settings.pop("inner", None) or dist.get_backend(group)
     if inner not in ("gloo", "nccl"):
@@ -150,7 +169,27 @@ def wrap(group: Optional[dist.ProcessGroup] = None, compressor: str = "onebit", 
     return dist.new_group(ranks=ranks, backend=BACKEND_NAME, pg_options=options)
 
 
+def _check_group(group: Any) -> None:
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}")
+
+
+def _device(device: Any) -> torch.device:
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"device must be a str or torch.device, e.g. 'cpu' or 'cuda', got {device!r}")
+    try:
+        return torch.device(device)
+    except RuntimeError as exc:
+        raise ValueError(f"device must name a device, e.g. 'cpu' or 'cuda:0', got {device!r}") from exc
+
+
+def _check_key(key: Any) -> None:
+    if key is not None and (isinstance(key, bool) or not isinstance(key, int) or key < 0):
+        raise ValueError(f"key must be a non-negative int or None, got {key!r}")
+
+
 def _backend_of(group: Optional[dist.ProcessGroup], device: torch.device) -> Any:
+    _check_group(group)
     group = group or dist.group.WORLD
     if group is None:
         raise RuntimeError("torch.distributed is not initialized: call pycomm.distributed.init_process_group first")
@@ -163,9 +202,11 @@ def _backend_of(group: Optional[dist.ProcessGroup], device: torch.device) -> Any
 
 def is_pycomm_group(group: Optional[dist.ProcessGroup] = None, device: str | torch.device = "cpu") -> bool:
     """True when ``group`` (default: the world) runs the pycomm backend on ``device``."""
+    _check_group(group)
+    device = _device(device)
     if _ext._C is None or not dist.is_initialized():
         return False
-    return _backend_of(group, torch.device(device)) is not None
+    return _backend_of(group, device) is not None
 
 
 def _pycomm_backend(group: Optional[dist.ProcessGroup], device: torch.device) -> Any:
@@ -201,10 +242,12 @@ def all_reduce(
     """
     if op not in ("sum", "avg"):
         raise ValueError(f"op must be 'sum' or 'avg', got {op!r}")
-    if key is not None and (isinstance(key, bool) or not isinstance(key, int) or key < 0):
-        raise ValueError(f"key must be a non-negative int or None, got {key!r}")
+    _check_key(key)
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
+    for name, value in (("async_op", async_op), ("compress", compress)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {value!r}")
     backend = _pycomm_backend(group, tensor.device)
     if compress:
         work = backend.allreduce_keyed(tensor, key, op == "avg")
@@ -220,22 +263,29 @@ def all_reduce(
 
 def error_feedback_state(group: Optional[dist.ProcessGroup] = None, device: str = "cpu") -> Dict[int, dict]:
     """The backend's error-feedback residuals, per key (copies), to save."""
-    return dict(_pycomm_backend(group, torch.device(device)).error_feedback_state())
+    return dict(_pycomm_backend(group, _device(device)).error_feedback_state())
 
 
 def load_error_feedback_state(state: Dict[int, dict], group: Optional[dist.ProcessGroup] = None, device: str = "cpu") -> None:
     """Restore residuals saved with :func:`error_feedback_state`."""
-    _pycomm_backend(group, torch.device(device)).load_error_feedback_state(dict(state))
+    if not isinstance(state, dict):
+        raise TypeError(f"state must be the dict error_feedback_state() returned, got {type(state).__name__}")
+    for key, value in state.items():
+        _check_key(key)
+        if not isinstance(value, dict):
+            raise TypeError(f"state[{key!r}] must be a dict of residuals, got {type(value).__name__}")
+    _pycomm_backend(group, _device(device)).load_error_feedback_state(dict(state))
 
 
 def reset_error_feedback(key: Optional[int] = None, group: Optional[dist.ProcessGroup] = None, device: str = "cpu") -> None:
     """Forget the residuals of ``key`` (all keys when None)."""
-    _pycomm_backend(group, torch.device(device)).reset_error_feedback(key)
+    _check_key(key)
+    _pycomm_backend(group, _device(device)).reset_error_feedback(key)
 
 
 def options_of(group: Optional[dist.ProcessGroup] = None, device: str = "cpu") -> Dict[str, Any]:
     """The compressor settings of a pycomm group, as a dict."""
-    return dict(_pycomm_backend(group, torch.device(device)).config)
+    return dict(_pycomm_backend(group, _device(device)).config)
 
 
 __all__ = [

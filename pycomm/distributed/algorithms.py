@@ -30,6 +30,9 @@ Wire formats (int32 buffers, so that every backend can move them):
 
 from __future__ import annotations
 
+import os
+import struct
+import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -40,6 +43,7 @@ from ..compressors.onebit import WORD_BITS, OneBitPayload
 from ..compressors.topk import TopKPayload, topk_capacity, topk_k
 
 __all__ = [
+    "CHECK_MODES",
     "DEFAULT_CHUNK_NUMEL",
     "METHODS",
     "ErrorFeedback",
@@ -47,8 +51,10 @@ __all__ = [
     "allreduce_compressed",
     "allreduce_onebit",
     "allreduce_topk",
+    "check_mode",
     "chunk_bounds",
     "chunk_length",
+    "describe_call",
     "normalize_op",
     "onebit_segments",
     "onebit_wire_numel",
@@ -187,6 +193,8 @@ class ErrorFeedback:
         self.worker: Optional[torch.Tensor] = None
         self.server: Optional[torch.Tensor] = None
         self._server_offsets: List[int] = []
+        self._backup: Optional[Tuple[torch.Tensor, Optional[torch.Tensor]]] = None
+        self._checked = False  # the ranks' calls were compared at first use
 
     # -- layout ----------------------------------------------------------------
     @staticmethod
@@ -245,6 +253,7 @@ class ErrorFeedback:
             self.worker = self.worker.to(dev)
             if self.server is not None:
                 self.server = self.server.to(dev)
+            self._backup = None
 
     @staticmethod
     def _describe(layout: Dict[str, Any]) -> str:
@@ -274,6 +283,8 @@ class ErrorFeedback:
         self.worker = None
         self.server = None
         self._server_offsets = []
+        self._backup = None
+        self._checked = False
 
     # -- persistence -----------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
@@ -304,6 +315,40 @@ class ErrorFeedback:
         self._server_offsets = offsets
         self.worker = worker.detach().to(torch.float32).reshape(-1).clone()
         self.server = server.detach().to(torch.float32).reshape(-1).clone() if server is not None else None
+        self._backup = None
+
+    # -- non-finite steps (docs/allreduce.md, "Non-finite results") -------------
+    def snapshot(self) -> None:
+        """Copy the residuals aside before a step (into buffers kept from
+        the previous step, so nothing is allocated after the first)."""
+        if self.worker is None:
+            return
+        if self._backup is None:
+            self._backup = (
+                torch.empty_like(self.worker),
+                torch.empty_like(self.server) if self.server is not None else None,
+            )
+        self._backup[0].copy_(self.worker)
+        if self.server is not None:
+            self._backup[1].copy_(self.server)
+
+    def rollback(self) -> None:
+        """Make the residuals what they were at the last :meth:`snapshot`
+        (by swapping buffers, not copying)."""
+        if self._backup is None:
+            raise RuntimeError("rollback() without a snapshot()")
+        old_worker, old_server = self._backup
+        self._backup = (self.worker, self.server)
+        self.worker, self.server = old_worker, old_server
+
+    def __getstate__(self) -> Dict[str, Any]:
+        # The backup and the check are about this process's calls, not state.
+        return {k: v for k, v in self.__dict__.items() if k not in ("_backup", "_checked")}
+
+    def __setstate__(self, d: Dict[str, Any]) -> None:
+        self.__dict__.update(d)
+        self._backup = None
+        self._checked = False
 
     def __repr__(self) -> str:
         if self.layout is None:
@@ -348,7 +393,10 @@ class _Work:
 
 
 # ---------------------------------------------------------------- onebit -----
-def _onebit_chunk(xc, comp, group, world, rank, avg, ew, es) -> None:
+def _onebit_chunk(xc, comp, group, world, rank, avg, ew, es) -> Optional[torch.Tensor]:
+    """Reduces one chunk in place; with error feedback, returns the sum of
+    the gathered server scales: the result is +-scale, so it is finite if
+    that sum is (the same on every rank)."""
     m = xc.numel()
     bsz = comp.block_size
     _, bounds = onebit_segments(m, world, bsz)
@@ -396,6 +444,7 @@ def _onebit_chunk(xc, comp, group, world, rank, avg, ew, es) -> None:
     _all_gather(gathered, server, group)
 
     # 7. every rank decodes every segment from the same bytes.
+    finite = []
     for j, ((b, e), n) in enumerate(zip(bounds, lengths)):
         if n == 0:
             continue
@@ -403,6 +452,34 @@ def _onebit_chunk(xc, comp, group, world, rank, avg, ew, es) -> None:
         buf = gathered[j * s_0 : j * s_0 + sizes[j]]
         payload = OneBitPayload(buf[:nw], buf[nw:].view(torch.float32), n, (n,), bsz)
         comp.decompress(payload, out=xc[b:e], accumulate=False)
+        if ew is not None:
+            finite.append(payload.scales.sum())
+    return torch.stack(finite).sum() if finite else None
+
+
+def _all_finite(t: torch.Tensor, sums: List[torch.Tensor]) -> bool:
+    """Whether every element of ``t`` is finite, from ``sums`` taken on the
+    way (of parts of ``t``, or of the scales it was decoded from: a sum is
+    finite only if every term is); the exact check only when one of them
+    is not (a sum of finite terms may overflow)."""
+    if all(bool(torch.isfinite(s).all()) for s in sums):
+        return True
+    return bool(torch.isfinite(t).all())
+
+
+def _finish_with_error_feedback(work: "_Work", ef: Optional[ErrorFeedback], finite: List) -> None:
+    """Writes the result back and, when it is not finite, gives the residuals
+    back their values from before the step: every rank holds the same result,
+    so every rank decides alike, and a step that GradScaler skips leaves no
+    trace in the residuals (docs/allreduce.md, "Non-finite results")."""
+    work.finish()
+    if ef is None:
+        return
+    ok = _all_finite(work.flat, [f for f in finite if f is not None])
+    if ok and not work.inplace:  # a float32 result can overflow a 16-bit dtype
+        ok = _all_finite(work.tensor, [work.tensor.sum(dtype=torch.float32)])
+    if not ok:
+        ef.rollback()
 
 
 def allreduce_onebit(
@@ -434,15 +511,21 @@ def allreduce_onebit(
         return
     with torch.no_grad():
         work = _Work(tensor)
+        if ef is not None:
+            ef.snapshot()
+        finite = []
         for ci, (b, e) in enumerate(chunk_bounds(n, chunk_numel)):
             ew = ef.worker[b:e] if ef is not None else None
             es = ef.server_segment(ci) if ef is not None else None
-            _onebit_chunk(work.flat[b:e], comp, group, world, rank, avg, ew, es)
-        work.finish()
+            finite.append(_onebit_chunk(work.flat[b:e], comp, group, world, rank, avg, ew, es))
+        _finish_with_error_feedback(work, ef, finite)
 
 
 # ------------------------------------------------------------------ topk -----
-def _topk_chunk(xc, comp, group, world, avg, ew) -> None:
+def _topk_chunk(xc, comp, group, world, avg, ew) -> Optional[torch.Tensor]:
+    """Reduces one chunk in place; with error feedback, returns the sum of
+    the result (finite only if the result is: sums of finite values can
+    overflow, so the output itself is what counts)."""
     m = xc.numel()
     k = topk_k(m, comp.density)
     cap = topk_capacity(k) if comp.approx else k
@@ -471,6 +554,7 @@ def _topk_chunk(xc, comp, group, world, avg, ew) -> None:
     if avg:
         out.div_(world)
     xc.copy_(out)
+    return out.sum() if ew is not None else None
 
 
 def allreduce_topk(
@@ -501,10 +585,13 @@ def allreduce_topk(
         return
     with torch.no_grad():
         work = _Work(tensor)
+        if ef is not None:
+            ef.snapshot()
+        finite = []
         for b, e in chunk_bounds(n, chunk_numel):
             ew = ef.worker[b:e] if ef is not None else None
-            _topk_chunk(work.flat[b:e], comp, group, world, avg, ew)
-        work.finish()
+            finite.append(_topk_chunk(work.flat[b:e], comp, group, world, avg, ew))
+        _finish_with_error_feedback(work, ef, finite)
 
 
 # ------------------------------------------------------------- fp16 / bf16 ---
@@ -537,6 +624,111 @@ def allreduce_cast(
         work.finish()
 
 
+# ------------------------------------------------------ cross-rank check ---
+#: When :func:`allreduce_compressed` compares the ranks' calls: "off",
+#: "first" (first use of each ErrorFeedback, i.e. of each key, and of each
+#: keyless signature) or "every". ``PYCOMM_DEBUG=detail`` forces "every".
+CHECK_MODES = ("off", "first", "every")
+
+_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_METHOD_CODES = {m: i for i, m in enumerate(METHODS)}
+_FIELDS = ("numel", "dtype", "op", "key", "method", "chunk_numel", "block_size", "density", "approx",
+           "error_feedback")
+# Keyless signatures already compared, per group (weakly: a destroyed group's go too).
+_CHECKED: "weakref.WeakKeyDictionary[Any, set]" = weakref.WeakKeyDictionary()
+
+
+def check_mode(mode: str = "first", name: str = "check") -> str:
+    """``mode``, or "every" when the environment says ``PYCOMM_DEBUG=detail``
+    (``name``: the argument's name in the error for a bad ``mode``)."""
+    if mode not in CHECK_MODES:
+        raise ValueError(f"{name} must be one of {list(CHECK_MODES)}, got {mode!r}")
+    if os.environ.get("PYCOMM_DEBUG", "").lower() == "detail":
+        return "every"
+    return mode
+
+
+def _field_text(field: str, v: int) -> str:
+    if field == "dtype":
+        return {c: str(d).replace("torch.", "") for d, c in _DTYPE_CODES.items()}.get(v, str(v))
+    if field == "op":
+        return "avg" if v else "sum"
+    if field == "key":
+        return "None" if v < 0 else str(v)
+    if field == "method":
+        return METHODS[v] if 0 <= v < len(METHODS) else "?"
+    if field == "density":
+        return repr(struct.unpack("<d", struct.pack("<q", v))[0])
+    if field in ("approx", "error_feedback"):
+        return str(bool(v))
+    return str(v)
+
+
+def _check_call(tensor, group, method, avg, chunk_numel, key, ef, comp, mode) -> None:
+    """Allgathers a fixed-size descriptor of this call and raises, on every
+    rank, naming each field in which the ranks differ. Collective: it must
+    run at the same point on every rank, hence a rule every rank applies to
+    its own calls identically (first use of a key / signature)."""
+    mode = check_mode(mode)
+    if mode == "off":
+        return
+    # The settings in effect (defaults resolved), only those of this method.
+    block = comp.block_size if method == "onebit" else 0
+    density, approx = (comp.density, comp.approx) if method == "topk" else (0.0, False)
+    desc = [
+        tensor.numel(), _DTYPE_CODES[tensor.dtype], int(avg), -1 if key is None else int(key),
+        _METHOD_CODES[method], chunk_numel, block, struct.unpack("<q", struct.pack("<d", density))[0],
+        int(approx), int(ef is not None),
+    ]
+    g = group if group is not None else dist.group.WORLD
+    if mode == "first":
+        if ef is not None:
+            if ef._checked:
+                return
+        elif tuple(desc) in _CHECKED.get(g, ()):
+            return
+    world = dist.get_world_size(group)
+    mine = torch.tensor(desc, dtype=torch.int64, device=tensor.device)
+    everyone = torch.empty(world * len(desc), dtype=torch.int64, device=tensor.device)
+    _all_gather(everyone, mine, group)
+    rows = everyone.view(world, len(desc)).tolist()
+    diffs = []
+    # Another method has other settings anyway: then name the method alone.
+    fields = ["method"] if any(row[4] != rows[0][4] for row in rows) else _FIELDS
+    for f, name in enumerate(_FIELDS):
+        if name in fields and any(row[f] != rows[0][f] for row in rows):
+            values = ", ".join(f"rank {r}: {_field_text(name, row[f])}" for r, row in enumerate(rows))
+            diffs.append(f"{name} ({values})")
+    if diffs:
+        raise RuntimeError(
+            "ranks called the compressed all-reduce with different arguments: " + "; ".join(diffs)
+            + ". Every rank must make the same compressed calls in the same order with the same "
+            "settings (checked at the first use of each key and of each keyless signature; "
+            "PYCOMM_DEBUG=detail checks every call)"
+        )
+    if ef is not None:
+        ef._checked = True
+    else:
+        _CHECKED.setdefault(g, set()).add(tuple(desc))
+
+
+def describe_call(tensor: torch.Tensor, method: str, op: str, key: Any = None) -> str:
+    """``"all_reduce key=3 4194304 float32 onebit avg"``: the call, in errors."""
+    dtype = str(tensor.dtype).replace("torch.", "")
+    return f"all_reduce key={key!r} {tensor.numel()} {dtype} {method} {op}"
+
+
+def _with_context(exc: RuntimeError, tensor, group, method, op, key) -> RuntimeError:
+    """The same kind of error, its message prefixed with who failed doing what."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    peer = f" (peer: rank {1 - rank})" if world == 2 else ""
+    msg = f"pycomm rank {rank} of {world}{peer}: {describe_call(tensor, method, op, key)} failed: {exc}"
+    try:
+        return type(exc)(msg)
+    except TypeError:  # an exception type with another constructor
+        return RuntimeError(msg)
+
+
 # -------------------------------------------------------------- dispatcher ---
 def allreduce_compressed(
     tensor: torch.Tensor,
@@ -546,6 +738,8 @@ def allreduce_compressed(
     op: Any = "sum",
     chunk_numel: Optional[int] = None,
     ef: Optional[ErrorFeedback] = None,
+    key: Any = None,
+    check: str = "first",
     **compressor_kwargs: Any,
 ) -> None:
     """Compressed all-reduce of ``tensor`` in place, identical on every rank.
@@ -559,20 +753,43 @@ def allreduce_compressed(
     group's backend supports. Blocks until the result is in ``tensor``.
 
     Every rank must call it with the same method, op, chunking and kwargs,
-    on a tensor of the same size (as for any collective).
+    on a tensor of the same size (as for any collective). ``check`` (one of
+    :data:`CHECK_MODES`) says when the ranks compare their calls first
+    (``PYCOMM_DEBUG=detail`` forces "every"); a difference raises on every
+    rank instead of hanging or returning garbage. ``key`` names the call in
+    that check and in error messages (the hook passes the bucket index).
+    A failure of a collective raises the backend's error, its message
+    prefixed with this rank, the call and, with two ranks, the peer.
 
     Example::
 
         >>> allreduce_compressed(t, method="topk", op="avg", density=0.01, ef=ef)  # doctest: +SKIP
     """
-    if method in ("onebit", "topk"):
-        fn = allreduce_onebit if method == "onebit" else allreduce_topk
-        fn(tensor, group=group, op=op, chunk_numel=chunk_numel, ef=ef, **compressor_kwargs)
-    elif method in _CAST_DTYPES:
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; choose one of {list(METHODS)}")
+    if method in _CAST_DTYPES:
         if ef is not None:
             raise ValueError(f"method {method!r} has no error feedback: pass ef=None")
         if compressor_kwargs:
             raise TypeError(f"method {method!r} takes no compressor arguments, got {sorted(compressor_kwargs)}")
-        allreduce_cast(tensor, group=group, op=op, chunk_numel=chunk_numel, dtype=_CAST_DTYPES[method])
-    else:
-        raise ValueError(f"unknown method {method!r}; choose one of {list(METHODS)}")
+    _check_tensor(tensor)
+    op_name = normalize_op(op)
+    chunk = _check_chunk_numel(chunk_numel)
+    if ef is not None and not isinstance(ef, ErrorFeedback):
+        raise TypeError(f"ef must be an ErrorFeedback or None, got {type(ef).__name__}")
+    if key is not None and (isinstance(key, bool) or not isinstance(key, int) or key < 0):
+        raise ValueError(f"key must be a non-negative int or None, got {key!r}")
+    check_mode(check)
+    _group_info(group)
+    # Validates the compressor kwargs before any collective.
+    comp = get_compressor(method, **compressor_kwargs) if method in ("onebit", "topk") else None
+    try:
+        if tensor.numel() > 0:
+            _check_call(tensor, group, method, op_name == "avg", chunk, key, ef, comp, check)
+        if method in ("onebit", "topk"):
+            fn = allreduce_onebit if method == "onebit" else allreduce_topk
+            fn(tensor, group=group, op=op, chunk_numel=chunk_numel, ef=ef, **compressor_kwargs)
+        else:
+            allreduce_cast(tensor, group=group, op=op, chunk_numel=chunk_numel, dtype=_CAST_DTYPES[method])
+    except RuntimeError as exc:
+        raise _with_context(exc, tensor, group, method, op_name, key) from exc

@@ -58,7 +58,8 @@ def simulate_allreduce(
     Returns one new tensor per rank (dtype and shape of the inputs); the
     inputs are not modified. ``efs`` (one :class:`ErrorFeedback` per rank,
     rank ``r``'s at index ``r``) are used and updated as the ranks' own
-    would be. ``compressor_kwargs`` as in
+    would be: left as they were when the result is not finite.
+    ``compressor_kwargs`` as in
     :func:`pycomm.distributed.algorithms.allreduce_compressed`; ``impl``
     defaults to "reference".
     """
@@ -101,6 +102,9 @@ def simulate_allreduce(
                     method=method, numel=n, world_size=world, rank=r, chunk_numel=chunk_numel,
                     block_size=getattr(comp, "block_size", None), device=xs[r].device,
                 )
+        if efs is not None:
+            for ef in efs:
+                ef.snapshot()
         out = torch.empty(n, dtype=torch.float32, device=xs[0].device)
         for ci, (start, end) in enumerate(chunk_bounds(n, chunk_numel)):
             chunk = [x[start:end] for x in xs]
@@ -110,6 +114,11 @@ def simulate_allreduce(
                 out[start:end] = _simulate_onebit_chunk(chunk, comp, avg, workers, servers)
             else:
                 out[start:end] = _simulate_topk_chunk(chunk, comp, avg, workers)
+        # A non-finite result (in the inputs' dtype) leaves every residual
+        # as it was before the call (docs/allreduce.md, "Non-finite results").
+        if efs is not None and not bool(torch.isfinite(out.to(dtype)).all()):
+            for ef in efs:
+                ef.rollback()
     else:
         raise ValueError(f"unknown method {method!r}; choose one of ['onebit', 'topk', 'fp16', 'bf16']")
 

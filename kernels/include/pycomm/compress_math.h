@@ -128,18 +128,21 @@ PYCOMM_HD float bf16_bits_to_float(uint16_t h) {
 }
 
 PYCOMM_HD float fp16_bits_to_float(uint16_t h) {
-  // Shift exponent and mantissa into place and rescale by 2^112 to rebias
-  // (handles normals and subnormals); Inf/NaN get the maximal exponent.
+  // Normals: the bits shifted into place, the exponent rebiased by adding
+  // (127 - 15) << 23. Subnormals: mantissa * 2^-24, an exact int-to-float
+  // conversion whose product is a normal float32. No step goes through a
+  // float32 denormal, which a denormals-are-zero mode (e.g. after
+  // torch.set_flush_denormal(True)) would read as 0. Inf/NaN get the
+  // maximal exponent.
   const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
   const uint32_t em = (uint32_t)(h & 0x7fffu);
-  uint32_t bits = em << 13;
-  float f;
-  memcpy(&f, &bits, sizeof(f));
-  f *= 5.192296858534828e+33f;  // 2^112
-  uint32_t out;
-  memcpy(&out, &f, sizeof(out));
+  const float sub = (float)em * 5.9604644775390625e-08f;  // 2^-24
+  uint32_t sub_bits;
+  memcpy(&sub_bits, &sub, sizeof(sub_bits));
+  uint32_t out = em < 0x400u ? sub_bits : (em << 13) + (112u << 23);
   out = em >= 0x7c00u ? (0x7f800000u | (em << 13)) : out;
   out |= sign;
+  float f;
   memcpy(&f, &out, sizeof(f));
   return f;
 }

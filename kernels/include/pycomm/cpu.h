@@ -27,6 +27,12 @@ using ParallelFor =
 void onebit_compress_blocks(const void* grad, DType dtype, float* residual, uint32_t* bits,
                             float* scales, int64_t n, int64_t block_size, int64_t block_begin,
                             int64_t block_end);
+// The same with the residual read from residual_in and the new one written
+// to residual_out (both non-null; equal, or not overlapping): the old
+// residual survives, for a caller that may have to keep it.
+void onebit_compress_blocks_into(const void* grad, DType dtype, const float* residual_in,
+                                 float* residual_out, uint32_t* bits, float* scales, int64_t n,
+                                 int64_t block_size, int64_t block_begin, int64_t block_end);
 
 // out[i] = (or += when accumulate) +-scale for the 32-bit words in [word_begin, word_end).
 void onebit_decompress_words(const uint32_t* bits, const float* scales, int64_t n,

@@ -1,0 +1,215 @@
+"""Mismatched and wrong calls: ranks that call the compressed all-reduce
+differently get, on every rank, an error naming the difference (not a hang,
+not garbage), on both entry points; every public function names the bad
+argument and the allowed values.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from _dist import run_ranks
+
+import pycomm
+import pycomm.distributed as pd
+from pycomm.ddp import CompressionState, compressed_hook
+from pycomm.distributed.algorithms import ErrorFeedback, allreduce_compressed
+
+N = 1000
+
+
+def _attempt(fn):
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the message is what is checked
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _python_cases(rank):
+    """(name, call) pairs through the Python algorithms over Gloo; each call
+    differs between the ranks in one way (first use of its ErrorFeedback or
+    of its keyless signature, so the default check catches it)."""
+    t = lambda n=N, dtype=torch.float32: torch.randn(n).to(dtype)  # noqa: E731
+    return [
+        ("numel", lambda: allreduce_compressed(t(N + rank), method="onebit", ef=ErrorFeedback(), key=1,
+                                               block_size=64)),
+        ("dtype", lambda: allreduce_compressed(t(dtype=(torch.float32, torch.bfloat16)[rank]), method="topk",
+                                               density=0.1)),
+        ("block_size", lambda: allreduce_compressed(t(), method="onebit", block_size=64 * (rank + 1))),
+        ("method", lambda: allreduce_compressed(t(), method=("onebit", "topk")[rank])),
+        ("op", lambda: allreduce_compressed(t(), method="fp16", op=("sum", "avg")[rank])),
+        ("key", lambda: allreduce_compressed(t(), method="topk", ef=ErrorFeedback(), key=rank)),
+        ("density", lambda: allreduce_compressed(t(), method="topk", density=(0.1, 0.2)[rank])),
+    ]
+
+
+def _rank_mismatch(rank, world):
+    out = {}
+    for name, call in _python_cases(rank):
+        out[("python", name)] = _attempt(call)
+    # The backend: settings differ between the ranks' groups, or the calls do.
+    groups = {
+        "block_size": pd.wrap(compressor="onebit", min_compress_numel=1, block_size=64 * (rank + 1)),
+        "method": pd.wrap(compressor=("onebit", "topk")[rank], min_compress_numel=1),
+        "density": pd.wrap(compressor="topk", min_compress_numel=1, density=(0.1, 0.2)[rank]),
+    }
+    same = pd.wrap(compressor="onebit", min_compress_numel=1)
+    for name, pg in groups.items():
+        out[("backend", name)] = _attempt(lambda: pd.all_reduce(torch.randn(N), key=3, group=pg))
+    out[("backend", "numel")] = _attempt(lambda: pd.all_reduce(torch.randn(N + rank), key=4, group=same))
+    out[("backend", "dtype")] = _attempt(
+        lambda: pd.all_reduce(torch.randn(N).to((torch.float32, torch.float16)[rank]), group=same))
+    out[("backend", "op")] = _attempt(lambda: pd.all_reduce(torch.randn(N), group=same, op=("sum", "avg")[rank]))
+    out[("backend", "key")] = _attempt(lambda: pd.all_reduce(torch.randn(N), key=10 + rank, group=same))
+    out[("backend", "dist.all_reduce numel")] = _attempt(lambda: dist.all_reduce(torch.randn(N + 5 * rank), group=same))
+
+    # After all that the groups still work: every rank raised at the same point.
+    x = torch.full((N,), float(rank + 1))
+    pd.all_reduce(x, key=20, group=same)
+    out["after"] = x
+
+    # A difference at a call whose signature one rank has already used is
+    # caught only when every call is checked (PYCOMM_DEBUG=detail).
+    os.environ["PYCOMM_DEBUG"] = "detail"
+    debug = pd.wrap(compressor="topk", min_compress_numel=1, density=0.1)
+    os.environ.pop("PYCOMM_DEBUG")
+    pd.all_reduce(torch.randn(N), group=debug)
+    out[("backend", "detail")] = _attempt(lambda: pd.all_reduce(torch.randn(N), group=debug, op=("sum", "avg")[rank]))
+    allreduce_compressed(torch.randn(N), method="topk", density=0.1, check="every")
+    out[("python", "detail")] = _attempt(
+        lambda: allreduce_compressed(torch.randn(N), method="topk", density=0.1, check="every",
+                                     op=("sum", "avg")[rank]))
+    return out
+
+
+EXPECTED = {
+    "numel": r"numel \(rank 0: 1000, rank 1: 1001\)",
+    "dtype": r"dtype \(rank 0: float32, rank 1: (bfloat16|float16)\)",
+    "block_size": r"block_size \(rank 0: 64, rank 1: 128\)",
+    "method": r"(method|compressor) \(rank 0: onebit, rank 1: topk\)",
+    "op": r"op \(rank 0: sum, rank 1: avg\)",
+    "key": r"key \(rank 0: (0|10), rank 1: (1|11)\)",
+    "density": r"density \(rank 0: 0.1, rank 1: 0.2\)",
+    "dist.all_reduce numel": r"numel \(rank 0: 1000, rank 1: 1005\)",
+    "detail": r"op \(rank 0: sum, rank 1: avg\)",
+}
+
+
+@pytest.fixture(scope="module")
+def mismatch_results():
+    return run_ranks(_rank_mismatch, 2, timeout=120)
+
+
+def test_every_rank_raises_naming_the_difference(mismatch_results):
+    import re
+
+    keys = [k for k in mismatch_results[0] if k != "after"]
+    assert len(keys) == 17
+    for key in keys:
+        for rank, results in enumerate(mismatch_results):
+            msg = results[key]
+            assert msg is not None, f"rank {rank}, {key}: no error"
+            assert "different arguments" in msg, (key, msg)
+            assert re.search(EXPECTED[key[1]], msg), (key, msg)
+            # Only the field that differs is named.
+            assert msg.count("(rank 0:") == 1, (key, msg)
+            assert f"pycomm rank {rank} of 2" in msg, (key, msg)
+
+
+def test_groups_work_after_a_refused_call(mismatch_results):
+    for results in mismatch_results:
+        assert torch.equal(results["after"], torch.full((N,), 3.0))
+
+
+# --------------------------------------------------- argument checks ----
+def test_options_name_the_argument_and_allowed_values():
+    cases = [
+        (dict(compressor="zip"), ValueError, r"compressor must be one of .*onebit"),
+        (dict(inner="mpi"), ValueError, r"inner must be 'gloo', 'nccl' or None"),
+        (dict(block_size=48), ValueError, r"block_size must be a multiple of 32"),
+        (dict(chunk_numel=0), ValueError, r"chunk_numel must be a positive integer"),
+        (dict(density=2.0), ValueError, r"density must be in \(0, 1\]"),
+        (dict(approx="yes"), TypeError, r"approx must be a bool"),
+        (dict(check_calls="always"), ValueError, r"check_calls must be one of .*first"),
+        (dict(min_compress_numel=-1), ValueError, r"min_compress_numel must be a positive integer"),
+    ]
+    for kwargs, exc, pattern in cases:
+        with pytest.raises(exc, match=pattern):
+            pd.PycommOptions(**kwargs)
+
+
+def test_distributed_functions_name_the_argument():
+    t = torch.randn(10)
+    with pytest.raises(ValueError, match=r"op must be 'sum' or 'avg', got 'max'"):
+        pd.all_reduce(t, op="max")
+    with pytest.raises(ValueError, match=r"key must be a non-negative int or None, got -1"):
+        pd.all_reduce(t, key=-1)
+    with pytest.raises(ValueError, match=r"key must be a non-negative int or None, got 'a'"):
+        pd.reset_error_feedback("a")
+    with pytest.raises(TypeError, match=r"tensor must be a torch.Tensor, got list"):
+        pd.all_reduce([1.0])
+    with pytest.raises(TypeError, match=r"async_op must be a bool"):
+        pd.all_reduce(t, async_op="no")
+    with pytest.raises(TypeError, match=r"group must be a torch.distributed.ProcessGroup or None, got str"):
+        pd.is_pycomm_group("world")
+    with pytest.raises(TypeError, match=r"device must be a str or torch.device"):
+        pd.is_pycomm_group(None, device=0.5)
+    with pytest.raises(TypeError, match=r"state must be the dict error_feedback_state\(\) returned"):
+        pd.load_error_feedback_state([1, 2])
+    with pytest.raises(ValueError, match=r"backend must be 'gloo', 'nccl' or None"):
+        pd.init_process_group(backend="mpi")
+    with pytest.raises(ValueError, match=r"compressor must be one of"):
+        pd.init_process_group(compressor="zip", backend="gloo")
+    with pytest.raises(ValueError, match=r"check_calls must be one of"):
+        pd.init_process_group(check_calls="sometimes", backend="gloo")
+    with pytest.raises(TypeError, match=r"wrap\(\) got unknown settings \['blocksize'\]; allowed: .*block_size"):
+        pd.wrap(blocksize=64)
+
+
+def test_algorithm_arguments_are_checked_before_any_collective():
+    t = torch.randn(10)
+    with pytest.raises(ValueError, match=r"unknown method 'zip'; choose one of"):
+        allreduce_compressed(t, method="zip")
+    with pytest.raises(ValueError, match=r"check must be one of \['off', 'first', 'every'\], got 'x'"):
+        allreduce_compressed(t, method="topk", check="x")
+    with pytest.raises(TypeError, match=r"ef must be an ErrorFeedback or None, got dict"):
+        allreduce_compressed(t, method="topk", ef={})
+    with pytest.raises(ValueError, match=r"op must be 'sum' or 'avg'"):
+        allreduce_compressed(t, method="topk", op="max")
+    with pytest.raises(ValueError, match=r"key must be a non-negative int or None, got 'b'"):
+        allreduce_compressed(t, method="topk", key="b")
+    with pytest.raises(TypeError, match=r"method 'fp16' takes no compressor arguments"):
+        allreduce_compressed(t, method="fp16", density=0.1)
+
+
+def test_hook_arguments_are_checked():
+    with pytest.raises(ValueError, match=r"compressor must be one of \['onebit', 'topk', 'fp16', 'bf16'\]"):
+        CompressionState(compressor="zip")
+    with pytest.raises(TypeError, match=r"process_group must be a torch.distributed.ProcessGroup or None"):
+        CompressionState(process_group="world")
+    with pytest.raises(ValueError, match=r"impl='gpu'.*choose one of"):
+        CompressionState(compressor="onebit", impl="gpu")
+    with pytest.raises(ValueError, match=r"check_calls must be one of \['off', 'first', 'every'\]"):
+        CompressionState(check_calls="never")
+    with pytest.raises(ValueError, match=r"start_iter must be >= 2"):
+        CompressionState(start_iter=1)
+    with pytest.raises(ValueError, match=r"density must be in \(0, 1\]"):
+        CompressionState(density=0)
+    with pytest.raises(TypeError, match=r"private_group must be a bool"):
+        CompressionState(private_group=1)
+    fut = compressed_hook({"compressor": "topk"}, None)
+    with pytest.raises(TypeError, match=r"compressed_hook needs a pycomm.ddp.CompressionState"):
+        fut.wait()
+
+
+def test_get_compressor_names_the_argument():
+    with pytest.raises(ValueError, match=r"unknown compressor 'zip'; available: onebit, topk"):
+        pycomm.get_compressor("zip")
+    with pytest.raises(TypeError, match=r"compressor 'topk'.*block_size"):
+        pycomm.get_compressor("topk", block_size=64)
+    with pytest.raises(TypeError, match=r"approx must be a bool"):
+        pycomm.get_compressor("topk", approx=1)
