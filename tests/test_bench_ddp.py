@@ -81,6 +81,7 @@ def test_defaults_cover_the_comparison():
     (["--steps", "5", "--start-iter", "4"], "--steps"),
     (["--start-iter", "1"], "--start-iter"),
     (["--ranks", "1"], "--ranks"),
+    (["--no-netns", "--bandwidth", "1gbit,none"], "--no-netns"),
     (["--repeats", "3"], "--repeats"),
 ])
 def test_bad_arguments_are_named(argv, words):
@@ -188,12 +189,15 @@ def test_small_tensor_workload_runs(tmp_path):
     out = tmp_path / "m.json"
     cmd = [sys.executable, "-m", "pycomm.bench", "ddp", "--workload", "mlp", "--ranks", "2", "--bandwidth", "none",
            "--methods", "onebit", "--steps", "6", "--start-iter", "2", "--json", str(out), "--no-plots",
-           "--netns-prefix", "pycommtest-ddp", "--no-progress"]
+           "--no-netns", "--no-progress"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     recs = json.loads(out.read_text())
     assert [r["method"] for r in recs] == ["allreduce", "onebit"]
     assert all(r["workload"] == "mlp" and r["tokens_per_s"] is None and r["samples_per_s"] > 0 for r in recs)
+    # loopback (--no-netns): labelled, bytes counted on the shared lo and divided among the ranks
+    assert all(r["emulated"] is False and "loopback" in r["link"] for r in recs)
+    assert recs[1]["bytes_sent_per_rank_per_step"] < recs[0]["bytes_sent_per_rank_per_step"]
 
 
 def test_all_runs_each_benchmark_with_valid_arguments():

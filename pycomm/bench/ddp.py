@@ -542,6 +542,8 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
             raise ValueError(f"--bandwidth: {exc}") from None
     if len(set(rates)) != len(rates):
         raise ValueError(f"--bandwidth: repeated value in {bws}")
+    if not getattr(args, "netns", True) and any(r is not None for r in rates):
+        raise ValueError(f"--bandwidth {','.join(bws)}: with --no-netns links cannot be shaped, use --bandwidth none")
     args.bandwidth = bws
     args.rates = rates
     methods = _split_list(args.methods) or (QUICK_METHODS if args.quick else DEFAULT_METHODS)
@@ -626,6 +628,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
                    help=f"seconds without progress before a run is stopped (default: {DEFAULT_TIMEOUT:g})")
+    g.add_argument("--no-netns", dest="netns", action="store_false",
+                   help="run every rank on plain loopback, no namespaces (unshaped only: --bandwidth none)")
     g.add_argument("--netns-prefix", default="pycomm-ddp",
                    help="name prefix of the network namespaces built (leftovers with it are deleted first)")
     g.add_argument("--train-all", action="store_true",
@@ -641,7 +645,7 @@ def _rank_threads(world: int) -> int:
 def run_ddp(args: argparse.Namespace, out=sys.stdout) -> List[Dict[str, Any]]:
     """Run the sweep; the list of records (one per method and bandwidth)."""
     from . import machine_info
-    from .netem import fmt_rate, link_report, make_cluster
+    from .netem import LoopbackCluster, fmt_rate, link_report, make_cluster
 
     try:
         from tqdm import tqdm
@@ -665,7 +669,9 @@ def run_ddp(args: argparse.Namespace, out=sys.stdout) -> List[Dict[str, Any]]:
                 "lr": args.lr, "bucket_cap_mb": args.bucket_cap_mb, "threads": args.threads or _rank_threads(args.ranks),
                 "timeout": args.timeout, "plan": plan,
             }
-            with make_cluster(args.ranks, rate, prefix=args.netns_prefix) as cluster:
+            cluster = (make_cluster(args.ranks, rate, prefix=args.netns_prefix) if args.netns
+                       else LoopbackCluster(args.ranks, reason="--no-netns"))
+            with cluster:
                 if not cluster.emulated:
                     cfg["count_ifname"] = "lo"
                 busbw, line = link_report(cluster)
