@@ -5,7 +5,7 @@ benchmarks/results/; ``--quick`` is passed on to each.
 
 Example::
 
-    $ pycomm-bench all            # about 25 minutes on a 2-core machine
+    $ pycomm-bench all            # about 22 minutes on a 2-core machine
     $ pycomm-bench all --quick    # a smoke run of each
 """
 
