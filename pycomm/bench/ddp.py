@@ -499,17 +499,19 @@ def run_on_cluster(cluster, cfg: Dict[str, Any], on_step=None, timeout: float = 
                 if p.poll() is None:
                     p.kill()
                     p.wait()
-        bad = [r for r, p in enumerate(procs) if p.returncode != 0]
-        if stalled.is_set() or bad:
-            parts = []
-            for r in bad or range(len(procs)):
-                logs[r].seek(0)
-                tail = logs[r].read()[-3000:].strip()
-                parts.append(f"rank {r} (exit {procs[r].returncode}):\n{tail}")
-            why = f"no progress for {timeout:.0f} s" if stalled.is_set() else "rank(s) failed"
-            raise RanksFailed(f"{why} on {cluster.describe()}\n" + "\n".join(parts))
-        for fh in logs:
-            fh.close()
+        try:
+            bad = [r for r, p in enumerate(procs) if p.returncode != 0]
+            if stalled.is_set() or bad:
+                parts = []
+                for r in bad or range(len(procs)):
+                    logs[r].seek(0)
+                    tail = logs[r].read()[-3000:].strip()
+                    parts.append(f"rank {r} (exit {procs[r].returncode}):\n{tail}")
+                why = f"no progress for {timeout:.0f} s" if stalled.is_set() else "rank(s) failed"
+                raise RanksFailed(f"{why} on {cluster.describe()}\n" + "\n".join(parts))
+        finally:
+            for fh in logs:
+                fh.close()
     return compute[0], records
 
 
@@ -939,7 +941,11 @@ def run(args: argparse.Namespace) -> int:
     from . import write_json
 
     t0 = time.monotonic()
-    records = run_ddp(args)
+    try:
+        records = run_ddp(args)
+    except RanksFailed as exc:
+        print(f"pycomm-bench ddp: {exc}", file=sys.stderr)
+        return 1
     print()
     print(format_table(records))
     write_json(args.json, records)  # type: ignore[arg-type]
