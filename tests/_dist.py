@@ -217,3 +217,12 @@ def run_ranks(
             f"ranks {missing} of {world_size} did not finish within {timeout:.0f} s; all ranks were killed"
         )
     return [done[r] for r in range(world_size)]
+
+
+def subprocess_env() -> dict:
+    """``os.environ`` for a ``python -m pycomm...`` subprocess: works from a
+    source checkout too (the subprocess finds this checkout's pycomm first)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    return env

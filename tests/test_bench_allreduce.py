@@ -5,25 +5,19 @@ shared, only the presence and sanity of numbers is checked."""
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _dist import subprocess_env
 
 from pycomm.bench import allreduce
 from pycomm.bench.allreduce import Method, bytes_sent, parse_method
 from pycomm.bench.cli import main
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
-def _env():
-    # Works from a source checkout too: the subprocess finds this pycomm first.
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    return env
 
 
 def _positive_finite(x):
@@ -34,7 +28,7 @@ def test_allreduce_quick_runs_and_writes_json(tmp_path):
     out = tmp_path / "results" / "a.json"  # the folder does not exist yet
     cmd = [sys.executable, "-m", "pycomm.bench", "allreduce", "--quick", "--ranks", "2", "--sizes", "64k",
            "--repeats", "2", "--json", str(out)]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(cmd, cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
     doc = json.loads(out.read_text())
@@ -97,7 +91,7 @@ def test_bad_argument_is_named(argv, name, capsys, tmp_path):
 def test_bad_argument_from_the_command_line(tmp_path):
     # The same through the real entry point: exit status and message on stderr.
     cmd = [sys.executable, "-m", "pycomm.bench", "allreduce", "--methods", "bogus"]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(cmd, cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0
     assert "--methods" in proc.stderr and "bogus" in proc.stderr
 

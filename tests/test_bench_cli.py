@@ -10,19 +10,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from _dist import subprocess_env
 import torch
 
 from pycomm.bench import default_json_path, kernels
 from pycomm.bench.cli import main, positive_int
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
-def _env():
-    # Works from a source checkout too: the subprocess finds this pycomm first.
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    return env
 
 
 def _positive_finite(x):
@@ -33,7 +28,7 @@ def test_kernels_quick_runs_and_writes_json(tmp_path):
     out = tmp_path / "results" / "k.json"  # the folder does not exist yet
     cmd = [sys.executable, "-m", "pycomm.bench", "kernels", "--quick", "--numel", "65536",
            "--repeats", "2", "--warmup", "1", "--json", str(out)]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(cmd, cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
     doc = json.loads(out.read_text())

@@ -12,13 +12,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from _dist import subprocess_env
 
 from pycomm.bench import ddp
 from pycomm.bench.cli import build_parser
 from pycomm.bench.ddp import Method, break_even, format_table, parse_method
 from pycomm.bench.netem import emulation_available
 
-ROOT = Path(__file__).resolve().parents[1]
 RECORD_KEYS = (
     "method", "bandwidth", "link_busbw_measured", "ranks", "steps", "step_time_median_s", "step_time_p10_s",
     "step_time_p90_s", "bytes_sent_per_rank_per_step", "final_loss", "emulated", "tokens_per_s",
@@ -26,10 +26,6 @@ RECORD_KEYS = (
 )
 
 
-def _env():
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    return env
 
 
 def _args(*argv):
@@ -143,7 +139,7 @@ def test_end_to_end_small_run(tmp_path):
     cmd = [sys.executable, "-m", "pycomm.bench", "ddp", "--ranks", "2", "--model", "tiny", "--bandwidth", bws,
            "--methods", methods, "--steps", "10", "--start-iter", "4", "--time-steps", "3", "--json", str(out),
            "--netns-prefix", "pycommtest-ddp", "--no-progress", "--train-all"]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     recs = json.loads(out.read_text())
     names = ["allreduce"] + methods.split(",")
@@ -190,7 +186,7 @@ def test_small_tensor_workload_runs(tmp_path):
     cmd = [sys.executable, "-m", "pycomm.bench", "ddp", "--workload", "mlp", "--ranks", "2", "--bandwidth", "none",
            "--methods", "onebit", "--steps", "6", "--start-iter", "2", "--json", str(out), "--no-plots",
            "--no-netns", "--no-progress"]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     recs = json.loads(out.read_text())
     assert [r["method"] for r in recs] == ["allreduce", "onebit"]
