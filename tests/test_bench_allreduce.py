@@ -7,7 +7,6 @@ import json
 import math
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from _dist import subprocess_env
