@@ -122,7 +122,7 @@ def test_powersgd_many_buckets_fails_plain(tmp_path):
     # Several buckets: the P/Q all-reduces issued from then() callbacks (Gloo's
     # threads) race with the next bucket's all-reduce (autograd thread).
     # Observed outcomes: gloo's size-mismatch abort, or a hang (killed at the
-    # timeout). Either way the run does not complete.
+    # timeout, or Gloo's own recv timeout). Either way the run does not complete.
     try:
         run_ranks(_train, 2, SMALL_CAP_MB, "plain", 6, str(tmp_path), timeout=20)
     except (RankError, TimeoutError) as exc:
@@ -148,9 +148,10 @@ def test_powersgd_many_buckets_fails_plain(tmp_path):
     if isinstance(info.value, RankError):
         # Gloo's enforce aborts the rank that detects the mismatch (SIGABRT,
         # exit code -6, often before it can report); its peer then sees the
-        # connection drop, or is killed by the harness before reporting.
+        # connection drop, or is killed by the harness before reporting. Or
+        # the ranks wait on different collectives until Gloo's own timeout.
         msg = str(info.value)
-        signs = ("doesn't match expected size", "exited with code -6", "Connection", "closed")
+        signs = ("doesn't match expected size", "exited with code -6", "Connection", "closed", "Timed out waiting")
         assert any(s in msg for s in signs), msg[-3000:]
 
 
