@@ -1,13 +1,20 @@
-"""The cost model of ``pycomm plan`` against measured emulated runs.
+"""The cost models against measured emulated runs.
 
-Reads a ``pycomm-bench ddp`` JSON and, for every (method, bandwidth) it
-holds, compares the model's wire time (:func:`pycomm.plan.predict_allreduce_time`
-on the link's measured bus bandwidth, the run's bucket count) with the
-measured communication share of a step: median step time minus the compute
-time measured in the same run without communication.
+Reads ``pycomm-bench ddp`` JSON files and, for every (method, bandwidth)
+they hold, compares two predictions with the measured communication share of
+a step: median step time minus the compute time measured in the same run
+without communication.
+
+* wire: :func:`pycomm.plan.predict_allreduce_time` (what ``pycomm plan``
+  uses) on the link's measured bus bandwidth, the run's bucket count, bytes
+  and latency only;
+* calibrated: the alpha-beta lines of ``compressor="auto"`` (docs/auto.md),
+  measured through a pycomm group on the same emulated link and ranks at the
+  start of the same run (the run must include the ``auto`` method), summed
+  over the run's DDP buckets.
 
     python benchmarks/plan_vs_measured.py                       # newest benchmarks/results/ddp-cpu-*.json
-    python benchmarks/plan_vs_measured.py path/to/ddp.json --alpha 50e-6
+    python benchmarks/plan_vs_measured.py a.json b.json --alpha 50e-6
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import sys
 
 from tabulate import tabulate
 
+from pycomm.distributed.auto import Calibration
 from pycomm.plan import predict_allreduce_time
 
 #: bench method -> (model method, density)
@@ -38,33 +46,58 @@ def model_of(method: str):
     return None  # PowerSGD: not modelled
 
 
+#: model method -> the calibration's name for it
+CALIBRATED = {"allreduce": "none", "fp16": "fp16", "onebit": "onebit", "topk": "topk"}
+
+
+def calibrated_prediction(records, r):
+    """Seconds the auto calibration of ``r``'s run predicts for its buckets, or None."""
+    mm = model_of(r["method"])
+    if mm is None or mm[0] not in CALIBRATED or (mm[1] not in (None, 0.01)):
+        return None  # the calibration measures topk at the group's density, 0.01
+    auto = next((a for a in records if a["method"] == "auto" and a["bandwidth"] == r["bandwidth"]
+                 and "auto_calibration" in a), None)
+    if auto is None:
+        return None
+    cal = Calibration.from_dict(auto["auto_calibration"])
+    return sum(cal.predict(CALIBRATED[mm[0]], int(n)) for n in auto["auto_bucket_methods"])
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("json", nargs="?", default=None)
+    ap.add_argument("json", nargs="*", default=None)
     ap.add_argument("--alpha", type=float, default=50e-6, help="latency per message, s (default: 50e-6, TCP)")
     ap.add_argument("--buckets", type=int, default=5, help="DDP buckets per step (4.9M params, 4 MB buckets: 5)")
     ap.add_argument("--block-size", type=int, default=256)
     args = ap.parse_args(argv)
-    path = args.json or max(glob.glob(os.path.join("benchmarks", "results", "ddp-cpu-*.json")), default=None)
-    if path is None:
+    paths = args.json or [max(glob.glob(os.path.join("benchmarks", "results", "ddp-cpu-*.json")), default=None)]
+    if paths == [None]:
         print("no benchmarks/results/ddp-cpu-*.json: run pycomm-bench ddp first", file=sys.stderr)
         return 2
     rows = []
-    for r in json.load(open(path, encoding="utf-8")):
-        mm = model_of(r["method"])
-        if mm is None:
-            continue
-        method, density = mm
-        p = predict_allreduce_time(method, r["gradient_numel"], r["ranks"], r["link_busbw_measured"] / 8,
-                                   args.alpha, density=density or 0.01, block_size=args.block_size,
-                                   chunks=args.buckets)
-        measured = r["step_time_median_s"] - r["compute_time_s"]
-        rows.append([r["method"], "unshaped" if r["bandwidth"] is None else f"{r['bandwidth'] / 1e9:g} Gbit/s",
-                     f"{p['wire_s'] * 1e3:.1f}", f"{measured * 1e3:.1f}",
-                     f"{measured / p['wire_s']:.2f}" if p["wire_s"] > 0 else "-",
-                     "yes" if math.isfinite(measured) and abs(measured / p["wire_s"] - 1) <= 0.25 else "no"])
-    print(f"{path}: model wire time vs measured (median step - compute), alpha {args.alpha:g} s")
-    print(tabulate(rows, headers=["method", "link", "model ms", "measured ms", "measured/model", "within 25%"],
+    for path in paths:
+        records = json.load(open(path, encoding="utf-8"))
+        for r in records:
+            mm = model_of(r["method"])
+            if mm is None:
+                continue
+            method, density = mm
+            p = predict_allreduce_time(method, r["gradient_numel"], r["ranks"], r["link_busbw_measured"] / 8,
+                                       args.alpha, density=density or 0.01, block_size=args.block_size,
+                                       chunks=args.buckets)
+            measured = r["step_time_median_s"] - r["compute_time_s"]
+            cal = calibrated_prediction(records, r)
+            rows.append([r["method"], r["ranks"],
+                         "unshaped" if r["bandwidth"] is None else f"{r['bandwidth'] / 1e9:g} Gbit/s",
+                         f"{measured * 1e3:.1f}", f"{p['wire_s'] * 1e3:.1f}",
+                         f"{measured / p['wire_s']:.2f}" if p["wire_s"] > 0 else "-",
+                         "-" if cal is None else f"{cal * 1e3:.1f}",
+                         "-" if cal is None else f"{measured / cal:.2f}",
+                         "-" if cal is None else ("yes" if abs(measured / cal - 1) <= 0.25 else "no")])
+    print(f"{', '.join(paths)}: measured (median step - compute) vs the wire model (alpha {args.alpha:g} s) "
+          "and vs the auto calibration of the same run")
+    print(tabulate(rows, headers=["method", "ranks", "link", "measured ms", "wire model ms", "measured/wire",
+                                  "calibrated ms", "measured/calibrated", "calibrated within 25%"],
                    tablefmt="github", disable_numparse=True))
     return 0
 

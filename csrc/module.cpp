@@ -47,7 +47,9 @@ PYBIND11_MODULE(_C, m) {
       "A c10d Backend wrapping `inner` that compresses float SUM/AVG all-reduces.")
       .def(py::init([](const c10::intrusive_ptr<c10d::Backend>& inner, const std::string& method,
                        int64_t min_compress_numel, int64_t chunk_numel, int64_t block_size,
-                       double density, bool approx, int check_calls) {
+                       double density, bool approx, int check_calls,
+                       const c10::intrusive_ptr<c10d::Backend>& intra,
+                       const c10::intrusive_ptr<c10d::Backend>& inter) {
              pycomm::dist::Config c;
              c.method = method;
              c.min_compress_numel = min_compress_numel;
@@ -56,13 +58,18 @@ PYBIND11_MODULE(_C, m) {
              c.density = density;
              c.approx = approx;
              c.check_calls = check_calls;
-             return c10::make_intrusive<CompressedBackend>(inner, c);
+             return c10::make_intrusive<CompressedBackend>(inner, c, intra, inter);
            }),
            py::arg("inner"), py::arg("method"), py::arg("min_compress_numel"),
            py::arg("chunk_numel"), py::arg("block_size"), py::arg("density"), py::arg("approx"),
-           py::arg("check_calls") = 1)
+           py::arg("check_calls") = 1, py::arg("intra") = py::none(), py::arg("inter") = py::none())
       .def("allreduce_keyed", &CompressedBackend::allreduce_keyed, py::arg("tensor"),
-           py::arg("key"), py::arg("average"), py::call_guard<py::gil_scoped_release>())
+           py::arg("key"), py::arg("average"), py::arg("method") = py::none(),
+           py::call_guard<py::gil_scoped_release>())
+      .def("method_for", &CompressedBackend::method_for, py::arg("numel"))
+      .def("set_size_methods", &CompressedBackend::set_size_methods, py::arg("table"),
+           py::arg("calibration") = "", py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("ranks_per_node", &CompressedBackend::ranks_per_node)
       .def("allreduce_plain", &CompressedBackend::allreduce_plain, py::arg("tensor"),
            py::arg("average"), py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("inner", &CompressedBackend::inner)
@@ -77,6 +84,9 @@ PYBIND11_MODULE(_C, m) {
                                d["density"] = c.density;
                                d["approx"] = c.approx;
                                d["check_calls"] = c.check_calls;
+                               d["size_methods"] = c.size_methods;
+                               d["calibration"] = c.calibration;
+                               d["ranks_per_node"] = b.ranks_per_node();
                                return d;
                              })
       .def("error_feedback_state",

@@ -135,7 +135,7 @@ def test_end_to_end_small_run(tmp_path):
     emulated = emulation_available()[0]
     bws = "100mbit,none" if emulated else "none"
     out = tmp_path / "r" / "d.json"
-    methods = "fp16,powersgd-1,onebit,onebit-backend,topk-0.01-noef,topk-0.01-noef-backend"
+    methods = "fp16,powersgd-1,onebit,onebit-backend,topk-0.01-noef,topk-0.01-noef-backend,auto"
     cmd = [sys.executable, "-m", "pycomm.bench", "ddp", "--ranks", "2", "--model", "tiny", "--bandwidth", bws,
            "--methods", methods, "--steps", "10", "--start-iter", "4", "--time-steps", "3", "--json", str(out),
            "--netns-prefix", "pycommtest-ddp", "--no-progress", "--train-all"]
@@ -155,6 +155,9 @@ def test_end_to_end_small_run(tmp_path):
         assert 0 < r["step_time_p10_s"] <= r["step_time_median_s"] <= r["step_time_p90_s"]
         assert r["steps"] == (10 if r["training_run"] else 2 + 3)
         assert r["bytes_sent_per_rank_per_step"] > 0
+        if r["method"] == "auto":  # the calibration and each bucket's method are recorded
+            assert set(r["auto_bucket_methods"].values()) <= {"none", "fp16", "onebit", "topk"}
+            assert r["auto_calibration"]["world_size"] == 2
         if r["bandwidth"] == 1e8:  # namespaces: counted on the rank's own interface
             assert abs(r["link_busbw_measured"] / 1e8 - 1) < 0.5
     train = {r["method"]: r for r in recs if r["training_run"]}

@@ -88,6 +88,29 @@ def test_layout_and_interface(clean):
 
 
 @needs_netns
+def test_nodes_hold_several_ranks(clean):
+    # 4 ranks in 2 nodes: ranks of a node share its namespace and address
+    # (they meet over its unshaped loopback); nodes are joined by shaped links.
+    with EmulatedCluster(4, RATE, prefix=PREFIX, ranks_per_node=2) as c:
+        assert sorted(_ours()) == sorted(c.namespaces()) == [f"{PREFIX}-n0", f"{PREFIX}-n1", f"{PREFIX}-sw"]
+        assert [c.netns(r) for r in range(4)] == [f"{PREFIX}-n0"] * 2 + [f"{PREFIX}-n1"] * 2
+        assert c.addr(0) == c.addr(1) != c.addr(2) == c.addr(3)
+        assert [(c.env(r)["LOCAL_RANK"], c.env(r)["LOCAL_WORLD_SIZE"]) for r in range(4)] == [
+            ("0", "2"), ("1", "2"), ("0", "2"), ("1", "2")]
+        assert "2 nodes of 2" in c.describe()
+        for ns in (c.netns(0), c.netns(2)):
+            q = subprocess.run(["tc", "-n", ns, "qdisc", "show", "dev", "eth0"], capture_output=True,
+                               text=True, timeout=10).stdout
+            assert "tbf" in q, q
+            q = subprocess.run(["tc", "-n", ns, "qdisc", "show", "dev", "lo"], capture_output=True,
+                               text=True, timeout=10).stdout
+            assert "tbf" not in q, q
+    assert _ours() == []
+    with pytest.raises(ValueError, match="does not divide"):
+        EmulatedCluster(4, RATE, prefix=PREFIX, ranks_per_node=3)
+
+
+@needs_netns
 def test_teardown_when_body_raises_kills_ranks(clean):
     with pytest.raises(ZeroDivisionError):
         with EmulatedCluster(2, RATE, prefix=PREFIX) as c:

@@ -29,7 +29,7 @@ namespace pycomm {
 namespace dist {
 
 struct Config {
-  std::string method = "onebit";  // onebit | topk | fp16 | bf16 | none
+  std::string method = "onebit";  // onebit | topk | fp16 | bf16 | none | auto
   int64_t min_compress_numel = 65536;
   int64_t chunk_numel = int64_t(1) << 20;
   int64_t block_size = 2048;
@@ -38,6 +38,19 @@ struct Config {
   // Cross-rank check of compressed calls (docs/reliability.md): 0 never,
   // 1 at the first use of each key / keyless signature, 2 every call.
   int check_calls = 1;
+  // method "auto": the method of a tensor of n elements is that of the first
+  // entry whose bound exceeds n (set from the calibration, docs/auto.md).
+  std::vector<std::pair<int64_t, std::string>> size_methods;
+  // The calibration the table came from (JSON, kept for reports).
+  std::string calibration;
+};
+
+// The ranks one compressed step runs over: every rank (flat), or the ranks
+// holding the same shard on every node (hierarchical, docs/hierarchy.md).
+struct Group {
+  c10d::Backend* pg;
+  int rank;
+  int world;
 };
 
 // Error-feedback residuals of one key (see docs/allreduce.md).
@@ -71,7 +84,12 @@ class PycommWork : public c10d::Work {
 
 class CompressedBackend : public c10d::Backend {
  public:
-  CompressedBackend(c10::intrusive_ptr<c10d::Backend> inner, Config config);
+  // `intra` (the ranks of this node) and `inter` (this rank's peers, one per
+  // node, with the same local rank) make the all-reduce hierarchical; both
+  // null: flat.
+  CompressedBackend(c10::intrusive_ptr<c10d::Backend> inner, Config config,
+                    c10::intrusive_ptr<c10d::Backend> intra = {},
+                    c10::intrusive_ptr<c10d::Backend> inter = {});
   ~CompressedBackend() override;
 
   const std::string getBackendName() const override { return "pycomm"; }
@@ -79,13 +97,22 @@ class CompressedBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Backend> inner() const { return inner_; }
   void setTimeout(std::chrono::milliseconds timeout) override { inner_->setTimeout(timeout); }
 
-  // The compressed path, with error feedback under `key` when given.
+  // The compressed path, with error feedback under `key` when given;
+  // `method` overrides the configured one (calibration runs each method).
   c10::intrusive_ptr<c10d::Work> allreduce_keyed(at::Tensor tensor, std::optional<int64_t> key,
-                                                 bool average);
+                                                 bool average,
+                                                 std::optional<std::string> method = std::nullopt);
   // The exact all-reduce of the inner backend (for warm-up iterations).
   c10::intrusive_ptr<c10d::Work> allreduce_plain(at::Tensor tensor, bool average);
   // Whether allreduce(tensor, op) would compress (else it is forwarded).
   bool compresses(const at::Tensor& tensor, const c10d::ReduceOp& op) const;
+  // The method a compressed call of `numel` elements runs.
+  std::string method_for(int64_t numel) const;
+  // Replaces Config::size_methods (between collectives, through the queue).
+  void set_size_methods(std::vector<std::pair<int64_t, std::string>> table,
+                        std::string calibration);
+  // Ranks per node when hierarchical, else 1.
+  int ranks_per_node() const { return intra_ ? intra_->getSize() : 1; }
 
   // Error-feedback state, read and replaced between collectives.
   std::map<int64_t, ErrorFeedback> error_feedback_state();
@@ -150,27 +177,33 @@ class CompressedBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> forward_allreduce(std::vector<at::Tensor>& tensors,
                                                    const c10d::AllreduceOptions& opts);
 
-  void run_compressed(const at::Tensor& tensor, std::optional<int64_t> key, bool average);
+  void run_compressed(const at::Tensor& tensor, std::optional<int64_t> key, bool average,
+                      const std::string& method);
   // Error feedback with a rollback (docs/allreduce.md, "Non-finite results"):
   // true where the compress writes the new residual to the second buffer
   // (onebit on CPU: no copy), false where the old one is copied there first.
-  bool double_buffered(const at::Tensor& x) const;
-  // Both return whether the reduced result is finite (the same on every rank).
-  bool run_onebit(const at::Tensor& x, ErrorFeedback* ef, bool average);
-  bool run_topk(const at::Tensor& x, ErrorFeedback* ef, bool average);
+  bool double_buffered(const at::Tensor& x, const std::string& method) const;
+  // Both return whether the reduced result is finite (the same on every
+  // rank of `g`).
+  bool run_onebit(const at::Tensor& x, ErrorFeedback* ef, bool average, const Group& g);
+  bool run_topk(const at::Tensor& x, ErrorFeedback* ef, bool average, const Group& g);
   // Exchanges a descriptor of this call with every rank and throws, on every
   // rank, when they differ (Config::check_calls decides when).
-  void check_call(const at::Tensor& tensor, std::optional<int64_t> key, bool average);
-  std::string describe_call(const at::Tensor& tensor, std::optional<int64_t> key,
-                            bool average) const;
+  void check_call(const at::Tensor& tensor, std::optional<int64_t> key, bool average,
+                  const std::string& method);
+  std::string describe_call(const at::Tensor& tensor, std::optional<int64_t> key, bool average,
+                            const std::string& method) const;
   // "pycomm rank R of W [(peer: rank P)]: <call> failed: " for errors.
   std::string failure_context(const at::Tensor& tensor, std::optional<int64_t> key,
-                              bool average) const;
-  void run_cast(const at::Tensor& x, bool average);
-  ErrorFeedback* error_feedback_for(int64_t key, const at::Tensor& x);
+                              bool average, const std::string& method) const;
+  void run_cast(const at::Tensor& x, bool average, const std::string& method);
+  void run_exact(const at::Tensor& x, bool average);
+  ErrorFeedback* error_feedback_for(int64_t key, const at::Tensor& x, const std::string& method,
+                                    const Group& g);
 
   c10::intrusive_ptr<c10d::Backend> inner_;
   Config config_;
+  c10::intrusive_ptr<c10d::Backend> intra_, inter_;
   bool inner_has_avg_;
 
   std::mutex queue_mutex_;

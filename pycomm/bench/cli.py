@@ -35,6 +35,7 @@ SUBCOMMANDS = {
     "kernels": "pycomm.bench.kernels",
     "allreduce": "pycomm.bench.allreduce",
     "ddp": "pycomm.bench.ddp",
+    "hierarchy": "pycomm.bench.hierarchy",
     "all": "pycomm.bench.all",
 }
 

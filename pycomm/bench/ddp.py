@@ -18,7 +18,10 @@ Methods, side by side in the same rank processes (same seed, same batches):
 * ``onebit``, ``topk-D`` (density D): pycomm's :func:`compressed_hook` over
   the plain Gloo group; ``-noef`` turns error feedback off; ``-backend``
   runs the same hook over a ``"pycomm"`` process group, so the C++ backend
-  compresses (e.g. ``onebit-noef-backend``).
+  compresses (e.g. ``onebit-noef-backend``);
+* ``auto`` (``auto-noef``): the hook over a ``compressor="auto"`` pycomm
+  group, which calibrates itself when created and then runs, per bucket
+  size, the method it predicts fastest (docs/auto.md).
 
 Every compressing method, PyTorch's and pycomm's, starts after the same
 ``start_iter`` plain warm-up steps. At the training bandwidth
@@ -63,7 +66,7 @@ DEFAULT_METHODS = [
     "allreduce", "fp16", "powersgd-1", "powersgd-4",
     "onebit", "onebit-noef", "topk-0.01", "topk-0.01-noef", "topk-0.001", "topk-0.001-noef",
     "onebit-backend", "onebit-noef-backend", "topk-0.01-backend", "topk-0.01-noef-backend",
-    "topk-0.001-backend", "topk-0.001-noef-backend",
+    "topk-0.001-backend", "topk-0.001-noef-backend", "auto",
 ]
 QUICK_METHODS = ["allreduce", "fp16", "powersgd-4", "onebit", "onebit-noef", "topk-0.01"]
 WORKLOADS = ("lm", "mlp")
@@ -115,7 +118,7 @@ class Method:
 
 
 _METHOD_RE = re.compile(
-    r"^(?P<base>allreduce|fp16|bf16|powersgd-(?P<rank>[0-9]+)|onebit|topk-(?P<density>[0-9.eE+-]+?))"
+    r"^(?P<base>allreduce|fp16|bf16|auto|powersgd-(?P<rank>[0-9]+)|onebit|topk-(?P<density>[0-9.eE+-]+?))"
     r"(?P<noef>-noef)?(?P<backend>-backend)?$"
 )
 
@@ -130,10 +133,10 @@ def parse_method(name: str) -> Method:
     if m is None:
         raise ValueError(
             f"unknown method {name!r}: expected allreduce, fp16, bf16, powersgd-<rank>, "
-            "onebit or topk-<density>, the last two optionally followed by -noef and/or -backend"
+            "onebit, topk-<density> or auto, the last three optionally followed by -noef and/or -backend"
         )
     base = m.group("base")
-    is_pycomm = base == "onebit" or base.startswith("topk-")
+    is_pycomm = base in ("onebit", "auto") or base.startswith("topk-")
     if (m.group("noef") or m.group("backend")) and not is_pycomm:
         raise ValueError(f"method {name!r}: -noef and -backend apply to onebit and topk only")
     if base.startswith("powersgd-"):
@@ -145,8 +148,10 @@ def parse_method(name: str) -> Method:
         return Method(name, "torch", base)
     if base == "allreduce":
         return Method(name, "ddp", "none")
-    entry = "backend" if m.group("backend") else "hook"
+    entry = "backend" if m.group("backend") or base == "auto" else "hook"
     ef = not m.group("noef")
+    if base == "auto":
+        return Method(name, entry, "auto", ef)
     if base == "onebit":
         return Method(name, entry, "onebit", ef)
     try:
@@ -410,6 +415,14 @@ class _RankTrainer:
             "params_identical": self._params_identical(ddp),
         }
         rec["compress_time_s"] = self._compress_time(m, numel)
+        if m.compressor == "auto":
+            import pycomm.distributed as pd
+
+            # What the calibration chose for each bucket (and the whole table).
+            cal = pd.calibration(self._pycomm_group(m))
+            rec["auto_bucket_methods"] = {str(b.buffer().numel()): cal.choose(b.buffer().numel())
+                                          for b in ddp.reducer._get_zeros_like_grad_buckets()}
+            rec["auto_calibration"] = cal.to_dict()
         del ddp, opt
         return rec
 
@@ -455,16 +468,17 @@ def _read_events(proc: subprocess.Popen) -> Iterator[Dict[str, Any]]:
                 continue
 
 
-def run_on_cluster(cluster, cfg: Dict[str, Any], on_step=None, timeout: float = DEFAULT_TIMEOUT) -> Tuple[float, List[Dict[str, Any]]]:
-    """Start the rank processes on ``cluster`` with ``cfg``, collect rank 0's
-    events: ``(compute_time_s, records)``. Raises :class:`RanksFailed` with
-    the failing rank's stderr if any rank fails or the run passes ``timeout``
-    seconds without progress."""
+def run_on_cluster(cluster, cfg: Dict[str, Any], on_step=None, timeout: float = DEFAULT_TIMEOUT,
+                   module: str = "pycomm.bench.ddp") -> Tuple[float, List[Dict[str, Any]]]:
+    """Start the rank processes (``python -m <module> --worker CFG``) on
+    ``cluster`` with ``cfg``, collect rank 0's events: ``(compute_time_s,
+    records)``. Raises :class:`RanksFailed` with the failing rank's stderr if
+    any rank fails or the run passes ``timeout`` seconds without progress."""
     with tempfile.TemporaryDirectory(prefix="pycomm-ddp-") as tmp:
         cfg_path = os.path.join(tmp, "cfg.json")
         with open(cfg_path, "w", encoding="utf-8") as fh:
             json.dump(cfg, fh)
-        argv = [sys.executable, "-m", "pycomm.bench.ddp", "--worker", cfg_path]
+        argv = [sys.executable, "-m", module, "--worker", cfg_path]
         logs = [open(os.path.join(tmp, f"rank{r}.err"), "w+", encoding="utf-8") for r in range(cluster.world_size)]
         procs = [cluster.spawn(r, argv, stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL,
                                stderr=logs[r], text=True) for r in range(cluster.world_size)]

@@ -2,7 +2,12 @@
 
 Each rank runs in its own network namespace ``<prefix>-r<i>`` with a veth
 ``eth0``; the other end of every veth (``v<i>``) sits on a bridge ``br0``
-inside one more namespace, the "switch" ``<prefix>-sw``. Nothing is created
+inside one more namespace, the "switch" ``<prefix>-sw``. With
+``ranks_per_node`` L > 1 a namespace ``<prefix>-n<j>`` is a *node* holding
+ranks ``[j L, (j+1) L)``: they share its address and reach each other over
+its loopback, unshaped (the fast intra-node link), while traffic between
+nodes crosses the shaped veths (``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` are
+set as torchrun sets them). Nothing is created
 in the host namespace and the host's interfaces, routes and qdiscs are never
 touched: the veths are created inside the switch namespace and moved straight
 into the rank namespaces. Addresses come from a private /24 that exists only
@@ -167,6 +172,7 @@ class _ClusterBase(abc.ABC):
     world_size: int
     rate_bits_per_s: Optional[float]
     master_port: int
+    ranks_per_node: int = 1
 
     def __init__(self) -> None:
         self._procs: List[subprocess.Popen] = []
@@ -192,7 +198,8 @@ class _ClusterBase(abc.ABC):
             "MASTER_PORT": str(self.master_port),
             "RANK": str(rank),
             "WORLD_SIZE": str(self.world_size),
-            "LOCAL_RANK": str(rank),
+            "LOCAL_RANK": str(rank % self.ranks_per_node),
+            "LOCAL_WORLD_SIZE": str(self.ranks_per_node),
         }
         if self._ifname():
             e["GLOO_SOCKET_IFNAME"] = self._ifname()
@@ -258,12 +265,14 @@ class LoopbackCluster(_ClusterBase):
 
     emulated = False
 
-    def __init__(self, world_size: int, reason: str = "", master_port: Optional[int] = None) -> None:
+    def __init__(self, world_size: int, reason: str = "", master_port: Optional[int] = None,
+                 ranks_per_node: int = 1) -> None:
         super().__init__()
         global _warned_fallback
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.world_size = world_size
+        self.ranks_per_node = _check_ranks_per_node(ranks_per_node, world_size)
         self.rate_bits_per_s = None
         self.master_port = master_port if master_port is not None else _free_port()
         self.reason = reason
@@ -285,11 +294,20 @@ class LoopbackCluster(_ClusterBase):
         return list(argv)
 
     def describe(self) -> str:
-        return f"{self.world_size} ranks, loopback (not emulated)"
+        nodes = f" ({self.ranks_per_node} per node)" if self.ranks_per_node > 1 else ""
+        return f"{self.world_size} ranks{nodes}, loopback (not emulated)"
 
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:
             raise IndexError(f"rank {rank} not in [0, {self.world_size})")
+
+
+def _check_ranks_per_node(ranks_per_node: int, world_size: int) -> int:
+    if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1:
+        raise ValueError(f"ranks_per_node must be a positive int, got {ranks_per_node!r}")
+    if world_size % ranks_per_node:
+        raise ValueError(f"ranks_per_node {ranks_per_node} does not divide world_size {world_size}")
+    return ranks_per_node
 
 
 def _free_port() -> int:
@@ -301,19 +319,21 @@ def _free_port() -> int:
 
 
 class EmulatedCluster(_ClusterBase):
-    """``world_size`` rank namespaces on a bridge, each link shaped to
+    """``world_size`` ranks in namespaces on a bridge, each link shaped to
     ``rate_bits_per_s`` in both directions (None: not shaped). Needs root.
+    ``ranks_per_node`` > 1 puts that many ranks in each namespace (a node).
 
     Built on ``__enter__`` (or :meth:`build`), removed on ``__exit__`` /
     :meth:`close`, at exit and on SIGINT/SIGTERM. Names: ``<prefix>-sw`` (the
-    switch) and ``<prefix>-r<i>``; anything of that form that already exists
-    is a leftover of a crashed run and is deleted first.
+    switch) and ``<prefix>-r<i>`` (``<prefix>-n<j>`` for nodes); anything of
+    that form that already exists is a leftover of a crashed run and is
+    deleted first.
     """
 
     emulated = True
 
     def __init__(self, world_size: int, rate_bits_per_s: Optional[float] = None,
-                 prefix: str = "pycomm", master_port: int = DEFAULT_PORT) -> None:
+                 prefix: str = "pycomm", master_port: int = DEFAULT_PORT, ranks_per_node: int = 1) -> None:
         super().__init__()
         if not 1 <= world_size <= MAX_RANKS:
             raise ValueError(f"world_size must be in [1, {MAX_RANKS}], got {world_size}")
@@ -322,11 +342,13 @@ class EmulatedCluster(_ClusterBase):
         if not _NAME_OK.match(prefix) or len(prefix) > 40:
             raise ValueError(f"bad namespace prefix {prefix!r}")
         self.world_size = world_size
+        self.ranks_per_node = _check_ranks_per_node(ranks_per_node, world_size)
         self.rate_bits_per_s = rate_bits_per_s
         self.prefix = prefix
         self.master_port = master_port
         self.switch = f"{prefix}-sw"
-        self._rank_ns = [f"{prefix}-r{i}" for i in range(world_size)]
+        nodes, kind = world_size // self.ranks_per_node, "n" if self.ranks_per_node > 1 else "r"
+        self._rank_ns = [f"{prefix}-{kind}{i}" for i in range(nodes)]  # one per node
         self._created: List[str] = []
         self._built = False
         self._closed = False
@@ -334,12 +356,15 @@ class EmulatedCluster(_ClusterBase):
 
     # ---- names and addresses
     def netns(self, rank: int) -> str:
-        return self._rank_ns[rank]
+        return self._rank_ns[rank // self.ranks_per_node]
 
     def addr(self, rank: int) -> str:
         if not 0 <= rank < self.world_size:
             raise IndexError(f"rank {rank} not in [0, {self.world_size})")
-        return f"{SUBNET}.{rank + 1}"
+        return self._node_addr(rank // self.ranks_per_node)
+
+    def _node_addr(self, node: int) -> str:
+        return f"{SUBNET}.{node + 1}"
 
     def _ifname(self) -> Optional[str]:
         return "eth0"
@@ -354,12 +379,15 @@ class EmulatedCluster(_ClusterBase):
     def describe(self) -> str:
         shaping = (f"tbf {fmt_rate(self.rate_bits_per_s)} each way" if self.rate_bits_per_s
                    else "unshaped")
+        if self.ranks_per_node > 1:
+            return (f"{self.world_size} ranks in {len(self._rank_ns)} nodes of {self.ranks_per_node} "
+                    f"(namespaces {self.prefix}-n*, loopback inside), links between nodes {shaping}")
         return f"{self.world_size} ranks, namespaces {self.prefix}-r*, {shaping}"
 
     # ---- build / tear down
     def stale_namespaces(self) -> List[str]:
         """Existing namespaces named like this prefix's (``<prefix>-sw``, ``<prefix>-r<N>``)."""
-        pat = re.compile(rf"^{re.escape(self.prefix)}-(sw|r[0-9]+)$")
+        pat = re.compile(rf"^{re.escape(self.prefix)}-(sw|r[0-9]+|n[0-9]+)$")
         return [n for n in _netns_list() if pat.match(n)]
 
     def remove_stale(self) -> List[str]:
@@ -383,14 +411,14 @@ class EmulatedCluster(_ClusterBase):
             self._add_ns(sw)
             _run(["ip", "-n", sw, "link", "add", "br0", "type", "bridge"])
             _run(["ip", "-n", sw, "link", "set", "br0", "up"])
-            for rank, ns in enumerate(self._rank_ns):
+            for node, ns in enumerate(self._rank_ns):
                 self._add_ns(ns)
-                peer = f"v{rank}"
+                peer = f"v{node}"
                 # created inside the switch namespace, one end moved straight into the rank's
                 _run(["ip", "-n", sw, "link", "add", peer, "type", "veth", "peer", "name", "eth0", "netns", ns])
                 _run(["ip", "-n", sw, "link", "set", peer, "master", "br0"])
                 _run(["ip", "-n", sw, "link", "set", peer, "up"])
-                _run(["ip", "-n", ns, "addr", "add", f"{self.addr(rank)}/24", "dev", "eth0"])
+                _run(["ip", "-n", ns, "addr", "add", f"{self._node_addr(node)}/24", "dev", "eth0"])
                 _run(["ip", "-n", ns, "link", "set", "lo", "up"])
                 _run(["ip", "-n", ns, "link", "set", "eth0", "up"])
                 if self.rate_bits_per_s is not None:
@@ -456,13 +484,14 @@ class EmulatedCluster(_ClusterBase):
             os.kill(os.getpid(), signum)
 
 
-def make_cluster(world_size: int, rate_bits_per_s: Optional[float] = None, prefix: str = "pycomm"):
+def make_cluster(world_size: int, rate_bits_per_s: Optional[float] = None, prefix: str = "pycomm",
+                 ranks_per_node: int = 1):
     """An :class:`EmulatedCluster` where emulation works, else a :class:`LoopbackCluster`
     (which logs why, once). Use as a context manager."""
     ok, why = emulation_available()
     if ok:
-        return EmulatedCluster(world_size, rate_bits_per_s, prefix=prefix)
-    return LoopbackCluster(world_size, reason=why)
+        return EmulatedCluster(world_size, rate_bits_per_s, prefix=prefix, ranks_per_node=ranks_per_node)
+    return LoopbackCluster(world_size, reason=why, ranks_per_node=ranks_per_node)
 
 
 # --------------------------------------------------------------------------- bus bandwidth

@@ -56,7 +56,8 @@ from ..distributed.algorithms import ErrorFeedback, allreduce_compressed, check_
 
 __all__ = ["CompressionState", "compressed_hook"]
 
-COMPRESSORS = ("onebit", "topk", "fp16", "bf16")
+#: "auto": the pycomm group's own choice per bucket size (docs/auto.md).
+COMPRESSORS = ("onebit", "topk", "fp16", "bf16", "auto")
 _STATE_VERSION = 1
 
 
@@ -250,7 +251,8 @@ class CompressionState:
                 c["chunk_numel"], c["error_feedback"])
 
     def _uses_ef(self) -> bool:
-        return self.error_feedback and self.compressor in ("onebit", "topk")
+        # "auto": the backend keeps residuals for the buckets it sends by onebit or topk.
+        return self.error_feedback and self.compressor in ("onebit", "topk", "auto")
 
     def _compressor_kwargs(self) -> Dict[str, Any]:
         if self.compressor == "onebit":
@@ -590,6 +592,11 @@ def compressed_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.f
         except Exception as exc:
             return _failed(exc)
 
+    if state.compressor == "auto":
+        return _failed(ValueError(
+            "compressor='auto' is chosen per bucket by a pycomm process group created with "
+            "compressor='auto' (pycomm.distributed.init_process_group or wrap); this bucket's group "
+            "is not one"))
     fut, stream = _new_future(tensor)
     try:
         if warm:

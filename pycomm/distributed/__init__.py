@@ -21,8 +21,10 @@ too.
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass, fields
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -32,7 +34,8 @@ from ..compressors.base import check_density, check_positive_int
 from .algorithms import CHECK_MODES, check_mode
 
 BACKEND_NAME = "pycomm"
-METHODS = ("onebit", "topk", "fp16", "bf16", "none")
+METHODS = ("onebit", "topk", "fp16", "bf16", "none", "auto")
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -48,6 +51,12 @@ class PycommOptions:
     instead of hanging: "first" (first use of each key and of each keyless
     (numel, dtype, op)), "every" (debugging; also what ``PYCOMM_DEBUG=detail``
     in the environment selects) or "off".
+    ``hierarchy``: "auto" (nodes of ``LOCAL_WORLD_SIZE`` ranks, as torchrun
+    sets it; flat when unset or one node), "flat", or the number of ranks per
+    node (ranks ``[k L, (k+1) L)`` form node ``k``): docs/hierarchy.md.
+    ``compressor="auto"`` picks a method per tensor size from a calibration
+    (docs/auto.md), measured when the group is created or read from
+    ``calibration`` (a JSON path; written there when measured).
     """
 
     compressor: str = "onebit"
@@ -58,6 +67,8 @@ class PycommOptions:
     density: float = 0.01
     approx: bool = True
     check_calls: str = "first"
+    hierarchy: Union[str, int] = "auto"
+    calibration: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.compressor not in METHODS:
@@ -74,6 +85,46 @@ class PycommOptions:
             raise TypeError(f"approx must be a bool, got {self.approx!r}")
         if self.check_calls not in CHECK_MODES:
             raise ValueError(f"check_calls must be one of {CHECK_MODES}, got {self.check_calls!r}")
+        if isinstance(self.hierarchy, bool) or not (
+            self.hierarchy in ("auto", "flat") or (isinstance(self.hierarchy, int) and self.hierarchy >= 1)
+        ):
+            raise ValueError(f"hierarchy must be 'auto', 'flat' or a positive int (ranks per node), "
+                             f"got {self.hierarchy!r}")
+        if self.calibration is not None and not isinstance(self.calibration, (str, os.PathLike)):
+            raise TypeError(f"calibration must be a path or None, got {self.calibration!r}")
+
+
+def ranks_per_node(hierarchy: Union[str, int], world_size: int, env: Optional[Dict[str, str]] = None) -> int:
+    """Ranks per node for ``hierarchy`` in a world of ``world_size``; 1 means flat.
+
+    "auto" reads ``LOCAL_WORLD_SIZE`` (torchrun) and falls back to flat, with a
+    warning, where it cannot form equal nodes; an explicit number that does
+    not divide the world raises. One node (or one rank per node) is flat:
+    there is no slow link to save.
+
+    >>> ranks_per_node(2, 4), ranks_per_node("flat", 4), ranks_per_node("auto", 8, {"LOCAL_WORLD_SIZE": "4"})
+    (2, 1, 4)
+    """
+    env = os.environ if env is None else env
+    if hierarchy == "flat":
+        return 1
+    if hierarchy == "auto":
+        text = env.get("LOCAL_WORLD_SIZE", "")
+        if not text:
+            return 1
+        try:
+            local = int(text)
+        except ValueError:
+            log.warning("LOCAL_WORLD_SIZE=%r is not a number: flat all-reduce", text)
+            return 1
+        if local < 1 or world_size % local:
+            log.warning("LOCAL_WORLD_SIZE=%d does not divide the world size %d: flat all-reduce", local, world_size)
+            return 1
+    else:
+        local = int(hierarchy)
+        if world_size % local:
+            raise ValueError(f"hierarchy={local} ranks per node does not divide the world size {world_size}")
+    return 1 if local in (1, world_size) else local
 
 
 def _create_backend(dist_opts: Any, options: Optional[PycommOptions]) -> Any:
@@ -88,13 +139,22 @@ def _create_backend(dist_opts: Any, options: Optional[PycommOptions]) -> Any:
         )
     inner_name = options.inner or ("nccl" if torch.cuda.is_available() else "gloo")
     rank, size, store, timeout = dist_opts.group_rank, dist_opts.group_size, dist_opts.store, dist_opts.timeout
-    if inner_name == "gloo":
-        inner = dist.ProcessGroupGloo(store, rank, size, timeout)
-    else:
+
+    def make(sub_store: Any, sub_rank: int, sub_size: int) -> Any:
+        if inner_name == "gloo":
+            return dist.ProcessGroupGloo(sub_store, sub_rank, sub_size, timeout)
         nccl_opts = dist.ProcessGroupNCCL.Options()
         nccl_opts._timeout = timeout
-        inner = dist.ProcessGroupNCCL(store, rank, size, nccl_opts)
-    return _ext._C.CompressedBackend(
+        return dist.ProcessGroupNCCL(sub_store, sub_rank, sub_size, nccl_opts)
+
+    inner = make(store, rank, size)
+    local = _agreed_ranks_per_node(inner, options.hierarchy, rank, size, "cuda" if inner_name == "nccl" else "cpu")
+    intra = inter = None
+    if local > 1:
+        node, local_rank = divmod(rank, local)
+        intra = make(dist.PrefixStore(f"pycomm-intra-{node}", store), local_rank, local)
+        inter = make(dist.PrefixStore(f"pycomm-inter-{local_rank}", store), node, size // local)
+    backend = _ext._C.CompressedBackend(
         inner,
         options.compressor,
         options.min_compress_numel,
@@ -103,7 +163,39 @@ def _create_backend(dist_opts: Any, options: Optional[PycommOptions]) -> Any:
         options.density,
         options.approx,
         CHECK_MODES.index(check_mode(options.check_calls)),
+        intra,
+        inter,
     )
+    if options.compressor == "auto":
+        from .auto import calibrate
+
+        calibrate(backend, options, "cuda" if inner_name == "nccl" else "cpu")
+    return backend
+
+
+def _agreed_ranks_per_node(inner: Any, hierarchy: Union[str, int], rank: int, size: int, device: str) -> int:
+    """:func:`ranks_per_node`, the same on every rank: explicit settings that
+    differ raise everywhere; "auto" with differing environments goes flat."""
+    local = ranks_per_node(hierarchy, size)
+    if size == 1:
+        return 1
+    # torchrun numbers the ranks of a node contiguously; anything else
+    # (LOCAL_RANK that is not rank % L) is not a layout this can shard.
+    local_rank = os.environ.get("LOCAL_RANK")
+    contiguous = local == 1 or local_rank is None or hierarchy != "auto" or local_rank == str(rank % local)
+    t = torch.tensor([local, -local, 0 if contiguous else 1], dtype=torch.int64, device=device)
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.MAX
+    inner.allreduce([t], opts).wait()
+    hi, lo, bad = int(t[0]), -int(t[1]), int(t[2])
+    if hi == lo and not bad:
+        return local
+    if hierarchy != "auto":
+        raise ValueError(f"ranks disagree on hierarchy: ranks per node from {lo} to {hi}")
+    if rank == 0:
+        log.warning("ranks disagree on their node layout (LOCAL_WORLD_SIZE %d..%d%s): flat all-reduce",
+                    lo, hi, ", LOCAL_RANK not rank % LOCAL_WORLD_SIZE" if bad else "")
+    return 1
 
 
 def register_backend() -> None:
@@ -126,23 +218,27 @@ def init_process_group(
     density: float = 0.01,
     approx: bool = True,
     check_calls: str = "first",
+    hierarchy: Union[str, int] = "auto",
+    calibration: Optional[str] = None,
     **kwargs: Any,
 ) -> None:
     """Initialize the default process group as a compressing wrapper of
     ``backend`` ("gloo" or "nccl"; default by device). Other keyword
-    arguments go to :func:`torch.distributed.init_process_group`.
+    arguments go to :func:`torch.distributed.init_process_group`. The
+    settings are those of :class:`PycommOptions`.
 
     Example::
 
         pd.init_process_group(compressor="topk", density=0.01, backend="gloo",
                               init_method="env://")
+        pd.init_process_group(compressor="auto", hierarchy=4, init_method="env://")
     """
     if "pg_options" in kwargs:
         raise TypeError("pass the compressor settings as arguments, not pg_options")
     if backend not in (None, "gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo', 'nccl' or None (by device), got {backend!r}")
     options = PycommOptions(compressor, backend, min_compress_numel, chunk_numel, block_size, density, approx,
-                            check_calls)
+                            check_calls, hierarchy, calibration)
     dist.init_process_group(backend=BACKEND_NAME, pg_options=options, **kwargs)
 
 
@@ -288,9 +384,30 @@ def options_of(group: Optional[dist.ProcessGroup] = None, device: str = "cpu") -
     return dict(_pycomm_backend(group, _device(device)).config)
 
 
+def calibration(group: Optional[dist.ProcessGroup] = None, device: str = "cpu") -> "Calibration":
+    """The calibration of a ``compressor="auto"`` group: what was measured,
+    the model, and the method of each size (``print(calibration().format())``).
+
+    Example::
+
+        pd.init_process_group(compressor="auto", init_method="env://")
+        print(pd.calibration().format())
+        pd.calibration().choose(1 << 20)   # "onebit", "none", ...
+    """
+    import json
+
+    from .auto import Calibration
+
+    text = _pycomm_backend(group, _device(device)).config["calibration"]
+    if not text:
+        raise ValueError("this pycomm group is not compressor='auto': it has no calibration")
+    return Calibration.from_dict(json.loads(text))
+
+
 __all__ = [
     "PycommOptions",
     "all_reduce",
+    "calibration",
     "error_feedback_state",
     "init_process_group",
     "is_pycomm_group",

@@ -42,7 +42,7 @@ import torch
 from .. import get_compressor
 from .algorithms import DEFAULT_CHUNK_NUMEL, ErrorFeedback, chunk_bounds, normalize_op
 
-__all__ = ["simulate_allreduce"]
+__all__ = ["simulate_allreduce", "simulate_hierarchical_allreduce"]
 
 
 def simulate_allreduce(
@@ -176,3 +176,63 @@ def _simulate_cast(xs, dtype, avg) -> torch.Tensor:
     for y in ys[1:]:
         total = total + y  # one rounding to `dtype` per addition, in rank order
     return total.to(torch.float32)
+
+
+def simulate_hierarchical_allreduce(
+    inputs: Sequence[torch.Tensor],
+    method: str,
+    ranks_per_node: int,
+    op: Any = "sum",
+    chunk_numel: Optional[int] = None,
+    efs: Optional[Sequence[Optional[ErrorFeedback]]] = None,
+    **compressor_kwargs: Any,
+) -> List[torch.Tensor]:
+    """Results of the hierarchical compressed all-reduce (docs/hierarchy.md)
+    of ``inputs[r]`` over nodes of ``ranks_per_node`` consecutive ranks.
+
+    Each node's sum (in local-rank order) is cut into ``ranks_per_node``
+    shards of ``ceil(n / ranks_per_node)`` elements (the last ones shorter or
+    empty); shard ``l`` of every node is reduced by :func:`simulate_allreduce`
+    over the nodes, with ``efs[r]`` as the residuals of rank ``r`` (which
+    holds shard ``r % ranks_per_node``; None for a rank whose shard is
+    empty); for "avg" the result is then divided by ``ranks_per_node``.
+
+    >>> import torch
+    >>> xs = [torch.full((10,), float(r)) for r in range(4)]
+    >>> simulate_hierarchical_allreduce(xs, "topk", 2, op="avg", density=1.0)[3][:3]
+    tensor([1.5000, 1.5000, 1.5000])
+    """
+    world, L = len(inputs), ranks_per_node
+    if isinstance(L, bool) or not isinstance(L, int) or L < 1 or world % L:
+        raise ValueError(f"ranks_per_node must be a positive divisor of the {world} inputs, got {L!r}")
+    if method in ("fp16", "bf16", "none"):
+        raise ValueError(f"method {method!r} runs flat, not hierarchically")
+    shape, dtype = inputs[0].shape, inputs[0].dtype
+    avg = normalize_op(op) == "avg"
+    n, nodes = inputs[0].numel(), world // L
+    xs = [x.detach().reshape(-1).to(torch.float32) for x in inputs]
+    sums = []
+    for node in range(nodes):
+        total = xs[node * L].clone()
+        for local in range(1, L):
+            total = total + xs[node * L + local]
+        sums.append(total)
+    S = math.ceil(n / L)
+    out = torch.empty(n, dtype=torch.float32, device=xs[0].device)
+    kept = []  # residuals of shard groups that committed their step
+    for local in range(L):
+        lo, hi = min(n, local * S), min(n, (local + 1) * S)
+        if hi == lo:
+            continue
+        group_efs = [efs[node * L + local] for node in range(nodes)] if efs is not None else None
+        res = simulate_allreduce([s[lo:hi] for s in sums], method, "avg" if avg else "sum", chunk_numel,
+                                 group_efs, **compressor_kwargs)[0]
+        out[lo:hi] = res / L if avg else res
+        if group_efs is not None and bool(torch.isfinite(res).all()):
+            kept.extend(group_efs)
+    # A non-finite result leaves every residual as it was: shard groups with
+    # a finite shard roll back too, as the backend decides on the whole result.
+    if not bool(torch.isfinite(out.to(dtype)).all()):
+        for ef in kept:
+            ef.rollback()
+    return [out.view(shape).to(dtype).clone() for _ in range(world)]

@@ -1,0 +1,239 @@
+"""Hierarchical vs flat compressed all-reduce vs plain all-reduce, on emulated nodes.
+
+``--ranks`` ranks in nodes of ``--ranks-per-node`` (:mod:`pycomm.bench.netem`:
+one network namespace per node; ranks of a node talk over its loopback,
+unshaped; links between nodes shaped to ``--bandwidth`` both ways). In the
+same rank processes and the same interleaved rounds, for each tensor size:
+
+* ``plain``: Gloo's exact all-reduce over all ranks;
+* ``<compressor>-flat``: pycomm's compressed all-reduce over all ranks;
+* ``<compressor>-hier``: exact reduce-scatter in the node, the compressed
+  all-reduce of each shard between nodes, exact all-gather in the node
+  (docs/hierarchy.md).
+
+Each call: a barrier, then the call timed on every rank, the max over ranks
+taken (it is done when its last rank is); the median and p10/p90 over
+``--repeats``. Bytes out of each node per call are counted on the node's
+own link (``eth0`` of its namespace). Every method's result is checked to be
+identical on all ranks.
+
+Example::
+
+    $ pycomm-bench hierarchy                       # 4 ranks, 2 nodes, 1 Gbit/s
+    $ pycomm-bench hierarchy --ranks 6 --ranks-per-node 3 --sizes 4M --bandwidth 100mbit
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any, Dict, List, Optional
+
+HELP = "hierarchical vs flat compressed all-reduce vs plain, on emulated nodes joined by slow links"
+
+DEFAULT_SIZES = [1 << 22, 1 << 24]
+QUICK_SIZES = [1 << 20]
+DEFAULT_COMPRESSORS = ["onebit", "topk"]
+DEFAULT_REPEATS, QUICK_REPEATS = 7, 3
+
+
+def _method_names(compressors: List[str]) -> List[str]:
+    return ["plain"] + [f"{c}-{h}" for c in compressors for h in ("flat", "hier")]
+
+
+# --------------------------------------------------------------------------- rank side
+
+
+def _rank_main(cfg_path: str) -> int:
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    import pycomm.distributed as pd
+
+    from .ddp import _Emitter, _tx_bytes
+
+    with open(cfg_path, encoding="utf-8") as fh:
+        cfg = json.load(fh)
+    torch.set_num_threads(cfg["threads"])
+    dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=cfg["timeout"]))
+    rank, world, local = dist.get_rank(), dist.get_world_size(), cfg["ranks_per_node"]
+    emit = _Emitter(rank)
+    try:
+        groups: Dict[str, Any] = {"plain": None}
+        for comp in cfg["compressors"]:
+            kw = {"block_size": cfg["block_size"]} if comp == "onebit" else {"density": cfg["density"]}
+            groups[f"{comp}-flat"] = pd.wrap(compressor=comp, hierarchy="flat", **kw)
+            groups[f"{comp}-hier"] = pd.wrap(compressor=comp, hierarchy=local, **kw)
+        names = list(groups)
+        count_bytes = rank % local == 0  # one rank per node reads the node's link
+
+        def call(name: str, x: torch.Tensor, key: int) -> None:
+            if name == "plain":
+                dist.all_reduce(x)
+            else:  # with error feedback, as in training (one key per size)
+                pd.all_reduce(x, key=key, group=groups[name])
+
+        for key, n in enumerate(cfg["sizes"]):
+            base = torch.randn(n, generator=torch.Generator().manual_seed(rank))
+            x = torch.empty_like(base)
+            times: Dict[str, List[float]] = {m: [] for m in names}
+            sent: Dict[str, List[float]] = {m: [] for m in names}
+            identical: Dict[str, bool] = {}
+            for name in names:  # first call: the result must be the same on every rank
+                x.copy_(base)
+                call(name, x, key)
+                digest = x.view(torch.int32).to(torch.int64).sum().reshape(1)
+                lo, hi = digest.clone(), digest.clone()
+                dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+                dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+                identical[name] = bool(torch.equal(lo, hi))
+            for i in range(cfg["warmup"] + cfg["repeats"]):
+                shift = i % len(names)
+                for name in names[shift:] + names[:shift]:  # rotated: noise hits all alike
+                    x.copy_(base)
+                    dist.barrier()
+                    tx0 = _tx_bytes(cfg["count_ifname"]) if count_bytes else None
+                    t0 = time.perf_counter()
+                    call(name, x, key)
+                    dt = time.perf_counter() - t0
+                    tx1 = _tx_bytes(cfg["count_ifname"]) if count_bytes else None
+                    if i >= cfg["warmup"]:
+                        times[name].append(dt)
+                        if tx0 is not None and tx1 is not None:
+                            sent[name].append(tx1 - tx0)
+                emit(event="step", step=i + 1, size=n)
+            # per repeat: the slowest rank; per node: its link's bytes
+            flat = torch.tensor([t for m in names for t in times[m]], dtype=torch.float64)
+            dist.all_reduce(flat, op=dist.ReduceOp.MAX)
+            worst = flat.view(len(names), -1)
+            node_bytes = torch.tensor([statistics.median(sent[m]) if sent[m] else 0.0 for m in names],
+                                      dtype=torch.float64)
+            dist.all_reduce(node_bytes, op=dist.ReduceOp.MAX)
+            for j, name in enumerate(names):
+                ts = sorted(worst[j].tolist())
+                emit(event="result", record={
+                    "method": name, "numel": n, "MB": n * 4 / 1e6,
+                    "median_s": statistics.median(ts), "p10_s": ts[len(ts) // 10],
+                    "p90_s": ts[min(len(ts) - 1, (9 * len(ts)) // 10)],
+                    "node_bytes_out_per_call": node_bytes[j].item() if cfg["count_ifname"] else None,
+                    "identical_on_all_ranks": identical[name],
+                })
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+# --------------------------------------------------------------------------- parent side
+
+
+def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
+    from . import default_json_path
+    from .netem import parse_rate
+
+    if args.device.type != "cpu":
+        raise ValueError("--device: this benchmark runs CPU ranks over Gloo (emulated links)")
+    if args.ranks < 2:
+        raise ValueError(f"--ranks must be >= 2, got {args.ranks}")
+    if args.ranks_per_node < 2 or args.ranks % args.ranks_per_node or args.ranks == args.ranks_per_node:
+        raise ValueError(f"--ranks-per-node must be >= 2 and divide --ranks ({args.ranks}) into two or more "
+                         f"nodes, got {args.ranks_per_node}")
+    try:
+        args.rate = parse_rate(args.bandwidth)
+    except ValueError as exc:
+        raise ValueError(f"--bandwidth: {exc}") from None
+    if not args.netns and args.rate is not None:
+        raise ValueError("--no-netns: links cannot be shaped, use --bandwidth none")
+    args.sizes = args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES)
+    args.repeats = args.repeats or (QUICK_REPEATS if args.quick else DEFAULT_REPEATS)
+    args.warmup = 1 if args.warmup is None else args.warmup
+    for c in args.compressors:
+        if c not in ("onebit", "topk"):
+            raise ValueError(f"--compressors: onebit and/or topk, got {c!r}")
+    if args.json is None:
+        args.json = default_json_path("hierarchy", "cpu", quick=args.quick)
+    return args
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from .cli import positive_int
+
+    g = parser.add_argument_group("hierarchy options")
+    g.add_argument("--ranks", type=int, default=4, help="ranks in all (default 4)")
+    g.add_argument("--ranks-per-node", type=int, default=2, help="ranks per emulated node (default 2)")
+    g.add_argument("--bandwidth", default="1gbit", help="link between nodes, e.g. 100mbit, 1gbit, none (default 1gbit)")
+    g.add_argument("--sizes", type=positive_int, nargs="+", default=None,
+                   help="float32 elements per all-reduce (default 4M 16M; --quick: 1M)")
+    g.add_argument("--compressors", nargs="+", default=DEFAULT_COMPRESSORS, help="onebit and/or topk")
+    g.add_argument("--block-size", type=positive_int, default=2048, help="onebit block (default 2048)")
+    g.add_argument("--density", type=float, default=0.01, help="topk density (default 0.01)")
+    g.add_argument("--timeout", type=float, default=600.0, help="seconds without progress before giving up")
+    g.add_argument("--no-netns", dest="netns", action="store_false",
+                   help="no namespaces: every rank on loopback (nothing is shaped)")
+    g.add_argument("--netns-prefix", default="pycomm-hier", help="namespace name prefix")
+
+
+def format_table(doc: Dict[str, Any]) -> str:
+    from tabulate import tabulate
+
+    rows = []
+    for rec in doc["records"]:
+        plain = next(r for r in doc["records"] if r["numel"] == rec["numel"] and r["method"] == "plain")
+        sent = rec["node_bytes_out_per_call"]
+        rows.append([f"{rec['numel'] / (1 << 20):g}M", rec["method"],
+                     f"{rec['median_s'] * 1e3:.1f} ({rec['p10_s'] * 1e3:.0f}-{rec['p90_s'] * 1e3:.0f})",
+                     f"{plain['median_s'] / rec['median_s']:.2f}x",
+                     "-" if sent is None else f"{sent / 1e6:.2f}",
+                     "yes" if rec["identical_on_all_ranks"] else "NO"])
+    return f"{doc['cluster']}\n" + tabulate(
+        rows, headers=["elements", "method", "ms median (p10-p90)", "vs plain", "MB out of each node", "identical"])
+
+
+def run(args: argparse.Namespace) -> int:
+    from . import machine_info, write_json
+    from .ddp import RanksFailed, run_on_cluster
+    from .netem import LoopbackCluster, link_report, make_cluster
+
+    t0 = time.monotonic()
+    cfg = {"sizes": args.sizes, "ranks_per_node": args.ranks_per_node, "compressors": args.compressors,
+           "block_size": args.block_size, "density": args.density, "repeats": args.repeats,
+           "warmup": args.warmup, "timeout": args.timeout,
+           "threads": args.threads or max(1, (os.cpu_count() or 1) // args.ranks)}
+    cluster = (make_cluster(args.ranks, args.rate, prefix=args.netns_prefix, ranks_per_node=args.ranks_per_node)
+               if args.netns else LoopbackCluster(args.ranks, reason="--no-netns", ranks_per_node=args.ranks_per_node))
+    try:
+        with cluster:
+            cfg["count_ifname"] = "eth0" if cluster.emulated else None
+            busbw, line = link_report(cluster)
+            print(line, flush=True)
+            _, records = run_on_cluster(cluster, cfg, timeout=args.timeout, module="pycomm.bench.hierarchy")
+            desc = cluster.describe()
+    except RanksFailed as exc:
+        print(f"pycomm-bench hierarchy: {exc}", file=sys.stderr)
+        return 1
+    doc = {"bench": "hierarchy", "date": time.strftime("%Y-%m-%d"), "machine": machine_info("cpu"),
+           "cluster": desc, "emulated": cluster.emulated, "bandwidth_bits_per_s": args.rate,
+           "link_busbw_measured": busbw, "ranks": args.ranks, "ranks_per_node": args.ranks_per_node,
+           "config": cfg, "records": records}
+    print()
+    print(format_table(doc))
+    write_json(args.json, doc)
+    print(f"\nwrote {args.json} ({time.monotonic() - t0:.0f} s)")
+    bad = sorted({r["method"] for r in records if not r["identical_on_all_ranks"]})
+    for m in bad:
+        print(f"FAILED {m}: ranks got different results", file=sys.stderr)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
+        sys.exit(_rank_main(sys.argv[2]))
+    from .cli import main
+
+    sys.exit(main(["hierarchy", *sys.argv[1:]]))
