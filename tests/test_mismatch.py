@@ -187,7 +187,7 @@ def test_algorithm_arguments_are_checked_before_any_collective():
 
 
 def test_hook_arguments_are_checked():
-    with pytest.raises(ValueError, match=r"compressor must be one of \['onebit', 'topk', 'fp16', 'bf16'\]"):
+    with pytest.raises(ValueError, match=r"compressor must be one of \['onebit', 'topk', 'fp16', 'bf16', 'auto'\]"):
         CompressionState(compressor="zip")
     with pytest.raises(TypeError, match=r"process_group must be a torch.distributed.ProcessGroup or None"):
         CompressionState(process_group="world")

@@ -141,15 +141,23 @@ class Calibration:
                         if min_numel < n < NO_BOUND:
                             cuts.add(float(n))
         edges = sorted(cuts)
-        table: List[Tuple[int, str]] = [(min_numel, "none")] if min_numel > 1 else []
-        for lo, hi in zip(edges, edges[1:]):
-            mid = math.sqrt(lo * hi) if lo > 0 else hi / 2
-            method = self.choose(int(mid))
-            bound = NO_BOUND if hi >= NO_BOUND else int(math.ceil(hi))
-            if table and table[-1][1] == method:
-                table[-1] = (bound, method)
-            else:
-                table.append((bound, method))
+        # One probe inside each interval between crossings, then each change
+        # of method placed exactly where choose() changes (a binary search:
+        # near a crossing, rounding decides, and the table must say what
+        # choose() says).
+        probes = [min_numel] + [max(min_numel, int(math.sqrt(lo * hi))) for lo, hi in zip(edges, edges[1:])]
+        table: List[Tuple[int, str]] = []
+        start, method = 1, self.choose(1)  # exact below min_numel
+        for p in probes:
+            if self.choose(p) == method or p <= start:
+                continue
+            lo, hi = start, p  # choose(lo) == method != choose(hi)
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if self.choose(mid) == method else (lo, mid)
+            table.append((hi, method))
+            start, method = hi, self.choose(hi)
+        table.append((NO_BOUND, method))
         return table
 
     def link(self) -> Dict[str, float]:
