@@ -69,6 +69,11 @@ def test_saved_calibration_roundtrip(tmp_path):
     back = Calibration.from_dict(json.loads(path.read_text()))
     assert back == cal and back.key() == cal.key() and back.digest() == cal.digest()
     assert "chosen" in cal.format() and "measured ms" in cal.format()
+    from pycomm.distributed.auto import main
+
+    main([str(path)])  # prints the table of a saved calibration
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "missing.json")])
 
 
 # ------------------------------------------------------------ in groups ----

@@ -181,7 +181,8 @@ class Calibration:
             for m in CANDIDATES:
                 if m in self.seconds:
                     row[f"{m} ms"] = self.predict(m, n) * 1e3
-            row["chosen"] = self.choose(n)
+            below = n < self.settings.get("min_compress_numel", 1)
+            row["chosen"] = "none (< min_compress_numel)" if below else self.choose(n)
             out.append(row)
         return out
 
@@ -312,3 +313,26 @@ def calibrate(backend: Any, options: Any, device: str) -> Calibration:
         log.info("%s", cal.format())
     backend.set_size_methods(cal.size_methods(), json.dumps({**cal.to_dict(), "loaded_from": cal.loaded_from}))
     return cal
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m pycomm.distributed.auto CALIBRATION.json``: print a saved
+    calibration's decision table (what a group loading it would do)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m pycomm.distributed.auto", description=main.__doc__)
+    ap.add_argument("path", help="a calibration written by a compressor='auto' group (calibration=PATH)")
+    args = ap.parse_args(argv)
+    try:
+        with open(args.path, encoding="utf-8") as f:
+            cal = Calibration.from_dict(json.load(f))
+    except (OSError, ValueError, TypeError) as exc:
+        ap.error(f"cannot read {args.path}: {exc}")
+    cal.loaded_from = args.path
+    print(cal.format())
+    print("\nsize table:", ", ".join(f"< {b}: {m}" if b < NO_BOUND else f"rest: {m}" for b, m in cal.size_methods()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
