@@ -1,9 +1,10 @@
 """The cost models against measured emulated runs.
 
 Reads ``pycomm-bench ddp`` JSON files and, for every (method, bandwidth)
-they hold, compares two predictions with the measured communication share of
-a step: median step time minus the compute time measured in the same run
-without communication.
+they hold, compares two predictions with the measured communication cost of
+a step: its median step time minus that of the same DDP training with a hook
+that sends nothing, measured in the same run (``nocomm_step_time_s``; runs
+that predate it: minus the compute time alone).
 
 * wire: :func:`pycomm.plan.predict_allreduce_time` (what ``pycomm plan``
   uses) on the link's measured bus bandwidth, the run's bucket count, bytes
@@ -85,7 +86,10 @@ def main(argv=None) -> int:
             p = predict_allreduce_time(method, r["gradient_numel"], r["ranks"], r["link_busbw_measured"] / 8,
                                        args.alpha, density=density or 0.01, block_size=args.block_size,
                                        chunks=args.buckets)
-            measured = r["step_time_median_s"] - r["compute_time_s"]
+            # A step's communication cost: the step minus the same DDP step
+            # with a hook that sends nothing (older runs: minus compute alone).
+            base = r.get("nocomm_step_time_s") or r["compute_time_s"]
+            measured = r["step_time_median_s"] - base
             cal = calibrated_prediction(records, r)
             rows.append([r["method"], r["ranks"],
                          "unshaped" if r["bandwidth"] is None else f"{r['bandwidth'] / 1e9:g} Gbit/s",
@@ -94,7 +98,7 @@ def main(argv=None) -> int:
                          "-" if cal is None else f"{cal * 1e3:.1f}",
                          "-" if cal is None else f"{measured / cal:.2f}",
                          "-" if cal is None else ("yes" if abs(measured / cal - 1) <= 0.25 else "no")])
-    print(f"{', '.join(paths)}: measured (median step - compute) vs the wire model (alpha {args.alpha:g} s) "
+    print(f"{', '.join(paths)}: measured (median step - step without communication) vs the wire model (alpha {args.alpha:g} s) "
           "and vs the auto calibration of the same run")
     print(tabulate(rows, headers=["method", "ranks", "link", "measured ms", "wire model ms", "measured/wire",
                                   "calibrated ms", "measured/calibrated", "calibrated within 25%"],

@@ -22,7 +22,7 @@ from pycomm.bench.netem import emulation_available
 RECORD_KEYS = (
     "method", "bandwidth", "link_busbw_measured", "ranks", "steps", "step_time_median_s", "step_time_p10_s",
     "step_time_p90_s", "bytes_sent_per_rank_per_step", "final_loss", "emulated", "tokens_per_s",
-    "compress_time_share", "params_identical", "speedup_vs_allreduce", "compute_time_s",
+    "compress_time_share", "params_identical", "speedup_vs_allreduce", "compute_time_s", "nocomm_step_time_s",
 )
 
 
@@ -152,6 +152,7 @@ def test_end_to_end_small_run(tmp_path):
         assert r["emulated"] is emulated and r["ranks"] == 2
         assert r["params_identical"] is True, r["method"]
         assert r["link_busbw_measured"] > 0 and math.isfinite(r["final_loss"])
+        assert r["nocomm_step_time_s"] > 0 and r["compute_time_s"] > 0
         assert 0 < r["step_time_p10_s"] <= r["step_time_median_s"] <= r["step_time_p90_s"]
         assert r["steps"] == (10 if r["training_run"] else 2 + 3)
         assert r["bytes_sent_per_rank_per_step"] > 0

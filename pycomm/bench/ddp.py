@@ -364,6 +364,35 @@ class _RankTrainer:
                 times.append(time.perf_counter() - t0)
         return self._max_over_ranks([_median(times)])[0]
 
+    def nocomm_step_time(self, steps: int = 12, warmup: int = 2) -> float:
+        """Median step time of the same DDP training with a hook that sends
+        nothing (each rank keeps its own gradient), timed like :meth:`train`
+        (per step the slowest rank): a step's everything but communication,
+        DDP's bucket copies, hook machinery and rank skew included. A
+        method's step time minus this is its communication cost per step."""
+        torch = self.torch
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model, batch_fn, loss_fn = _workload(self.cfg)
+        ddp = DDP(model, bucket_cap_mb=self.cfg["bucket_cap_mb"])
+
+        def no_comm(_, bucket):
+            fut = torch.futures.Future()
+            fut.set_result(bucket.buffer())
+            return fut
+
+        ddp.register_comm_hook(None, no_comm)
+        opt = _optimizer(ddp, self.cfg)
+        times = []
+        self.dist.barrier()
+        for step in range(steps):
+            t0 = time.perf_counter()
+            loss_fn(ddp, batch_fn(self.rank, step)).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            times.append(time.perf_counter() - t0)
+        return _median(self._max_over_ranks(times)[warmup:])
+
     # ---- one method
     def train(self, m: Method, steps: int, start_iter: int, timed_from: int, report_every: int) -> Dict[str, Any]:
         torch = self.torch
@@ -440,7 +469,8 @@ def _rank_main(cfg_path: str) -> int:
     dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=cfg["timeout"]))
     try:
         trainer = _RankTrainer(cfg)
-        trainer.emit(event="compute", compute_time_s=trainer.compute_time())
+        trainer.emit(event="compute", compute_time_s=trainer.compute_time(),
+                     nocomm_step_time_s=trainer.nocomm_step_time())
         for run in cfg["plan"]:
             rec = trainer.train(parse_method(run["method"]), run["steps"], run["start_iter"], run["timed_from"],
                                 max(1, run["steps"] // 20))
@@ -469,10 +499,11 @@ def _read_events(proc: subprocess.Popen) -> Iterator[Dict[str, Any]]:
 
 
 def run_on_cluster(cluster, cfg: Dict[str, Any], on_step=None, timeout: float = DEFAULT_TIMEOUT,
-                   module: str = "pycomm.bench.ddp") -> Tuple[float, List[Dict[str, Any]]]:
+                   module: str = "pycomm.bench.ddp") -> Tuple[Dict[str, Any], List[Dict[str, Any]]]:
     """Start the rank processes (``python -m <module> --worker CFG``) on
-    ``cluster`` with ``cfg``, collect rank 0's events: ``(compute_time_s,
-    records)``. Raises :class:`RanksFailed` with the failing rank's stderr if
+    ``cluster`` with ``cfg``, collect rank 0's events: ``(baselines,
+    records)``, baselines being the fields of its "compute" event. Raises
+    :class:`RanksFailed` with the failing rank's stderr if
     any rank fails or the run passes ``timeout`` seconds without progress."""
     with tempfile.TemporaryDirectory(prefix="pycomm-ddp-") as tmp:
         cfg_path = os.path.join(tmp, "cfg.json")
@@ -483,7 +514,7 @@ def run_on_cluster(cluster, cfg: Dict[str, Any], on_step=None, timeout: float = 
         procs = [cluster.spawn(r, argv, stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL,
                                stderr=logs[r], text=True) for r in range(cluster.world_size)]
         records: List[Dict[str, Any]] = []
-        compute = [math.nan]
+        baselines: Dict[str, Any] = {}
         last = [time.monotonic()]
         stalled = threading.Event()
 
@@ -503,7 +534,7 @@ def run_on_cluster(cluster, cfg: Dict[str, Any], on_step=None, timeout: float = 
                 if ev.get("event") == "step" and on_step:
                     on_step(ev)
                 elif ev.get("event") == "compute":
-                    compute[0] = ev["compute_time_s"]
+                    baselines = {k: v for k, v in ev.items() if k != "event"}
                 elif ev.get("event") == "result":
                     records.append(ev["record"])
             for p in procs:
@@ -526,7 +557,7 @@ def run_on_cluster(cluster, cfg: Dict[str, Any], on_step=None, timeout: float = 
         finally:
             for fh in logs:
                 fh.close()
-    return compute[0], records
+    return baselines, records
 
 
 def _split_list(values: Optional[Sequence[str]]) -> Optional[List[str]]:
@@ -703,7 +734,7 @@ def run_ddp(args: argparse.Namespace, out=sys.stdout) -> List[Dict[str, Any]]:
                         bar.update(ev["step"] - done.get(ev["method"], 0))
                     done[ev["method"]] = ev["step"]
 
-                compute, recs = run_on_cluster(cluster, cfg, on_step, timeout=args.timeout)
+                baselines, recs = run_on_cluster(cluster, cfg, on_step, timeout=args.timeout)
             for rec, run in zip(recs, plan):
                 tokens = args.ranks * args.batch_size * _seq_len(args)
                 sent = rec["bytes_sent_per_rank_per_step"]
@@ -721,7 +752,8 @@ def run_ddp(args: argparse.Namespace, out=sys.stdout) -> List[Dict[str, Any]]:
                     "bytes_sent_per_rank_per_step": sent,
                     "tokens_per_s": tokens / rec["step_time_median_s"] if args.workload == "lm" else None,
                     "samples_per_s": args.ranks * args.batch_size / rec["step_time_median_s"],
-                    "compute_time_s": compute,
+                    "compute_time_s": baselines.get("compute_time_s"),
+                    "nocomm_step_time_s": baselines.get("nocomm_step_time_s"),
                     "compress_time_share": (rec["compress_time_s"] / rec["step_time_median_s"]
                                             if rec["compress_time_s"] is not None else None),
                     "date": date,
