@@ -1,11 +1,11 @@
 """Every benchmark in turn: kernels, all-reduce, end-to-end DDP on the
 language model, then DDP on the many-small-tensors model (where compression
-is not expected to pay). Each writes its own JSON (and plots) under
+is not expected to pay), then the hierarchical all-reduce on emulated nodes. Each writes its own JSON (and plots) under
 benchmarks/results/; ``--quick`` is passed on to each.
 
 Example::
 
-    $ pycomm-bench all            # about 22 minutes on a 2-core machine
+    $ pycomm-bench all            # about 25 minutes on a 2-core machine
     $ pycomm-bench all --quick    # a smoke run of each
 """
 
@@ -16,7 +16,7 @@ import sys
 import time
 from typing import List
 
-HELP = "run every benchmark: kernels, allreduce, ddp (language model), ddp (small tensors)"
+HELP = "run every benchmark: kernels, allreduce, ddp (language model), ddp (small tensors), hierarchy"
 
 #: (title, argv of pycomm-bench) in the order they run.
 PARTS = [
@@ -25,6 +25,7 @@ PARTS = [
     ("DDP, language model", ["ddp"]),
     ("DDP, many small tensors", ["ddp", "--workload", "mlp", "--bandwidth", "100mbit,1gbit,none",
                                  "--methods", "allreduce,fp16,powersgd-4,onebit,topk-0.01"]),
+    ("hierarchical all-reduce, 2 emulated nodes", ["hierarchy"]),
 ]
 
 
