@@ -52,6 +52,6 @@ def test_plan_vs_measured_uses_each_runs_calibration():
     for r in rows:
         if r["calibrated ms"] != "-":
             ratio = float(r["measured ms"]) / float(r["calibrated ms"])
-            assert float(r["measured/calibrated"]) == pytest.approx(ratio, abs=0.01)
-            if abs(abs(ratio - 1) - 0.25) > 0.005:  # the printed ms are rounded: skip exact ties
+            assert float(r["measured/calibrated"]) == pytest.approx(ratio, rel=0.02, abs=0.01)  # ms are rounded
+            if abs(abs(ratio - 1) - 0.25) > 0.02:  # the printed ms are rounded: skip near-ties
                 assert r["calibrated within 25%"] == ("yes" if abs(ratio - 1) <= 0.25 else "no")
