@@ -87,7 +87,9 @@ def _rank_main(cfg_path: str) -> int:
             sent: Dict[str, List[float]] = {m: [] for m in names}
             identical: Dict[str, bool] = {}
             simulated: Dict[str, Optional[bool]] = {}
-            inputs = [torch.randn(n, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+            # Rank 0 checks against the simulation: it rebuilds every rank's input.
+            inputs = ([torch.randn(n, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+                      if rank == 0 else [])
             for name in names:  # first call: the same on every rank, and what the simulation says
                 x.copy_(base)
                 call(name, x, key)
