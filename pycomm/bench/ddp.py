@@ -647,8 +647,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="the rate at which every method trains --steps steps (default: 1gbit if "
                         "swept, else the first); elsewhere only --time-steps are timed")
     g.add_argument("--methods", nargs="+", metavar="METHOD", default=None,
-                   help="allreduce, fp16, bf16, powersgd-<rank>, onebit, topk-<density>, the last two "
-                        "with -noef and/or -backend (default: all of "
+                   help="allreduce, fp16, bf16, powersgd-<rank>, onebit, topk-<density>, auto; onebit and "
+                        "topk with -noef and/or -backend, auto with -noef (default: all of "
                         f"{','.join(DEFAULT_METHODS)}; with --quick {','.join(QUICK_METHODS)})")
     g.add_argument("--workload", choices=WORKLOADS, default="lm",
                    help="lm: the byte-level GPT on standard-library text (default); mlp: many small tensors")
