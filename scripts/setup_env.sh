@@ -28,8 +28,24 @@ if ! "$P" -c "import torch" 2>/dev/null; then
   echo "setup: installing torch 2.13.0 (CPU)"
   "${PIP[@]}" "torch==2.13.0"
 fi
-echo "setup: build and test tools"
-"${PIP[@]}" -r requirements-dev.txt
-echo "setup: building pycomm (build/ keeps the objects for fast rebuilds)"
-"${PIP[@]}" --no-build-isolation --no-deps -e .
+# What is up to date is skipped, so that an up-to-date checkout starts its
+# tests at once: the tools when requirements-dev.txt and torch are unchanged,
+# the build when no file it is built from changed (content hashes, kept in
+# the environment so a new environment always builds).
+tools_stamp="$VENV/.pycomm-tools"
+build_stamp="$VENV/.pycomm-build"
+tools_hash=$( { cat requirements-dev.txt; "$P" -c "import torch; print(torch.__version__)"; } | sha1sum)
+build_hash=$( { find CMakeLists.txt pyproject.toml csrc kernels -type f -print0 | sort -z | xargs -0 sha1sum;
+                echo "$tools_hash"; } | sha1sum)
+if [ "$(cat "$tools_stamp" 2>/dev/null)" != "$tools_hash" ]; then
+  echo "setup: build and test tools"
+  "${PIP[@]}" -r requirements-dev.txt
+  echo "$tools_hash" > "$tools_stamp"
+fi
+if [ "$(cat "$build_stamp" 2>/dev/null)" != "$build_hash" ] || ! "$P" -c "import pycomm._C" 2>/dev/null; then
+  echo "setup: building pycomm (build/ keeps the objects for fast rebuilds)"
+  rm -f "$build_stamp"
+  "${PIP[@]}" --no-build-isolation --no-deps -e .
+  echo "$build_hash" > "$build_stamp"
+fi
 "$P" -c "import pycomm; print('setup: pycomm', pycomm.__version__, 'impls:', pycomm.available_impls('onebit'))"

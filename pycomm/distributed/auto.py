@@ -188,7 +188,9 @@ class Calibration:
 
     def format(self, sizes: Optional[Sequence[int]] = None) -> str:
         """The decision table, with what was measured and how."""
-        from tabulate import tabulate
+        from .._optional import require
+
+        tabulate = require("tabulate").tabulate
 
         link = self.link()
         head = (f"compressor=auto: {self.world_size} ranks ({self.ranks_per_node} per node), {self.device}, "
