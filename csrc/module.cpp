@@ -35,10 +35,36 @@ ErrorFeedback error_feedback_from_dict(const py::dict& d) {
   return ef;
 }
 
+// The C++ side of pycomm/distributed/spec.py, for tests/test_spec.py.
+py::dict spec_dict() {
+  using namespace pycomm::dist;
+  py::dict d;
+  py::list methods, fields;
+  for (const char* m : kMethods) methods.append(m);
+  for (const char* f : kFieldNames) fields.append(f);
+  d["methods"] = py::tuple(methods);
+  d["call_fields"] = py::tuple(fields);
+  d["default_chunk_numel"] = kDefaultChunkNumel;
+  d["chunk_length"] = py::cpp_function([](int64_t n, int64_t c) { return chunk_length(n, c); });
+  d["onebit_segments"] = py::cpp_function([](int64_t m, int world, int64_t block) {
+    const OnebitLayout lay(m, world, block);
+    py::list bounds;
+    for (int j = 0; j < world; ++j) {
+      const int64_t b = std::min(m, j * lay.seg);
+      bounds.append(py::make_tuple(b, b + lay.len[j]));
+    }
+    return py::make_tuple(lay.seg, bounds, lay.size);
+  });
+  d["topk_wire_numel"] = py::cpp_function(
+      [](int64_t m, double density, bool approx) { return topk_wire_numel(m, density, approx); });
+  return d;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "pycomm's compiled core: ops (torch.ops.pycomm.*) and the compressed backend";
+  m.def("spec", &spec_dict, "The engine's copy of pycomm.distributed.spec (for tests).");
   // Make sure torch's c10d bindings (Backend, Work) are registered first.
   py::module_::import("torch.distributed");
 
@@ -49,8 +75,10 @@ PYBIND11_MODULE(_C, m) {
                        int64_t min_compress_numel, int64_t chunk_numel, int64_t block_size,
                        double density, bool approx, int check_calls,
                        const c10::intrusive_ptr<c10d::Backend>& intra,
-                       const c10::intrusive_ptr<c10d::Backend>& inter) {
+                       const c10::intrusive_ptr<c10d::Backend>& inter,
+                       const std::string& plugin_options) {
              pycomm::dist::Config c;
+             c.plugin_options = plugin_options;
              c.method = method;
              c.min_compress_numel = min_compress_numel;
              c.chunk_numel = chunk_numel;
@@ -62,7 +90,8 @@ PYBIND11_MODULE(_C, m) {
            }),
            py::arg("inner"), py::arg("method"), py::arg("min_compress_numel"),
            py::arg("chunk_numel"), py::arg("block_size"), py::arg("density"), py::arg("approx"),
-           py::arg("check_calls") = 1, py::arg("intra") = py::none(), py::arg("inter") = py::none())
+           py::arg("check_calls") = 1, py::arg("intra") = py::none(), py::arg("inter") = py::none(),
+           py::arg("plugin_options") = "{}")
       .def("allreduce_keyed", &CompressedBackend::allreduce_keyed, py::arg("tensor"),
            py::arg("key"), py::arg("average"), py::arg("method") = py::none(),
            py::call_guard<py::gil_scoped_release>())
@@ -86,6 +115,7 @@ PYBIND11_MODULE(_C, m) {
                                d["check_calls"] = c.check_calls;
                                d["size_methods"] = c.size_methods;
                                d["calibration"] = c.calibration;
+                               d["plugin_options"] = c.plugin_options;
                                d["ranks_per_node"] = b.ranks_per_node();
                                return d;
                              })

@@ -25,6 +25,7 @@ from .compressors import (
     TopKPayload,
     compressor_class,
     compressor_names,
+    register_compressor,
 )
 
 __version__ = "0.1.0"
@@ -75,4 +76,5 @@ __all__ = [
     "available_impls",
     "compressor_names",
     "get_compressor",
+    "register_compressor",
 ]

@@ -32,10 +32,9 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Union
 
-from tabulate import tabulate
-
+from pycomm._optional import require
 from pycomm.compressors.topk import topk_capacity, topk_k
-from pycomm.distributed.algorithms import chunk_length
+from pycomm.distributed.spec import chunk_length
 
 WORD_BITS = 32
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -582,7 +581,7 @@ def format_plan(p: Mapping) -> str:
         + (f"; {i['compressor']}: {t['compressed_chunks']} chunk(s) of ~{fmt_count(i['chunk_numel'])} elements, "
            "each its own collectives)" if i["compressor"] != "none" and i["chunk_numel"] else ")"),
         "",
-        tabulate(rows, headers=["method", "sent/rank (all links)", "latency", "transfer", "compressor compute",
+        require("tabulate").tabulate(rows, headers=["method", "sent/rank (all links)", "latency", "transfer", "compressor compute",
                                 "comm", "step", "vs plain"], disable_numparse=True),
         "",
         *([f"compressor kernels: {p['kernels']['note']}"] if i["compressor"] != "none" else []),

@@ -136,23 +136,28 @@ def test_measured_when_missing_or_stale_and_saved(tmp_path):
     assert torch.equal(res[0][2][0], res[1][2][0])
 
 
-def _hook_on_plain_group(rank, world):
+def _hook_on_plain_group(rank, world, path):
+    import pycomm.distributed as pd
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from pycomm.ddp import CompressionState, compressed_hook
 
-    model = DDP(torch.nn.Linear(64, 64))
-    model.register_comm_hook(CompressionState(compressor="auto", start_iter=2), compressed_hook)
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Linear(512, 512))  # one 262K-element bucket
+    state = CompressionState(compressor="auto", start_iter=2, calibration=path)
+    model.register_comm_hook(state, compressed_hook)
     for step in range(4):
-        try:
-            model(torch.randn(8, 64)).sum().backward()
-        except Exception as exc:  # noqa: BLE001 - what the user sees
-            return step, str(exc)
-    return None
+        model(torch.randn(8, 512, generator=torch.Generator().manual_seed(rank + 10 * step))).sum().backward()
+    cal = pd.calibration(state._engine)
+    return {"choice": cal.choose(512 * 512 + 512), "grads": torch.cat([p.grad.reshape(-1) for p in model.parameters()])}
 
 
-def test_hook_refuses_auto_on_a_plain_group():
-    res = run_ranks(_hook_on_plain_group, 2, timeout=TIMEOUT)
-    for step, msg in res:
-        assert step == 0  # at once, not after the warm-up steps
-        assert "compressor='auto'" in msg and "pycomm process group" in msg
+def test_hook_runs_auto_on_a_plain_group(tmp_path):
+    # Over a plain Gloo group the hook wraps the group with compressor="auto":
+    # a calibration is measured (and saved), every bucket runs its choice,
+    # and every rank ends with the same gradients.
+    path = tmp_path / "cal.json"
+    res = run_ranks(_hook_on_plain_group, 2, str(path), timeout=TIMEOUT)
+    assert res[0]["choice"] == res[1]["choice"] and res[0]["choice"] in CANDIDATES
+    assert torch.equal(res[0]["grads"], res[1]["grads"])
+    assert json.loads(path.read_text())["world_size"] == 2

@@ -14,7 +14,7 @@ import torch
 from _dist import run_ranks
 
 from pycomm.distributed import ranks_per_node
-from pycomm.distributed.algorithms import ErrorFeedback
+from pycomm.distributed.simulate import ErrorFeedback
 from pycomm.distributed.simulate import simulate_allreduce, simulate_hierarchical_allreduce
 
 TIMEOUT = 90.0

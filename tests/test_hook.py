@@ -1,6 +1,7 @@
-"""The DDP comm hook (pycomm.ddp) over plain Gloo ranks: training converges
-like plain all-reduce, ranks stay identical, the state survives a restart
-exactly, and misuse is refused clearly.
+"""The DDP comm hook (pycomm.ddp) over plain Gloo ranks (which the hook wraps
+into the engine's own group) and over pycomm groups: training converges like
+plain all-reduce, ranks stay identical, the state survives a restart exactly,
+and misuse is refused clearly.
 
 Each multi-process job runs several configurations one after the other in
 the same ranks (spawning costs seconds here); the tests check its results.
@@ -140,22 +141,22 @@ def _rank_training(rank, world):
         rank, dict(compressor="onebit", start_iter=2, private_group=True), 20, find_unused_parameters=True
     )
 
-    # A failure inside the hook's thread reaches backward(), never hangs.
-    import pycomm.ddp.hook as hook_mod
-
-    real = hook_mod.allreduce_compressed
+    # A failure inside the hook reaches backward(), never hangs.
+    real = pd.all_reduce
 
     def broken(*args, **kwargs):
-        raise RuntimeError("injected failure in the compressed all-reduce")
+        if kwargs.get("compress", True):
+            raise RuntimeError("injected failure in the compressed all-reduce")
+        return real(*args, **kwargs)
 
-    hook_mod.allreduce_compressed = broken
+    pd.all_reduce = broken
     try:
         _train(rank, dict(compressor="topk", start_iter=2), 3)
         out["failure"] = None
     except Exception as exc:  # noqa: BLE001 - whatever type DDP wraps it in
         out["failure"] = f"{type(exc).__name__}: {exc}"
     finally:
-        hook_mod.allreduce_compressed = real
+        pd.all_reduce = real
     return out
 
 
@@ -233,7 +234,7 @@ def _rank_four(rank, world, directory):
         model, opt, state = _restore(rank, "onebit", directory, reset=True)
         _steps(model, opt, rank, RESUME_N, RESUME_N + 5, teacher)
     out["reset"] = {"iteration": state.iteration, "params": _flat_params(model),
-                    "buckets": sorted(state.error_dict)}
+                    "buckets": sorted(state.state_dict()["error_feedback"])}
     return out
 
 
@@ -285,7 +286,7 @@ def test_hook_over_pycomm_group(training, name):
     results = [r[f"pycomm-{name}"] for r in training]
     _assert_same_on_all_ranks(results)
     res, plain = results[0], training[0]["plain"]["loss"]
-    # The backend runs the same algorithms: the same margin as the Python path.
+    # The same engine as over a plain group: the same margin.
     assert res["loss"] <= EF_MARGIN[name] * plain, f"{res['loss']:.4f} vs plain {plain:.4f}"
     # The residuals live in the backend, one per DDP bucket index.
     assert res["backend_keys"] == [0, 1, 2]
@@ -341,17 +342,25 @@ def test_start_iter_must_be_at_least_two():
 
 
 def test_state_pickles_without_process_group():
-    from pycomm.distributed.algorithms import ErrorFeedback
-
     group = dist.ProcessGroup(dist.HashStore(), 0, 1)
     state = CompressionState(process_group=group, compressor="onebit", block_size=64, start_iter=3)
-    state.iteration = 7
-    state.error_dict[2] = ErrorFeedback()
-    state.error_dict[2].bind(method="onebit", numel=100, world_size=2, rank=1, chunk_numel=64, block_size=64)
-    state.error_dict[2].worker.normal_()
+    saved = state.state_dict()
+    residual = {"numel": 100, "world_size": 2, "chunk_numel": 64, "method": "onebit",
+                "worker": torch.randn(100), "server": [torch.randn(32), torch.randn(18)]}
+    state.load_state_dict(dict(saved, iteration=7, error_feedback={2: residual}))
     with pytest.raises(TypeError):
         pickle.dumps(group)
     copy = pickle.loads(pickle.dumps(state))  # the group could not be pickled
     assert copy.process_group is None
     assert copy.iteration == 7 and copy.config() == state.config()
-    assert torch.equal(copy.error_dict[2].worker, state.error_dict[2].worker)
+    kept = copy.state_dict()["error_feedback"][2]
+    assert torch.equal(kept["worker"], residual["worker"])
+    assert all(torch.equal(a, b) for a, b in zip(kept["server"], residual["server"]))
+
+
+def test_state_refuses_other_versions_and_impls():
+    state = CompressionState(compressor="onebit", start_iter=3)
+    with pytest.raises(ValueError, match="version 2"):
+        state.load_state_dict(dict(state.state_dict(), version=1))
+    with pytest.raises(ValueError, match="impl='reference'.*choose one of"):
+        CompressionState(compressor="onebit", impl="reference")

@@ -8,6 +8,7 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 
 #include "pycomm/compress_math.h"
+#include "spec.h"
 
 #include <sstream>
 #include <string.h>
@@ -69,30 +70,31 @@ void topk_decompress(const at::Tensor& out, const at::Tensor& indices, const at:
   op.call(out, indices, values, accumulate);
 }
 
-// Length of the chunks an n-element tensor is cut into (docs/allreduce.md,
-// "Chunks"): round(n / chunk_numel) chunks, at least one, all of this length
-// but the last. No sliver of a tail chunk costing a full chunk's collectives.
-static int64_t chunk_length(int64_t n, int64_t chunk_numel) {
-  const int64_t count = std::max<int64_t>(1, (2 * n + chunk_numel) / (2 * chunk_numel));
-  return std::max<int64_t>(1, ceil_div(n, count));
+// Bytes of a payload part on the wire: rounded up to a multiple of 8.
+int64_t padded_nbytes(int64_t n) { return (n + 7) / 8 * 8; }
+
+// Any other method name is a compressor registered in Python.
+bool is_plugin(const std::string& m) { return !m.empty() && !known_method(m) && m != "auto"; }
+
+// A compressor registered in Python (pycomm/compressors/plugin.py), through
+// its two ops; boxed calls, since the payload is a list of tensors.
+std::vector<at::Tensor> plugin_compress(const std::string& name, const std::string& options,
+                                        const at::Tensor& g, const std::optional<at::Tensor>& r) {
+  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("pycomm::plugin_compress", "");
+  torch::jit::Stack stack{c10::IValue(name), c10::IValue(options), c10::IValue(g),
+                          r ? c10::IValue(*r) : c10::IValue()};
+  op.callBoxed(&stack);
+  return stack.at(0).toTensorVector();
 }
 
-// Segment layout of one onebit chunk (docs/allreduce.md, "onebit").
-struct OnebitLayout {
-  int64_t m, seg, block;
-  std::vector<int64_t> len, words, blocks, size;  // per segment; size in int32s
-
-  OnebitLayout(int64_t m_, int world, int64_t block_size) : m(m_), block(block_size) {
-    seg = ceil_div(ceil_div(m, world), block) * block;
-    for (int j = 0; j < world; ++j) {
-      const int64_t b = std::min(m, j * seg), e = std::min(m, (j + 1) * seg);
-      len.push_back(e - b);
-      words.push_back(onebit_num_words(e - b));
-      blocks.push_back(onebit_num_blocks(e - b, block));
-      size.push_back(words.back() + blocks.back());
-    }
-  }
-};
+void plugin_decompress(const std::string& name, const std::string& options,
+                       const std::vector<at::Tensor>& payload, const at::Tensor& out,
+                       bool accumulate) {
+  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("pycomm::plugin_decompress", "");
+  torch::jit::Stack stack{c10::IValue(name), c10::IValue(options), c10::IValue(payload),
+                          c10::IValue(out), c10::IValue(accumulate)};
+  op.callBoxed(&stack);
+}
 
 // Payload (words, then scales as float bits) at `offset` of an int32 buffer.
 std::pair<at::Tensor, at::Tensor> split_onebit(const at::Tensor& buf, int64_t offset,
@@ -123,11 +125,6 @@ void PycommWork::complete(std::exception_ptr error, int source_rank) {
 }
 
 // ------------------------------------------------------ CompressedBackend ---
-namespace {
-bool known_method(const std::string& m) {
-  return m == "onebit" || m == "topk" || m == "fp16" || m == "bf16" || m == "none";
-}
-}  // namespace
 
 CompressedBackend::CompressedBackend(c10::intrusive_ptr<c10d::Backend> inner, Config config,
                                      c10::intrusive_ptr<c10d::Backend> intra,
@@ -138,8 +135,14 @@ CompressedBackend::CompressedBackend(c10::intrusive_ptr<c10d::Backend> inner, Co
       intra_(std::move(intra)),
       inter_(std::move(inter)) {
   const auto& m = config_.method;
-  TORCH_CHECK(known_method(m) || m == "auto",
-              "compressor must be one of onebit, topk, fp16, bf16, none, auto; got '", m, "'");
+  TORCH_CHECK(known_method(m) || m == "auto" || is_plugin(m),
+              "compressor must be one of the methods of pycomm.distributed.spec.GROUP_METHODS "
+              "or a compressor registered with pycomm.register_compressor, got '", m, "'");
+  TORCH_CHECK(!is_plugin(m) || c10::Dispatcher::singleton()
+                                   .findSchema({"pycomm::plugin_compress", ""})
+                                   .has_value(),
+              "compressor '", m, "' is not one of pycomm's methods, and no registered compressor "
+              "can run: import pycomm before creating the group");
   for (const auto& [bound, method] : config_.size_methods)
     TORCH_CHECK(known_method(method), "size_methods: unknown method '", method, "'");
   TORCH_CHECK(!intra_ == !inter_, "a hierarchical backend needs both the intra- and the inter-node group");
@@ -339,26 +342,14 @@ const char* dtype_name(at::ScalarType t) {
   }
 }
 
-const char* const kMethods[] = {"onebit", "topk", "fp16", "bf16", "none"};
-
-int64_t method_code(const std::string& m) {
-  for (int64_t i = 0; i < 5; ++i)
-    if (m == kMethods[i]) return i;
-  return -1;
-}
-
-// The descriptor of a compressed call that ranks compare (check_call).
-enum Field { kNumel, kDtype, kOp, kKey, kMethod, kChunk, kBlock, kDensity, kApprox, kDevice, kFields };
-const char* const kFieldNames[kFields] = {"numel", "dtype", "op", "key", "compressor",
-                                          "chunk_numel", "block_size", "density", "approx",
-                                          "device type"};
-
 std::string field_value(int field, int64_t v) {
   switch (field) {
     case kDtype: return dtype_name(static_cast<at::ScalarType>(v));
     case kOp: return v ? "avg" : "sum";
     case kKey: return v < 0 ? "None" : std::to_string(v);
-    case kMethod: return v >= 0 && v < 5 ? kMethods[v] : "?";
+    case kMethod:
+      if (v >= kPluginCode) return "registered compressor #" + std::to_string(v - kPluginCode);
+      return v >= 0 && v < kNumMethods ? kMethods[v] : "?";
     case kDensity: {
       double d;
       memcpy(&d, &v, sizeof(d));
@@ -427,7 +418,7 @@ void CompressedBackend::check_call(const at::Tensor& tensor, std::optional<int64
   mine[kDtype] = dtype;
   mine[kOp] = average;
   mine[kKey] = key ? *key : -1;
-  mine[kMethod] = method_code(method);
+  mine[kMethod] = is_plugin(method) ? plugin_code(method, config_.plugin_options) : method_code(method);
   mine[kChunk] = config_.chunk_numel;
   mine[kBlock] = config_.block_size;
   mine[kDensity] = density_bits;
@@ -518,7 +509,11 @@ void CompressedBackend::run_compressed(const at::Tensor& tensor, std::optional<i
     ErrorFeedback* ef = key.has_value() && y.numel() > 0 ? error_feedback_for(*key, y, m, g) : nullptr;
     if (ef) prepare_backup(*ef);
     bool finite = true;
-    if (y.numel() > 0) finite = m == "onebit" ? run_onebit(y, ef, average, g) : run_topk(y, ef, average, g);
+    if (y.numel() > 0) {
+      finite = m == "onebit" ? run_onebit(y, ef, average, g)
+               : m == "topk" ? run_topk(y, ef, average, g)
+                             : run_plugin(y, ef, average, g, m);
+    }
     if (intra_) {
       if (average) y.div_(intra_->getSize());  // the inter step averaged over nodes
       if (intra_allreduce) {
@@ -742,6 +737,85 @@ bool CompressedBackend::run_topk(const at::Tensor& x, ErrorFeedback* ef, bool av
     if (average) out.div_(world);
     if (ef) sums.push_back(out.sum());
     ch.gathered = at::Tensor();
+  };
+
+  for (int64_t i = 0; i < chunks; ++i) {
+    stage1(i);
+    if (i >= 1) stage2(i - 1);
+  }
+  stage2(chunks - 1);
+  return all_finite(sums, x);
+}
+
+bool CompressedBackend::run_plugin(const at::Tensor& x, ErrorFeedback* ef, bool average,
+                                   const Group& g, const std::string& method) {
+  const int world = g.world;
+  const int64_t n = x.numel(), C = chunk_length(n, config_.chunk_numel);
+  const int64_t chunks = ceil_div(n, C);
+  const std::string& options = config_.plugin_options;
+
+  struct Chunk {
+    int64_t begin, m;
+    std::vector<at::Tensor> mine;  // this rank's payload: the layout of every rank's
+    int64_t nbytes;
+    at::Tensor gathered;
+    WorkPtr ag;
+  };
+  std::vector<Chunk> st;
+  st.reserve(chunks);
+  std::vector<at::Tensor> sums;
+
+  // Compress (error feedback: the residual kept in the second buffer first),
+  // then gather every rank's payload as bytes. A registered compressor's
+  // payload has a fixed layout for a given element count (its contract), so
+  // every rank's bytes split like this rank's own.
+  auto stage1 = [&](int64_t i) {
+    const int64_t begin = i * C, m = std::min(C, n - begin);
+    std::optional<at::Tensor> residual;
+    if (ef) {
+      residual = ef->worker.narrow(0, begin, m);
+      ef->worker_backup.narrow(0, begin, m).copy_(*residual);
+    }
+    std::vector<at::Tensor> payload = plugin_compress(method, options, x.narrow(0, begin, m), residual);
+    std::vector<at::Tensor> bytes;
+    int64_t nbytes = 0;
+    for (auto& p : payload) {
+      TORCH_CHECK(p.device() == x.device(), "compressor '", method, "' returned a payload on ",
+                  p.device(), " for a tensor on ", x.device());
+      p = p.contiguous();
+      bytes.push_back(p.reshape({-1}).view(at::kByte));
+      nbytes += bytes.back().numel();
+      // Every part starts 8-byte aligned, so the receiver views it in place.
+      if (const int64_t pad = padded_nbytes(nbytes) - nbytes; pad > 0) {
+        bytes.push_back(at::zeros({pad}, x.options().dtype(at::kByte)));
+        nbytes += pad;
+      }
+    }
+    at::Tensor send = bytes.empty() ? at::empty({0}, x.options().dtype(at::kByte)) : at::cat(bytes);
+    st.push_back(Chunk{begin, m, std::move(payload), nbytes,
+                       at::empty({world * nbytes}, x.options().dtype(at::kByte)), {}});
+    st.back().ag = g.pg->_allgather_base(st.back().gathered, send, c10d::AllgatherOptions());
+  };
+
+  // Decode rank 0's payload into the chunk, add the others' in rank order.
+  auto stage2 = [&](int64_t i) {
+    Chunk& ch = st[i];
+    ch.ag->wait();
+    at::Tensor out = x.narrow(0, ch.begin, ch.m);
+    for (int src = 0; src < world; ++src) {
+      std::vector<at::Tensor> payload;
+      int64_t off = src * ch.nbytes;
+      for (const auto& p : ch.mine) {
+        const int64_t len = p.numel() * p.element_size();
+        payload.push_back(ch.gathered.narrow(0, off, len).view(p.scalar_type()).view(p.sizes()));
+        off += padded_nbytes(len);
+      }
+      plugin_decompress(method, options, payload, out, /*accumulate=*/src > 0);
+    }
+    if (average) out.div_(world);
+    if (ef) sums.push_back(out.sum());
+    ch.gathered = at::Tensor();
+    ch.mine.clear();
   };
 
   for (int64_t i = 0; i < chunks; ++i) {

@@ -25,13 +25,15 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include "spec.h"
+
 namespace pycomm {
 namespace dist {
 
 struct Config {
-  std::string method = "onebit";  // onebit | topk | fp16 | bf16 | none | auto
+  std::string method = "onebit";  // one of kMethods, or "auto"
   int64_t min_compress_numel = 65536;
-  int64_t chunk_numel = int64_t(1) << 20;
+  int64_t chunk_numel = kDefaultChunkNumel;
   int64_t block_size = 2048;
   double density = 0.01;
   bool approx = true;
@@ -43,6 +45,11 @@ struct Config {
   std::vector<std::pair<int64_t, std::string>> size_methods;
   // The calibration the table came from (JSON, kept for reports).
   std::string calibration;
+  // A method that is not one of kMethods names a compressor registered in
+  // Python (pycomm.register_compressor): the engine reaches it through the
+  // ops pycomm::plugin_compress / plugin_decompress, with these options
+  // (JSON, passed to its constructor).
+  std::string plugin_options = "{}";
 };
 
 // The ranks one compressed step runs over: every rank (flat), or the ranks
@@ -187,6 +194,10 @@ class CompressedBackend : public c10d::Backend {
   // rank of `g`).
   bool run_onebit(const at::Tensor& x, ErrorFeedback* ef, bool average, const Group& g);
   bool run_topk(const at::Tensor& x, ErrorFeedback* ef, bool average, const Group& g);
+  // A registered compressor: each rank's payload of a chunk is gathered by
+  // every rank, which decodes and adds them in rank order (docs/allreduce.md).
+  bool run_plugin(const at::Tensor& x, ErrorFeedback* ef, bool average, const Group& g,
+                  const std::string& method);
   // Exchanges a descriptor of this call with every rank and throws, on every
   // rank, when they differ (Config::check_calls decides when).
   void check_call(const at::Tensor& tensor, std::optional<int64_t> key, bool average,

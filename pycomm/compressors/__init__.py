@@ -1,7 +1,8 @@
 """Compressor families, each a module registered by name."""
 
-from .base import Compressor, compressor_class, compressor_names, register
+from .base import Compressor, compressor_class, compressor_names, register, register_compressor
 from .onebit import OneBitCompressor, OneBitPayload
+from .plugin import is_plugin  # also registers the ops the engine calls plugins through
 from .topk import TopKCompressor, TopKPayload
 
 __all__ = [
@@ -12,5 +13,7 @@ __all__ = [
     "TopKPayload",
     "compressor_class",
     "compressor_names",
+    "is_plugin",
     "register",
+    "register_compressor",
 ]

@@ -37,6 +37,28 @@ def register(name: str) -> Callable[[type], type]:
     return deco
 
 
+def register_compressor(name: str, cls: type) -> type:
+    """Make ``cls`` the compressor called ``name``: :func:`pycomm.get_compressor`
+    builds it, and process groups, the DDP hook and the simulation run it
+    (``compressor=name``; its contract: :mod:`pycomm.compressors.plugin`).
+
+    Example::
+
+        >>> import pycomm, torch
+        >>> class Halves:
+        ...     def compress(self, grad, residual):
+        ...         return [grad.half()]
+        ...     def decompress(self, payload, out, accumulate):
+        ...         out.add_(payload[0].float()) if accumulate else out.copy_(payload[0])
+        >>> _ = pycomm.register_compressor("halves-doc", Halves)
+        >>> "halves-doc" in pycomm.compressor_names()
+        True
+    """
+    if not isinstance(name, str) or not name or not isinstance(cls, type):
+        raise TypeError(f"register_compressor(name, cls) needs a non-empty str and a class, got {name!r}, {cls!r}")
+    return register(name)(cls)
+
+
 def compressor_names() -> List[str]:
     """Names of every registered compressor, e.g. ``["onebit", "topk"]``."""
     return sorted(_REGISTRY)

@@ -11,125 +11,89 @@ Usage::
     torch.save(state.state_dict(), f"hook_rank{rank}.pt")      # every rank its own
     state.load_state_dict(torch.load(f"hook_rank{rank}.pt"))
 
-How a bucket is reduced (always to the AVERAGE over ranks; DDP hands the
-bucket over NOT divided by the world size):
+Every bucket goes through pycomm's one engine (the C++ backend behind the
+``"pycomm"`` process groups, csrc/distributed): the hook only decides, per
+bucket, what the engine runs, and always reduces to the AVERAGE over ranks
+(DDP hands the bucket over NOT divided by the world size):
 
-* iterations ``< start_iter`` (warm-up): a plain all-reduce, exact;
-* afterwards, over an ordinary process group (Gloo, NCCL): the algorithms of
-  ``docs/allreduce.md`` (:mod:`pycomm.distributed.algorithms`), run on ONE
-  worker thread per state, bucket after bucket in the order DDP hands them
-  over. That thread issues every collective of the hook and waits on them
-  there; the hook returns a ``torch.futures.Future`` at once and that thread
-  completes it (``set_result`` / ``set_exception``). Issuing the second stage
-  of a two-stage algorithm from a future callback instead (on the backend's
-  thread) races with the next bucket's first collective, issued by autograd:
-  ranks then issue collectives in different orders, which Gloo reports as
-  "Received data size doesn't match expected size" (the likely cause of
-  PyTorch's PowerSGD hook failing on Gloo);
-* over a process group of the ``"pycomm"`` backend: the bucket goes to the
-  backend, ``pycomm.distributed.all_reduce(t, key=bucket.index(), op="avg",
-  async_op=True)``, which compresses it in C++ with its own residuals.
+* iterations ``< start_iter`` (warm-up): the engine's exact all-reduce;
+* afterwards: the compressed all-reduce, ``pycomm.distributed.all_reduce(t,
+  key=bucket.index(), op="avg", async_op=True)``, with the residuals of
+  error feedback kept by the engine under the bucket index.
+
+The engine's group is the state's process group itself when that runs the
+pycomm backend (``pycomm.distributed.init_process_group`` or ``wrap``); any
+other group (Gloo, NCCL) is wrapped once, at the first bucket, into a pycomm
+group over the same ranks with the state's settings, so ``hierarchy`` and
+``compressor="auto"`` work over any group. The engine issues every
+collective of the hook from one thread in submission order (bucket after
+bucket, the same on every rank) and completes the Future the hook returns.
 
 Error-feedback residuals are kept per bucket index. DDP rebuilds its buckets
 after the first iteration of every process (the first iteration has one
 bucket holding every parameter), so indices mean something only from the
 second iteration on: ``start_iter >= 2`` is enforced, and after a restore
-(first iteration of a fresh process, buckets not yet rebuilt) the hook maps
-the saved bucket layout onto the bucket DDP hands over, parameter by
-parameter, so that a resumed run continues exactly as an uninterrupted one.
+(first iteration of a fresh process, buckets not yet rebuilt) the hook cuts
+DDP's bucket into the saved buckets, parameter by parameter, so that a
+resumed run continues exactly as an uninterrupted one.
 """
 
 # No `from __future__ import annotations`: DDP compares the hook's annotations
 # with dist.GradBucket and torch.futures.Future[torch.Tensor] as objects.
-import contextlib
-import queue
-import threading
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-from .. import get_compressor
+from .. import distributed as pd
 from ..compressors.base import check_density
-from ..distributed.algorithms import ErrorFeedback, allreduce_compressed, check_mode
+from ..compressors.plugin import is_plugin, options_json
+from ..distributed.spec import EF_METHODS, GROUP_METHODS, check_mode
 
 __all__ = ["CompressionState", "compressed_hook"]
 
-#: "auto": the pycomm group's own choice per bucket size (docs/auto.md).
-COMPRESSORS = ("onebit", "topk", "fp16", "bf16", "auto")
-_STATE_VERSION = 1
-
-
-def _pycomm_group_api():
-    """``(is_pycomm_group, all_reduce)`` of the pycomm backend, or None while
-    that backend (pycomm/distributed/__init__.py) does not provide them."""
-    try:
-        from .. import distributed as pd
-    except ImportError:
-        return None
-    is_pg = getattr(pd, "is_pycomm_group", None)
-    ar = getattr(pd, "all_reduce", None)
-    if callable(is_pg) and callable(ar):
-        return is_pg, ar
-    return None
-
-
-class _Worker:
-    """One daemon thread running tasks in FIFO order (the hook's collectives)."""
-
-    def __init__(self) -> None:
-        self._tasks: "queue.SimpleQueue[Optional[Callable[[], None]]]" = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._loop, name="pycomm-ddp-hook", daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        while True:
-            task = self._tasks.get()
-            if task is None:
-                return
-            task()  # tasks catch their own exceptions (they own a future)
-
-    def submit(self, task: Callable[[], None]) -> None:
-        self._tasks.put(task)
-
-    def drain(self) -> None:
-        """Block until every task submitted so far has run."""
-        done = threading.Event()
-        self._tasks.put(done.set)
-        done.wait()
-
-    def stop(self) -> None:
-        self._tasks.put(None)
+#: What the hook can run: every method of a group but "none" (no hook needed).
+COMPRESSORS = tuple(m for m in GROUP_METHODS if m != "none")
+_STATE_VERSION = 2
 
 
 class CompressionState:
-    """State of :func:`compressed_hook`: configuration, iteration count,
-    error-feedback residuals per bucket, and the worker thread.
+    """State of :func:`compressed_hook`: configuration, iteration count, the
+    bucket layout, and the engine group that runs the buckets.
 
     Args:
         process_group: the group DDP reduces over (None: the default group).
-        compressor: "onebit", "topk", "fp16" or "bf16".
+        compressor: "onebit", "topk", "fp16", "bf16", "auto" (a method per
+            bucket size from a calibration of the link: docs/auto.md), or a
+            compressor registered with :func:`pycomm.register_compressor`.
+        compressor_options: the settings of a registered compressor.
         density: fraction of entries topk sends per chunk.
         approx: topk's approximate (threshold) selection instead of exact.
         block_size: onebit block length (a multiple of 32).
-        chunk_numel: chunk length of the algorithms (None: their default).
-        start_iter: iterations before this one use a plain all-reduce; must
+        chunk_numel: the engine's pipelining chunk (None: its default).
+        start_iter: iterations before this one use an exact all-reduce; must
             be >= 2 (bucket indices are only stable once DDP has rebuilt its
             buckets after the first iteration).
         error_feedback: keep residuals (onebit, topk; fp16/bf16 have none).
-        impl: compressor implementation ("auto", "reference", "cpu", ...).
+        impl: kernels the engine runs: "auto" (the compiled ones of the
+            tensor's device); the engine has no other yet.
         check_calls: when ranks compare their calls, to raise on every rank
             on a mismatch instead of hanging: "first" (first use of each
             bucket), "every" or "off"; ``PYCOMM_DEBUG=detail`` means "every".
-        private_group: reduce over a private copy of ``process_group``
-            (``dist.new_group``, so every rank of the default group must
-            construct the state, in the same order as its other new_group
-            calls). Needed when other collectives are issued on
-            ``process_group`` while the hook's thread is busy, e.g. DDP's own
-            all-reduce of the used-parameter map with
-            ``find_unused_parameters=True``: the relative order of those and
-            the hook's collectives could differ between ranks.
+        hierarchy: "auto", "flat" or ranks per node, as
+            :class:`pycomm.distributed.PycommOptions` (docs/hierarchy.md).
+        calibration: for ``compressor="auto"``, a JSON path to load the
+            calibration from or save it to.
+        private_group: run over a new pycomm group even when
+            ``process_group`` already is one. The hook always runs over a
+            group of its own when ``process_group`` is not a pycomm group.
+
+    The engine's group over a plain ``process_group`` is created at the first
+    bucket (``dist.new_group``: every rank of the default group takes part
+    when ``process_group`` is the world). Other collectives that DDP issues on
+    ``process_group`` (e.g. with ``find_unused_parameters=True``) cannot
+    interleave with the hook's, which run on that group of their own.
 
     Example::
 
@@ -161,6 +125,9 @@ class CompressionState:
         impl: str = "auto",
         private_group: bool = False,
         check_calls: str = "first",
+        hierarchy: Any = "auto",
+        calibration: Optional[str] = None,
+        compressor_options: Optional[Dict[str, Any]] = None,
     ) -> None:
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise TypeError(
@@ -168,6 +135,18 @@ class CompressionState:
             )
         if not isinstance(private_group, bool):
             raise TypeError(f"private_group must be a bool, got {private_group!r}")
+        if impl != "auto":
+            raise ValueError(
+                f"impl={impl!r}: the hook runs the engine's compiled kernels (impl='auto'); "
+                f"choose one of ['auto']"
+            )
+        check_mode(check_calls, "check_calls")  # validates
+        # The engine's own checks, before anything runs: a bad value raises
+        # here, on every rank, naming the argument.
+        known = compressor in GROUP_METHODS or is_plugin(compressor)
+        pd.PycommOptions(compressor=compressor if known else "onebit", hierarchy=hierarchy,
+                         calibration=calibration, compressor_options=compressor_options if known else None)
+        self.compressor_options = compressor_options
         self.process_group = process_group
         self._apply_config(
             dict(
@@ -175,35 +154,29 @@ class CompressionState:
                 chunk_numel=chunk_numel, start_iter=start_iter, error_feedback=error_feedback,
             )
         )
-        if not isinstance(impl, str):
-            raise TypeError(f"impl must be a string, got {impl!r}")
-        if compressor in ("onebit", "topk"):
-            get_compressor(compressor, impl=impl)  # names the allowed impls
-        #: When ranks compare their calls (see allreduce_compressed's ``check``).
-        check_mode(check_calls, "check_calls")  # validates
         self.check_calls = check_calls
         self.impl = impl
+        self.hierarchy = hierarchy
+        self.calibration = calibration
+        self.private_group = private_group
         #: Backward passes completed (counted at the last bucket of each).
         self.iteration = 0
-        #: Residuals per bucket index.
-        self.error_dict: Dict[int, ErrorFeedback] = {}
         #: Bucket index -> (numel, parameter positions), recorded once DDP's
         #: buckets are stable; a position is a parameter's index in the
         #: concatenated parameter lists of DDP's initial buckets (deterministic
         #: for a given model and DDP configuration, in any process).
         self.bucket_layouts: Dict[int, Tuple[int, Tuple[int, ...]]] = {}
-        self.private_group = bool(private_group)
         self._saved_world: Optional[Tuple[int, int]] = None  # (world, rank) a loaded state expects
+        #: Residuals loaded before the engine's group exists (per bucket key).
+        self._pending_ef: Optional[Dict[int, Any]] = None
         self._init_runtime()
-        if self.private_group:
-            base = process_group if process_group is not None else dist.group.WORLD
-            self._comm_group = dist.new_group(ranks=dist.get_process_group_ranks(base))
 
     # -- configuration ---------------------------------------------------------
     def _apply_config(self, cfg: Dict[str, Any]) -> None:
         compressor = cfg["compressor"]
-        if compressor not in COMPRESSORS:
-            raise ValueError(f"compressor must be one of {list(COMPRESSORS)}, got {compressor!r}")
+        if compressor not in COMPRESSORS and not is_plugin(compressor):
+            raise ValueError(f"compressor must be one of {list(COMPRESSORS)} or a registered compressor "
+                             f"(pycomm.register_compressor), got {compressor!r}")
         start_iter = cfg["start_iter"]
         if isinstance(start_iter, bool) or not isinstance(start_iter, int):
             raise TypeError(f"start_iter must be an int, got {start_iter!r}")
@@ -214,16 +187,14 @@ class CompressionState:
                 f"residuals, is not stable before the second (pytorch issue #51427)"
             )
         chunk_numel = cfg["chunk_numel"]
-        if chunk_numel is not None and (
-            isinstance(chunk_numel, bool) or not isinstance(chunk_numel, int) or chunk_numel <= 0
-        ):
-            raise ValueError(f"chunk_numel must be a positive integer or None, got {chunk_numel!r}")
+        if chunk_numel is not None:
+            pd.PycommOptions(chunk_numel=chunk_numel)  # validates, naming the argument
         if not isinstance(cfg["error_feedback"], bool):
             raise TypeError(f"error_feedback must be a bool, got {cfg['error_feedback']!r}")
         density = check_density(cfg["density"])
         if not isinstance(cfg["approx"], bool):
             raise TypeError(f"approx must be a bool, got {cfg['approx']!r}")
-        get_compressor("onebit", block_size=cfg["block_size"])  # validates block_size
+        pd.PycommOptions(block_size=cfg["block_size"])  # validates block_size
         self.compressor = compressor
         self.density = density
         self.approx = cfg["approx"]
@@ -244,72 +215,59 @@ class CompressionState:
             "error_feedback": self.error_feedback,
         }
 
-    def _ef_config(self) -> Tuple:
-        # What the residuals depend on: another value makes them meaningless.
-        c = self.config()
-        return (c["compressor"], c["block_size"] if c["compressor"] == "onebit" else None,
-                c["chunk_numel"], c["error_feedback"])
-
     def _uses_ef(self) -> bool:
-        # "auto": the backend keeps residuals for the buckets it sends by onebit or topk.
-        return self.error_feedback and self.compressor in ("onebit", "topk", "auto")
-
-    def _compressor_kwargs(self) -> Dict[str, Any]:
-        if self.compressor == "onebit":
-            return {"block_size": self.block_size, "impl": self.impl}
-        if self.compressor == "topk":
-            return {"density": self.density, "approx": self.approx, "impl": self.impl}
-        return {}
+        # "auto": the engine keeps residuals for the buckets it sends by onebit or topk.
+        return self.error_feedback and (self.compressor in (*EF_METHODS, "auto") or is_plugin(self.compressor))
 
     # -- runtime (not saved, not pickled) --------------------------------------
     def _init_runtime(self) -> None:
-        self._worker: Optional[_Worker] = None
-        self._worker_lock = threading.Lock()
-        self._comm_group: Optional[dist.ProcessGroup] = None
+        self._engine: Optional[dist.ProcessGroup] = None
         self._positions: Dict[int, int] = {}  # id(parameter) -> position
         self._local_iter = 0  # backward passes seen by this object in this process
         self._warned_unmapped = False
-        self._pycomm_checked = False  # a pycomm group's settings were compared
 
-    def _get_worker(self) -> _Worker:
-        with self._worker_lock:
-            if self._worker is None:
-                self._worker = _Worker()
-            return self._worker
-
-    def __del__(self) -> None:
-        # Let the idle worker thread end (tasks already queued run first; they
-        # hold no reference to the state).
-        worker = self.__dict__.get("_worker")
-        if worker is not None:
-            try:
-                worker.stop()
-            except Exception:  # noqa: BLE001 - interpreter shutdown
-                pass
-
-    def _group(self) -> Optional[dist.ProcessGroup]:
-        return self._comm_group if self._comm_group is not None else self.process_group
-
-    def _pycomm_backend_group(self) -> Optional[dist.ProcessGroup]:
-        """The group if it runs the pycomm backend (on CPU), else None."""
-        api = _pycomm_group_api()
-        group = self._group()
-        if api is None or not dist.is_initialized() or not api[0](group):
-            return None
+    def _base_group(self) -> dist.ProcessGroup:
+        group = self.process_group if self.process_group is not None else dist.group.WORLD
+        if group is None:
+            raise RuntimeError("torch.distributed is not initialized")
         return group
+
+    def _engine_group(self, device: torch.device) -> dist.ProcessGroup:
+        """The pycomm group that runs this state's buckets (created at the
+        first call over a plain group, on every rank alike)."""
+        if self._engine is not None:
+            return self._engine
+        base = self._base_group()
+        if pd.is_pycomm_group(base, device) and not self.private_group:
+            self._check_pycomm_group(base, device)
+            engine = base
+        else:
+            settings = dict(block_size=self.block_size, density=self.density, approx=self.approx,
+                            check_calls=self.check_calls, hierarchy=self.hierarchy,
+                            calibration=self.calibration, compressor_options=self.compressor_options)
+            if self.chunk_numel is not None:
+                settings["chunk_numel"] = self.chunk_numel
+            if pd.is_pycomm_group(base, device):
+                settings["inner"] = "nccl" if device.type == "cuda" else "gloo"
+            engine = pd.wrap(base, compressor=self.compressor, **settings)
+        if self._pending_ef is not None:
+            pd.load_error_feedback_state(self._pending_ef, engine, str(device.type))
+            self._pending_ef = None
+        self._engine = engine
+        return engine
 
     def _check_pycomm_group(self, group, device) -> None:
         """A pycomm group compresses with its own settings: they must be this state's."""
-        if self._pycomm_checked:
-            return
-        from .. import distributed as pd
-
         opts = pd.options_of(group, device)
         mine = {"method": self.compressor}
         if self.compressor == "onebit":
             mine["block_size"] = self.block_size
         if self.compressor == "topk":
             mine.update(density=self.density, approx=self.approx)
+        if self.chunk_numel is not None:
+            mine["chunk_numel"] = self.chunk_numel
+        if is_plugin(self.compressor):
+            mine["plugin_options"] = options_json(self.compressor, self.compressor_options)
         diff = {k: (opts[k], v) for k, v in mine.items() if opts[k] != v}
         if diff:
             raise ValueError(
@@ -319,32 +277,16 @@ class CompressionState:
                 + ", ".join(f"{k}={v[0]!r}" for k, v in diff.items())
                 + ": the group's settings decide, so make them agree"
             )
-        self._pycomm_checked = True
 
-    def _backend_error_feedback(self) -> Dict[int, Any]:
-        group = self._pycomm_backend_group()
-        if group is None:
-            return {}
-        from .. import distributed as pd
+    def _error_feedback(self) -> Dict[int, Any]:
+        """This rank's residuals: the engine's, or those loaded for it."""
+        if self._engine is not None:
+            # Read through the engine's queue: after every bucket handed to it.
+            return pd.error_feedback_state(self._engine, self._device_type())
+        return dict(self._pending_ef or {})
 
-        return pd.error_feedback_state(group)
-
-    def _load_backend_error_feedback(self, saved: Dict[int, Any]) -> None:
-        group = self._pycomm_backend_group()
-        if group is None:
-            raise ValueError(
-                "this state holds residuals of a pycomm backend group; load it after the "
-                "pycomm process group is initialized (or with reset_error_feedback=True)"
-            )
-        from .. import distributed as pd
-
-        pd.load_error_feedback_state(saved, group)
-
-    def synchronize(self) -> None:
-        """Wait until every bucket handed to the worker thread is done (DDP
-        already waits for them before backward() returns)."""
-        if self._worker is not None:
-            self._worker.drain()
+    def _device_type(self) -> str:
+        return "cuda" if pd.is_pycomm_group(self._engine, "cuda") else "cpu"
 
     def _world(self) -> Tuple[int, int]:
         return dist.get_world_size(self.process_group), dist.get_rank(self.process_group)
@@ -352,7 +294,6 @@ class CompressionState:
     # -- persistence -----------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
         """Iteration, configuration, bucket layout and this rank's residuals."""
-        self.synchronize()
         world, rank = self._world() if dist.is_initialized() else (None, None)
         if self._saved_world is not None and world is None:
             world, rank = self._saved_world
@@ -363,9 +304,8 @@ class CompressionState:
             "world_size": world,
             "rank": rank,
             "bucket_layouts": {i: (n, list(p)) for i, (n, p) in self.bucket_layouts.items()},
-            "error_feedback": {i: ef.state_dict() for i, ef in self.error_dict.items()},
-            # On a pycomm group the backend holds the residuals (per bucket key).
-            "backend_error_feedback": self._backend_error_feedback(),
+            # The engine's residuals, per bucket key.
+            "error_feedback": self._error_feedback(),
         }
 
     def load_state_dict(self, state: Dict[str, Any], reset_error_feedback: bool = False) -> None:
@@ -381,7 +321,13 @@ class CompressionState:
         raises the ValueError.
         """
         if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:
-            raise ValueError("not a CompressionState state_dict (or of another version)")
+            raise ValueError(
+                f"not a CompressionState state_dict of version {_STATE_VERSION} "
+                f"(got version {state.get('version') if isinstance(state, dict) else None!r})"
+            )
+        saved_ef = state.get("error_feedback")
+        if not isinstance(saved_ef, dict):
+            raise ValueError("state['error_feedback'] must be the dict of residuals state_dict() saved")
         prev = self.config()
         try:
             self._apply_config(dict(state["config"]))
@@ -405,39 +351,30 @@ class CompressionState:
             )
         self.iteration = int(state["iteration"])
         if reset_error_feedback:
-            self.error_dict = {}
             self.bucket_layouts = {}
             self._saved_world = None
-            group = self._pycomm_backend_group()
-            if group is not None:
-                from .. import distributed as pd
-
-                pd.reset_error_feedback(group=group)
+            self._pending_ef = None
+            if self._engine is not None:
+                pd.reset_error_feedback(group=self._engine, device=self._device_type())
             return
-        self.bucket_layouts = {int(i): (int(n), tuple(p)) for i, (n, p) in state["bucket_layouts"].items()}
-        efs = {}
-        for i, sd in state["error_feedback"].items():
-            ef = ErrorFeedback()
-            ef.load_state_dict(sd)
-            efs[int(i)] = ef
-        self.error_dict = efs
-        backend_ef = state.get("backend_error_feedback")
-        if backend_ef:
-            self._load_backend_error_feedback(backend_ef)
+        layouts = {int(i): (int(n), tuple(p)) for i, (n, p) in state["bucket_layouts"].items()}
+        if self._engine is not None:
+            pd.load_error_feedback_state(dict(saved_ef), self._engine, self._device_type())
+        else:
+            self._pending_ef = dict(saved_ef)  # checked by the engine when its group exists
+        self.bucket_layouts = layouts
         # Checked at the first hook call if the group was not up at load time.
         self._saved_world = saved_world if saved_world[0] is not None else None
 
     def __getstate__(self) -> Dict[str, Any]:
-        self.synchronize()
         keep = {k: v for k, v in self.__dict__.items() if not k.startswith("_") or k == "_saved_world"}
         keep["process_group"] = None
+        keep["_pending_ef"] = self._error_feedback() or None
         return keep
 
     def __setstate__(self, d: Dict[str, Any]) -> None:
         self.__dict__.update(d)
-        self.__dict__.setdefault("check_calls", "first")
         self.process_group = None  # the default group of the process that unpickles
-        self.private_group = False  # a private group cannot be re-created here safely
         self._init_runtime()
 
     def __repr__(self) -> str:
@@ -466,48 +403,6 @@ class CompressionState:
             )
         self._saved_world = None
 
-    def _ef_for(self, index: int) -> Optional[ErrorFeedback]:
-        if not self._uses_ef():
-            return None
-        ef = self.error_dict.get(index)
-        if ef is None:
-            ef = self.error_dict[index] = ErrorFeedback()
-        return ef
-
-
-def _plain_avg(tensor: torch.Tensor, group) -> None:
-    """Exact average: ReduceOp.AVG where the backend has it (NCCL), else
-    divide by the world size first (as PyTorch's allreduce_hook does) and sum."""
-    if dist.get_backend(group) == "nccl":
-        dist.all_reduce(tensor, op=dist.ReduceOp.AVG, group=group)
-    else:
-        tensor.div_(dist.get_world_size(group))
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
-
-
-def _run(fut: torch.futures.Future, result: torch.Tensor, body: Callable[[], None], stream) -> Callable[[], None]:
-    def task() -> None:
-        # On CUDA, run on the stream DDP produced the bucket on (the caller's
-        # current stream), and complete the future there: a device-aware
-        # future then makes DDP's stream wait for the result.
-        ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-        with ctx:
-            try:
-                with torch.no_grad():
-                    body()
-            except BaseException as exc:  # noqa: BLE001 - every failure must reach DDP
-                fut.set_exception(exc)
-            else:
-                fut.set_result(result)
-
-    return task
-
-
-def _new_future(tensor: torch.Tensor):
-    if tensor.device.type == "cuda":
-        return torch.futures.Future(devices=[tensor.device]), torch.cuda.current_stream(tensor.device)
-    return torch.futures.Future(), None
-
 
 def _failed(exc: BaseException) -> torch.futures.Future:
     fut: torch.futures.Future = torch.futures.Future()
@@ -520,9 +415,8 @@ def compressed_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.f
 
     Register with ``ddp_model.register_comm_hook(state, compressed_hook)``
     before the first forward. Returns a ``torch.futures.Future`` at once; the
-    state's worker thread (or, on a pycomm group, the backend) completes it
-    with the averaged bucket, or with the exception that stopped it, which
-    then surfaces from ``loss.backward()``.
+    engine completes it with the averaged bucket, or with the exception that
+    stopped it, which then surfaces from ``loss.backward()``.
 
     Example (on every rank, after ``dist.init_process_group``)::
 
@@ -567,7 +461,7 @@ def compressed_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.f
             if known is None:
                 state.bucket_layouts[index] = record
             elif known != record:
-                if index in state.error_dict or not warm:
+                if not warm or any(k == index for k in state._error_feedback()):
                     raise ValueError(
                         f"DDP bucket {index} holds {numel} elements (parameters {list(positions)}), "
                         f"but the residuals of bucket {index} were saved for {known[0]} elements "
@@ -575,65 +469,43 @@ def compressed_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.f
                         f"state with reset_error_feedback=True to start the residuals over"
                     )
                 state.bucket_layouts[index] = record
+        # This bucket is one whose residuals are kept under its index (else:
+        # the first iteration of a resumed process, before DDP's rebuild).
+        keyed = stable or state.bucket_layouts.get(index) == record
+        group = state._engine_group(tensor.device)
     except Exception as exc:
         return _failed(exc)
-    # This bucket is one whose residuals are kept under its index (else: the
-    # first iteration of a resumed process, before DDP's rebuild).
-    keyed = stable or state.bucket_layouts.get(index) == record
 
-    api = _pycomm_group_api()
-    group = state._group()
-    if api is not None and api[0](group, tensor.device):
-        # The backend compresses, keeps the residuals (per key) and orders
-        # the collectives itself.
-        try:
-            state._check_pycomm_group(group, tensor.device)
-            return _pycomm_hook(state, bucket, tensor, positions, group, api[1], warm, keyed, it)
-        except Exception as exc:
-            return _failed(exc)
+    def done(work) -> torch.futures.Future:
+        return work.get_future().then(lambda f: _first_tensor(f.value(), tensor))
 
-    if state.compressor == "auto":
-        return _failed(ValueError(
-            "compressor='auto' is chosen per bucket by a pycomm process group created with "
-            "compressor='auto' (pycomm.distributed.init_process_group or wrap); this bucket's group "
-            "is not one"))
-    fut, stream = _new_future(tensor)
     try:
         if warm:
-            body = lambda: _plain_avg(tensor, group)  # noqa: E731
-        elif keyed:
-            ef = state._ef_for(index)
-            body = _compressed_body(state, tensor, group, ef, index)
-        else:
-            body = _remapped_body(state, bucket, tensor, positions, group, it)
+            return done(pd.all_reduce(tensor, group=group, op="avg", async_op=True, compress=False))
+        if keyed:
+            key = index if state._uses_ef() else None
+            return done(pd.all_reduce(tensor, key=key, group=group, op="avg", async_op=True))
+        return _remapped(state, bucket, tensor, positions, group, it)
     except Exception as exc:
         return _failed(exc)
-    state._get_worker().submit(_run(fut, tensor, body, stream))
-    return fut
 
 
-def _pycomm_hook(state, bucket, tensor, positions, group, pycomm_all_reduce, warm, keyed, it):
-    """The bucket through a pycomm group: the backend's residuals are keyed
-    by bucket index, so a resumed process's first (unrebuilt) bucket is cut
-    into the saved buckets, as over a plain group."""
-    if warm:
-        work = pycomm_all_reduce(tensor, group=group, op="avg", async_op=True, compress=False)
-        return work.get_future().then(lambda f: _first_tensor(f.value(), tensor))
-    if keyed:
-        key = bucket.index() if state._uses_ef() else None
-        work = pycomm_all_reduce(tensor, key=key, group=group, op="avg", async_op=True)
-        return work.get_future().then(lambda f: _first_tensor(f.value(), tensor))
+def _remapped(state, bucket, tensor, positions, group, it) -> torch.futures.Future:
+    """The first iteration of a resumed process: the residuals are keyed by
+    the saved buckets, so DDP's unrebuilt bucket is cut into those, each
+    reduced on its own under its key, as when saved; exact if they do not
+    tile it."""
     parts = _saved_parts(state, bucket, tensor, positions, it)
     if parts is None:
-        work = pycomm_all_reduce(tensor, group=group, op="avg", async_op=True, compress=False)
+        work = pd.all_reduce(tensor, group=group, op="avg", async_op=True, compress=False)
         return work.get_future().then(lambda f: _first_tensor(f.value(), tensor))
-    # One backend call per saved bucket, issued now in index order (the
-    # backend runs them in submission order, the same on every rank).
+    # One engine call per saved bucket, issued now in index order (the
+    # engine runs them in submission order, the same on every rank).
     pending = []
     for index, slices in parts:
         flat = torch.cat([tensor[o : o + n] for o, n in slices])
         key = index if state._uses_ef() else None
-        work = pycomm_all_reduce(flat, key=key, group=group, op="avg", async_op=True)
+        work = pd.all_reduce(flat, key=key, group=group, op="avg", async_op=True)
         pending.append((work.get_future(), flat, slices))
 
     def copy_back(_):
@@ -655,15 +527,6 @@ def _first_tensor(value: Any, default: torch.Tensor) -> torch.Tensor:
         return value[0]
     return default
 
-
-def _compressed_body(state: CompressionState, tensor: torch.Tensor, group, ef, index: int) -> Callable[[], None]:
-    method, kwargs, chunk, check = state.compressor, state._compressor_kwargs(), state.chunk_numel, state.check_calls
-
-    def body() -> None:
-        allreduce_compressed(tensor, group=group, method=method, op="avg", chunk_numel=chunk, ef=ef,
-                             key=index, check=check, **kwargs)
-
-    return body
 
 
 def _saved_parts(state: CompressionState, bucket, tensor, positions, it) -> Optional[List[Tuple[int, List[Tuple[int, int]]]]]:
@@ -701,26 +564,3 @@ def _saved_parts(state: CompressionState, bucket, tensor, positions, it) -> Opti
             )
         return None
     return [(index, [where[p] for p in pos]) for index, _, pos in parts]
-
-
-def _remapped_body(state: CompressionState, bucket, tensor, positions, group, it) -> Callable[[], None]:
-    """Reduce the saved buckets that DDP's unrebuilt bucket contains, each on
-    its own, as they were when saved, so the run continues exactly; if they
-    do not tile it, reduce it plainly."""
-    parts = _saved_parts(state, bucket, tensor, positions, it)
-    if parts is None:
-        return lambda: _plain_avg(tensor, group)
-    jobs = [(index, state._ef_for(index), slices) for index, slices in parts]
-    method, kwargs, chunk, check = state.compressor, state._compressor_kwargs(), state.chunk_numel, state.check_calls
-
-    def body() -> None:
-        for index, ef, slices in jobs:
-            flat = torch.cat([tensor[o : o + n] for o, n in slices])
-            allreduce_compressed(flat, group=group, method=method, op="avg", chunk_numel=chunk, ef=ef,
-                                 key=index, check=check, **kwargs)
-            start = 0
-            for o, n in slices:
-                tensor[o : o + n].copy_(flat[start : start + n])
-                start += n
-
-    return body

@@ -31,10 +31,10 @@ import torch.distributed as dist
 
 from .. import _ext
 from ..compressors.base import check_density, check_positive_int
-from .algorithms import CHECK_MODES, check_mode
+from ..compressors.plugin import is_plugin, options_json
+from .spec import CHECK_MODES, GROUP_METHODS, check_mode
 
 BACKEND_NAME = "pycomm"
-METHODS = ("onebit", "topk", "fp16", "bf16", "none", "auto")
 log = logging.getLogger(__name__)
 
 
@@ -42,7 +42,9 @@ log = logging.getLogger(__name__)
 class PycommOptions:
     """Configuration of a ``"pycomm"`` process group.
 
-    ``compressor``: "onebit", "topk", "fp16", "bf16" or "none" (forward all).
+    ``compressor``: "onebit", "topk", "fp16", "bf16", "none" (forward all),
+    "auto", or the name of a compressor registered with
+    :func:`pycomm.register_compressor`, built with ``compressor_options``.
     ``inner``: the wrapped backend, "gloo" or "nccl" (default: nccl when CUDA
     is available, else gloo). ``chunk_numel``: pipelining granularity (a
     chunk is compressed while the previous one is on the wire).
@@ -69,10 +71,17 @@ class PycommOptions:
     check_calls: str = "first"
     hierarchy: Union[str, int] = "auto"
     calibration: Optional[str] = None
+    compressor_options: Optional[Dict[str, Any]] = None
 
     def __post_init__(self) -> None:
-        if self.compressor not in METHODS:
-            raise ValueError(f"compressor must be one of {METHODS}, got {self.compressor!r}")
+        if self.compressor not in GROUP_METHODS and not is_plugin(self.compressor):
+            raise ValueError(f"compressor must be one of {list(GROUP_METHODS)} or a registered compressor "
+                             f"(pycomm.register_compressor), got {self.compressor!r}")
+        if is_plugin(self.compressor):
+            options_json(self.compressor, self.compressor_options)  # checks them, naming the compressor
+        elif self.compressor_options:
+            raise ValueError(f"compressor_options are for registered compressors; {self.compressor!r} "
+                             f"takes its settings as arguments (block_size, density, approx)")
         if self.inner not in (None, "gloo", "nccl"):
             raise ValueError(f"inner must be 'gloo', 'nccl' or None, got {self.inner!r}")
         check_positive_int("min_compress_numel", self.min_compress_numel)
@@ -165,6 +174,7 @@ def _create_backend(dist_opts: Any, options: Optional[PycommOptions]) -> Any:
         CHECK_MODES.index(check_mode(options.check_calls)),
         intra,
         inter,
+        options_json(options.compressor, options.compressor_options) if is_plugin(options.compressor) else "{}",
     )
     if options.compressor == "auto":
         from .auto import calibrate
@@ -220,6 +230,7 @@ def init_process_group(
     check_calls: str = "first",
     hierarchy: Union[str, int] = "auto",
     calibration: Optional[str] = None,
+    compressor_options: Optional[Dict[str, Any]] = None,
     **kwargs: Any,
 ) -> None:
     """Initialize the default process group as a compressing wrapper of
@@ -238,7 +249,7 @@ def init_process_group(
     if backend not in (None, "gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo', 'nccl' or None (by device), got {backend!r}")
     options = PycommOptions(compressor, backend, min_compress_numel, chunk_numel, block_size, density, approx,
-                            check_calls, hierarchy, calibration)
+                            check_calls, hierarchy, calibration, compressor_options)
     dist.init_process_group(backend=BACKEND_NAME, pg_options=options, **kwargs)
 
 

@@ -1,12 +1,13 @@
 """Single-process simulation of the compressed all-reduce of ``docs/allreduce.md``.
 
-The oracle of the multi-process tests of both implementations (the Python
-algorithms in :mod:`pycomm.distributed.algorithms` and the C++ ``"pycomm"``
-backend): every rank's input goes in, every rank's result comes out, computed
-with the reference compressors (``impl="reference"``) and written directly
-from the spec, without wire formats or collectives. It shares with the real
-implementations only :class:`ErrorFeedback` (the state container, so that
-residuals can be compared after each step).
+The one oracle of every entry point (the C++ engine behind the ``"pycomm"``
+backend, reached from ``pd.all_reduce``, DDP and the DDP hook): every rank's
+input goes in, every rank's result comes out, computed with the reference
+compressors (``impl="reference"``) and written directly from the spec
+(:mod:`pycomm.distributed.spec`), without wire formats or collectives.
+:class:`ErrorFeedback` holds each simulated rank's residuals, laid out as the
+engine's ``error_feedback_state()`` (worker: one float per element; server:
+this rank's segment of each chunk), so they can be compared after each step.
 
 Where an implementation differs from the simulation:
 
@@ -35,14 +36,215 @@ Example::
 from __future__ import annotations
 
 import math
-from typing import Any, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from .. import get_compressor
-from .algorithms import DEFAULT_CHUNK_NUMEL, ErrorFeedback, chunk_bounds, normalize_op
+from ..compressors.plugin import _instance as _plugin_instance
+from ..compressors.plugin import is_plugin, options_json
+from .spec import DEFAULT_CHUNK_NUMEL, EF_METHODS, chunk_bounds, normalize_op, onebit_segments
 
-__all__ = ["simulate_allreduce", "simulate_hierarchical_allreduce"]
+__all__ = ["ErrorFeedback", "simulate_allreduce", "simulate_hierarchical_allreduce"]
+
+
+# ----------------------------------------------------------- error feedback ---
+class ErrorFeedback:
+    """Error-feedback residuals of one tensor on one rank, kept across steps.
+
+    * ``worker``: float32, one element per tensor element (onebit and topk);
+      ``c = x + worker`` is what gets compressed, and ``worker`` keeps what
+      was not sent.
+    * ``server`` (onebit only): float32, the concatenation over chunks, in
+      chunk order, of this rank's segment of each chunk (spec step 1), i.e.
+      ``sum over chunks of L_rank``; :meth:`server_segment` gives chunk
+      ``i``'s part. ``None`` for topk.
+
+    The buffers are created (zeros) on first use and bound to a layout:
+    method, numel, world size, rank, chunk_numel and (onebit) block_size.
+    Using the object with any other layout raises ``ValueError`` (a residual
+    of another tensor or world size would silently corrupt the gradient);
+    :meth:`reset` starts over.
+
+    Example::
+
+        >>> from pycomm.distributed.simulate import ErrorFeedback
+        >>> ef = ErrorFeedback()
+        >>> ef.bind(method="onebit", numel=7000, world_size=4, rank=3,
+        ...         chunk_numel=4096, block_size=256)
+        >>> # round(7000 / 4096) = 2 chunks of 3500 elements, segments of 1024:
+        >>> # rank 3 holds [3072, 3500) of each
+        >>> ef.worker.numel(), ef.server_segment(0).numel(), ef.server_segment(1).numel()
+        (7000, 428, 428)
+        >>> sd = ef.state_dict(); ef2 = ErrorFeedback(); ef2.load_state_dict(sd)
+    """
+
+    def __init__(self) -> None:
+        self.layout: Optional[Dict[str, Any]] = None
+        self.worker: Optional[torch.Tensor] = None
+        self.server: Optional[torch.Tensor] = None
+        self._server_offsets: List[int] = []
+        self._backup: Optional[Tuple[torch.Tensor, Optional[torch.Tensor]]] = None
+        self._checked = False  # the ranks' calls were compared at first use
+
+    # -- layout ----------------------------------------------------------------
+    @staticmethod
+    def make_layout(
+        *, method: str, numel: int, world_size: int, rank: int, chunk_numel: int,
+        block_size: Optional[int] = None,
+    ) -> Dict[str, Any]:
+        """The layout dict that :meth:`bind` checks (block_size only for onebit)."""
+        if method not in EF_METHODS and not is_plugin(method):
+            raise ValueError(f"error feedback exists for onebit and topk only, not {method!r}")
+        return {
+            "method": method,
+            "numel": int(numel),
+            "world_size": int(world_size),
+            "rank": int(rank),
+            "chunk_numel": int(chunk_numel),
+            "block_size": int(block_size) if method == "onebit" else None,
+        }
+
+    @staticmethod
+    def _server_offsets_for(layout: Dict[str, Any]) -> List[int]:
+        offsets = [0]
+        if layout["method"] == "onebit":
+            for b, e in chunk_bounds(layout["numel"], layout["chunk_numel"]):
+                _, segs = onebit_segments(e - b, layout["world_size"], layout["block_size"])
+                sb, se = segs[layout["rank"]]
+                offsets.append(offsets[-1] + se - sb)
+        return offsets
+
+    def bind(self, *, device: torch.device | str = "cpu", **layout_kwargs: Any) -> None:
+        """Create the buffers for this layout, or check that they match it.
+
+        Keyword arguments as :meth:`make_layout`. Raises ``ValueError`` on a
+        mismatch; moves the buffers to ``device`` if they live elsewhere."""
+        layout = self.make_layout(**layout_kwargs)
+        if self.layout is None:
+            self.layout = layout
+            self._server_offsets = self._server_offsets_for(layout)
+            self.worker = torch.zeros(layout["numel"], dtype=torch.float32, device=device)
+            self.server = (
+                torch.zeros(self._server_offsets[-1], dtype=torch.float32, device=device)
+                if layout["method"] == "onebit" else None
+            )
+            return
+        if layout != self.layout:
+            diffs = ", ".join(
+                f"{k} {self.layout[k]!r} -> {layout[k]!r}" for k in layout if layout[k] != self.layout[k]
+            )
+            raise ValueError(
+                f"error feedback residuals were built for {self._describe(self.layout)} and cannot "
+                f"be used for {self._describe(layout)} ({diffs}); call reset() (or load the state "
+                f"with reset_error_feedback=True) to start the residuals over"
+            )
+        dev = torch.device(device)
+        if self.worker.device != dev:
+            self.worker = self.worker.to(dev)
+            if self.server is not None:
+                self.server = self.server.to(dev)
+            self._backup = None
+
+    @staticmethod
+    def _describe(layout: Dict[str, Any]) -> str:
+        s = (
+            f"{layout['method']} on {layout['numel']} elements, world size {layout['world_size']}, "
+            f"rank {layout['rank']}, chunk_numel {layout['chunk_numel']}"
+        )
+        if layout["block_size"] is not None:
+            s += f", block_size {layout['block_size']}"
+        return s
+
+    @property
+    def bound(self) -> bool:
+        """Whether buffers exist (after the first use or a load)."""
+        return self.layout is not None
+
+    def server_segment(self, chunk_index: int) -> torch.Tensor:
+        """View of the server residual of chunk ``chunk_index`` (this rank's segment)."""
+        if self.server is None:
+            raise ValueError("no server residual: onebit error feedback that has been bound has one")
+        a, b = self._server_offsets[chunk_index], self._server_offsets[chunk_index + 1]
+        return self.server[a:b]
+
+    def reset(self) -> None:
+        """Forget the residuals and the layout (the next use starts from zeros)."""
+        self.layout = None
+        self.worker = None
+        self.server = None
+        self._server_offsets = []
+        self._backup = None
+        self._checked = False
+
+    # -- persistence -----------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        """Layout and residuals (cloned tensors); each rank saves its own."""
+        return {
+            "layout": dict(self.layout) if self.layout is not None else None,
+            "worker": self.worker.detach().clone() if self.worker is not None else None,
+            "server": self.server.detach().clone() if self.server is not None else None,
+        }
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (checks buffer sizes)."""
+        layout = state.get("layout")
+        if layout is None:
+            self.reset()
+            return
+        layout = self.make_layout(**layout)
+        offsets = self._server_offsets_for(layout)
+        worker, server = state["worker"], state["server"]
+        if worker is None or worker.numel() != layout["numel"]:
+            raise ValueError("error feedback state: the worker residual does not match its layout")
+        want_server = offsets[-1] if layout["method"] == "onebit" else None
+        if (server is None) != (want_server is None) or (
+            server is not None and server.numel() != want_server
+        ):
+            raise ValueError("error feedback state: the server residual does not match its layout")
+        self.layout = layout
+        self._server_offsets = offsets
+        self.worker = worker.detach().to(torch.float32).reshape(-1).clone()
+        self.server = server.detach().to(torch.float32).reshape(-1).clone() if server is not None else None
+        self._backup = None
+
+    # -- non-finite steps (docs/allreduce.md, "Non-finite results") -------------
+    def snapshot(self) -> None:
+        """Copy the residuals aside before a step (into buffers kept from
+        the previous step, so nothing is allocated after the first)."""
+        if self.worker is None:
+            return
+        if self._backup is None:
+            self._backup = (
+                torch.empty_like(self.worker),
+                torch.empty_like(self.server) if self.server is not None else None,
+            )
+        self._backup[0].copy_(self.worker)
+        if self.server is not None:
+            self._backup[1].copy_(self.server)
+
+    def rollback(self) -> None:
+        """Make the residuals what they were at the last :meth:`snapshot`
+        (by swapping buffers, not copying)."""
+        if self._backup is None:
+            raise RuntimeError("rollback() without a snapshot()")
+        old_worker, old_server = self._backup
+        self._backup = (self.worker, self.server)
+        self.worker, self.server = old_worker, old_server
+
+    def __getstate__(self) -> Dict[str, Any]:
+        # The backup and the check are about this process's calls, not state.
+        return {k: v for k, v in self.__dict__.items() if k not in ("_backup", "_checked")}
+
+    def __setstate__(self, d: Dict[str, Any]) -> None:
+        self.__dict__.update(d)
+        self._backup = None
+        self._checked = False
+
+    def __repr__(self) -> str:
+        if self.layout is None:
+            return "ErrorFeedback(unbound)"
+        return f"ErrorFeedback({self._describe(self.layout)})"
 
 
 def simulate_allreduce(
@@ -59,9 +261,9 @@ def simulate_allreduce(
     inputs are not modified. ``efs`` (one :class:`ErrorFeedback` per rank,
     rank ``r``'s at index ``r``) are used and updated as the ranks' own
     would be: left as they were when the result is not finite.
-    ``compressor_kwargs`` as in
-    :func:`pycomm.distributed.algorithms.allreduce_compressed`; ``impl``
-    defaults to "reference".
+    ``compressor_kwargs``: the compressor's settings (``block_size``;
+    ``density``, ``approx``) and ``impl`` ("reference" by default; "cpu" uses
+    the engine's own kernels, so results match it bit for bit).
     """
     world = len(inputs)
     if world < 1:
@@ -119,8 +321,28 @@ def simulate_allreduce(
         if efs is not None and not bool(torch.isfinite(out.to(dtype)).all()):
             for ef in efs:
                 ef.rollback()
+    elif is_plugin(method):
+        # A registered compressor: every rank's payload decoded in rank order.
+        comp = _plugin_instance(method, options_json(method, compressor_kwargs))
+        if efs is not None:
+            for r, ef in enumerate(efs):
+                ef.bind(method=method, numel=n, world_size=world, rank=r, chunk_numel=chunk_numel,
+                        device=xs[r].device)
+                ef.snapshot()
+        out = torch.empty(n, dtype=torch.float32, device=xs[0].device)
+        for start, end in chunk_bounds(n, chunk_numel):
+            payloads = [comp.compress(x[start:end], efs[r].worker[start:end] if efs is not None else None)
+                        for r, x in enumerate(xs)]
+            for r, p in enumerate(payloads):
+                comp.decompress(p, out[start:end], r > 0)
+            if avg:
+                out[start:end].div_(world)
+        if efs is not None and not bool(torch.isfinite(out.to(dtype)).all()):
+            for ef in efs:
+                ef.rollback()
     else:
-        raise ValueError(f"unknown method {method!r}; choose one of ['onebit', 'topk', 'fp16', 'bf16']")
+        raise ValueError(f"unknown method {method!r}; choose one of ['onebit', 'topk', 'fp16', 'bf16'] "
+                         f"or a registered compressor")
 
     return [out.view(shape).to(dtype).clone() for _ in range(world)]
 

@@ -1,0 +1,141 @@
+"""The spec of pycomm's compressed collectives, defined once (docs/allreduce.md).
+
+Method names and their codes, the chunk layout, onebit's segment layout, the
+wire sizes and the fields of the cross-rank call check. The C++ engine
+(csrc/distributed/spec.h) mirrors these; ``pycomm._C.spec()`` returns its
+copy and tests/test_spec.py compares the two, so neither can drift.
+
+Example::
+
+    >>> from pycomm.distributed import spec
+    >>> spec.METHODS
+    ('onebit', 'topk', 'fp16', 'bf16', 'none')
+    >>> spec.chunk_bounds(2_500_000, 1 << 20)   # round(2.38) = 2 chunks
+    [(0, 1250000), (1250000, 2500000)]
+    >>> spec.onebit_segments(1000, 4, 64)       # 4 segments of 256 (4 blocks)
+    (256, [(0, 256), (256, 512), (512, 768), (768, 1000)])
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, List, Tuple
+
+import torch.distributed as dist
+
+from ..compressors.onebit import WORD_BITS
+from ..compressors.topk import topk_capacity, topk_k
+
+#: What a compressed call can run; the index is the method's code on the wire
+#: of the call check. "none" is the exact all-reduce of the inner backend.
+METHODS = ("onebit", "topk", "fp16", "bf16", "none")
+#: What a group can be configured with: a method, or "auto" (one per size,
+#: from a calibration: docs/auto.md).
+GROUP_METHODS = METHODS + ("auto",)
+#: The methods that keep error-feedback residuals.
+EF_METHODS = ("onebit", "topk")
+#: Chunk length (elements) of the engine's pipeline when none is given: 1 Mi
+#: elements (4 MiB of float32). Results depend on it (segment and block
+#: starts), so every party that must agree uses the same value.
+DEFAULT_CHUNK_NUMEL = 1 << 20
+#: When the ranks compare their compressed calls: never, at the first use of
+#: each key and keyless (numel, dtype, op), or every call. The index is the
+#: engine's code. ``PYCOMM_DEBUG=detail`` in the environment means "every".
+CHECK_MODES = ("off", "first", "every")
+#: The fields of the call descriptor the ranks compare, in wire order.
+CALL_FIELDS = ("numel", "dtype", "op", "key", "compressor", "chunk_numel", "block_size", "density",
+               "approx", "device type")
+
+
+def method_code(method: str) -> int:
+    """The code of ``method`` (its index in :data:`METHODS`).
+
+    >>> method_code("topk")
+    1
+    """
+    try:
+        return METHODS.index(method)
+    except ValueError:
+        raise ValueError(f"unknown method {method!r}; choose one of {list(METHODS)}") from None
+
+
+def check_mode(mode: str = "first", name: str = "check_calls") -> str:
+    """``mode``, or "every" when the environment says ``PYCOMM_DEBUG=detail``
+    (``name``: the argument's name in the error for a bad ``mode``)."""
+    if mode not in CHECK_MODES:
+        raise ValueError(f"{name} must be one of {list(CHECK_MODES)}, got {mode!r}")
+    if os.environ.get("PYCOMM_DEBUG", "").lower() == "detail":
+        return "every"
+    return mode
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def chunk_length(numel: int, chunk_numel: int) -> int:
+    """The length of the chunks a ``numel``-element tensor is cut into:
+    ``round(numel / chunk_numel)`` chunks (at least one) of equal length but
+    the last. Never a small tail chunk: a bucket slightly over
+    ``chunk_numel`` is one chunk, not a chunk and a sliver that costs as many
+    collectives as a full one.
+
+    >>> chunk_length(1_050_000, 1 << 20), chunk_length(1_600_000, 1 << 20), chunk_length(0, 8)
+    (1050000, 800000, 1)
+    """
+    count = max(1, (2 * numel + chunk_numel) // (2 * chunk_numel))
+    return max(1, -(-numel // count))
+
+
+def chunk_bounds(numel: int, chunk_numel: int) -> List[Tuple[int, int]]:
+    """``[(start, end), ...]`` of the chunks of a ``numel``-element tensor,
+    each :func:`chunk_length` long but the last; ``[]`` for an empty tensor."""
+    c = chunk_length(numel, chunk_numel)
+    return [(s, min(numel, s + c)) for s in range(0, numel, c)]
+
+
+def onebit_segments(m: int, world_size: int, block_size: int) -> Tuple[int, List[Tuple[int, int]]]:
+    """``(seg, [(start, end) of segment j for j in 0..W-1])`` for a chunk of
+    ``m`` elements: ``seg`` is a whole number of blocks; segment ``j`` is
+    ``[j*seg, min(m, (j+1)*seg))`` clipped to ``m`` (possibly empty). Rank
+    ``j`` reduces segment ``j`` (the reduce-scatter stage)."""
+    seg = _cdiv(_cdiv(m, world_size), block_size) * block_size
+    bounds = [(min(m, j * seg), min(m, (j + 1) * seg)) for j in range(world_size)]
+    return seg, bounds
+
+
+def onebit_wire_numel(length: int, block_size: int) -> int:
+    """int32 elements of a onebit segment payload of ``length`` elements
+    (``ceil(L/32)`` words, then ``ceil(L/B)`` scales; 0 for an empty one)."""
+    if length == 0:
+        return 0
+    return _cdiv(length, WORD_BITS) + _cdiv(length, block_size)
+
+
+def topk_wire_numel(m: int, density: float, approx: bool) -> int:
+    """int32 elements of a topk chunk payload ``[count, indices, values]``
+    padded to ``1 + 2 * cap``."""
+    k = topk_k(m, density)
+    cap = topk_capacity(k) if approx else k
+    return 1 + 2 * cap
+
+
+def normalize_op(op: Any) -> str:
+    """``"sum"`` or ``"avg"`` from a string (any case) or a ``dist.ReduceOp``.
+
+    >>> normalize_op("AVG"), normalize_op(dist.ReduceOp.SUM)
+    ('avg', 'sum')
+    """
+    if isinstance(op, str):
+        low = op.lower()
+        if low in ("sum", "avg"):
+            return low
+    else:
+        try:
+            if op == dist.ReduceOp.SUM:
+                return "sum"
+            if op == dist.ReduceOp.AVG:
+                return "avg"
+        except TypeError:
+            pass
+    raise ValueError(f"op must be 'sum' or 'avg' (or ReduceOp.SUM / ReduceOp.AVG), got {op!r}")

@@ -1,0 +1,129 @@
+"""A compressor registered from Python (tests/plugin_int8.py, written as a
+user would, without a line of pycomm changed) runs through every entry point
+of the engine with error feedback: pd.init_process_group, pd.wrap, DDP and
+the DDP hook over a plain group; results and residuals equal the
+simulation's bit for bit (it runs the same Python), on every rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from _dist import run_ranks
+
+import plugin_int8  # noqa: F401  (registers "int8-absmax")
+import pycomm
+import pycomm.distributed as pd
+from pycomm.distributed.simulate import ErrorFeedback, simulate_allreduce
+
+N, CHUNK, STEPS = 5003, 2000, 3  # three chunks, the last one short
+
+
+def _inputs(step, world):
+    return [torch.randn(N, generator=torch.Generator().manual_seed(31 * step + r)) * (1 + r) for r in range(world)]
+
+
+def _rank(rank, world):
+    import plugin_int8  # noqa: F401  (a spawned rank imports the user's file too)
+
+    out = {}
+    pg = pd.wrap(compressor="int8-absmax", chunk_numel=CHUNK, compressor_options={"levels": 100})
+    steps = []
+    for step in range(STEPS):
+        x = _inputs(step, world)[rank].clone()
+        pd.all_reduce(x, key=5, group=pg, op="avg")
+        steps.append((x, pd.error_feedback_state(pg)[5]["worker"].clone()))
+    out["wrap"] = steps
+    # DDP with the hook over the plain (Gloo) group: the hook wraps it.
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from pycomm.ddp import CompressionState, compressed_hook
+
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4)),
+                bucket_cap_mb=0.02)
+    state = CompressionState(compressor="int8-absmax", start_iter=2)
+    model.register_comm_hook(state, compressed_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(8):
+        g = torch.Generator().manual_seed(100 * rank + step)
+        x = torch.randn(16, 32, generator=g)
+        loss = torch.nn.functional.mse_loss(model(x), x[:, :4])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    out["hook_params"] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    out["hook_keys"] = sorted(state.state_dict()["error_feedback"])
+    out["loss"] = loss.item()
+    # A rank whose options differ is named on every rank, not a hang.
+    other = pd.wrap(compressor="int8-absmax", min_compress_numel=1, compressor_options={"levels": 100 + rank})
+    try:
+        pd.all_reduce(torch.randn(100), key=1, group=other)
+        out["mismatch"] = None
+    except RuntimeError as exc:
+        out["mismatch"] = str(exc)
+    return out
+
+
+def _rank_default_group(rank, world):
+    import plugin_int8  # noqa: F401
+
+    # The default group itself: DDP without a hook compresses its buckets.
+    dist.destroy_process_group()
+    import os
+    from datetime import timedelta
+
+    pd.init_process_group(compressor="int8-absmax", backend="gloo", init_method="env://",
+                          timeout=timedelta(seconds=float(os.environ["PYCOMM_TEST_TIMEOUT"])),
+                          min_compress_numel=1)
+    x = _inputs(0, world)[rank].clone()
+    dist.all_reduce(x)
+    return x
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_ranks(_rank, 2, timeout=180)
+
+
+def test_wrapped_group_equals_simulation_with_error_feedback(results):
+    efs = [ErrorFeedback() for _ in range(2)]
+    for step in range(STEPS):
+        want = simulate_allreduce(_inputs(step, 2), "int8-absmax", op="avg", chunk_numel=CHUNK, efs=efs,
+                                  levels=100)
+        for rank in range(2):
+            got, residual = results[rank]["wrap"][step]
+            assert torch.equal(got, want[rank]), (rank, step)
+            assert torch.equal(residual, efs[rank].worker), (rank, step)
+        assert efs[0].worker.abs().sum() > 0  # error feedback holds something
+
+
+def test_hook_over_a_plain_group_trains_with_it(results):
+    assert torch.equal(results[0]["hook_params"], results[1]["hook_params"])
+    assert results[0]["hook_keys"] and results[0]["hook_keys"] == results[1]["hook_keys"]
+    assert results[0]["loss"] == results[0]["loss"]  # finite, not NaN
+
+
+def test_ranks_with_other_options_are_named(results):
+    for rank in range(2):
+        msg = results[rank]["mismatch"]
+        assert msg is not None and "compressor (rank 0: registered compressor #" in msg, msg
+
+
+def test_init_process_group_runs_it():
+    got = run_ranks(_rank_default_group, 2, timeout=120)
+    want = simulate_allreduce(_inputs(0, 2), "int8-absmax", op="sum")
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[0])
+
+
+def test_registration_errors_name_the_problem():
+    with pytest.raises(ValueError, match="already registered"):
+        pycomm.register_compressor("int8-absmax", plugin_int8.Int8AbsMax)
+    with pytest.raises(TypeError, match="does not take the options"):
+        pd.PycommOptions(compressor="int8-absmax", compressor_options={"bits": 4})
+    with pytest.raises(ValueError, match="levels must be in"):
+        pd.PycommOptions(compressor="int8-absmax", compressor_options={"levels": 300})
+    with pytest.raises(ValueError, match="compressor_options are for registered compressors"):
+        pd.PycommOptions(compressor="onebit", compressor_options={"levels": 3})
+    with pytest.raises(ValueError, match="or a registered compressor"):
+        pd.PycommOptions(compressor="int9")
