@@ -10,7 +10,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 from datetime import timedelta
 
 import pytest

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from _dist import RankError, run_ranks
+from _dist import run_ranks
 
 import pycomm
 from pycomm.distributed.simulate import ErrorFeedback, simulate_allreduce

@@ -8,7 +8,11 @@ residuals to float32 rounding (onebit's block sums are reduced in another
 order), or exactly where no arithmetic differs (topk).
 """
 
+import ast
 import os
+import pathlib
+import subprocess
+import sys
 
 import torch
 
@@ -26,6 +30,7 @@ import _data  # noqa: E402
 import pycomm  # noqa: E402
 import pycomm.compressors.onebit as ob  # noqa: E402
 import pycomm.compressors.topk as tk  # noqa: E402
+from pycomm import _ext  # noqa: E402
 from pycomm.triton import onebit as tri_ob  # noqa: E402
 from pycomm.triton import topk as tri_tk  # noqa: E402
 
@@ -153,15 +158,22 @@ def test_onebit_error_feedback(n, block_size, dtype):
 @pytest.fixture
 def accept_calls(monkeypatch):
     """Records every (count, k) passed to topk's accept rule: the reference
-    and the Triton impl must reach the same decisions from the same counts."""
+    and the Triton impl must reach the same decisions from the same counts.
+    Both modules call the rule through their own global name (pycomm.wire's
+    function), so each is spied on, into one list."""
     calls = []
-    real = tk.accept
 
-    def spy(count, k):
-        calls.append((count, k))
-        return real(count, k)
+    def spy_on(module):
+        real = module.accept
 
-    monkeypatch.setattr(tk, "accept", spy)
+        def spy(count, k):
+            calls.append((count, k))
+            return real(count, k)
+
+        monkeypatch.setattr(module, "accept", spy)
+
+    spy_on(tk)
+    spy_on(tri_tk)
     return calls
 
 
@@ -408,3 +420,279 @@ def test_public_topk():
         out = torch.full((20, 50), float("nan"), device=DEVICE)
         c.decompress(p, out=out)
         assert torch.equal(out + res, expected)
+
+
+# ----------------------------------------------------------------- the ops ---
+# Each Triton op -> the C++ op whose schema and semantics it mirrors.
+TRITON_OPS = {
+    "onebit_compress_triton": "onebit_compress",
+    "onebit_compress_into_triton": "onebit_compress_into",
+    "onebit_decompress_triton": "onebit_decompress",
+    "topk_compress_triton": "topk_compress",
+    "topk_decompress_triton": "topk_decompress",
+}
+ODD_SIZES = [1, 31, 33, 4097]
+
+
+def _signature(name):
+    """The schema of pycomm::name without its name, written as csrc/ops does:
+    triton_op infers schemas from Python annotations, which makes an int a
+    SymInt and numbers the alias sets (a0!, a1!, ...)."""
+    schema = str(getattr(torch.ops.pycomm, name).default._schema)
+    schema = schema.replace(f"pycomm::{name}(", "(", 1).replace("SymInt ", "int ")
+    for i in range(8):
+        schema = schema.replace(f"(a{i}!)", "(a!)")
+    return schema
+
+
+@pytest.mark.parametrize("name", sorted(TRITON_OPS))
+def test_op_registered(name):
+    qualname = f"pycomm::{name}"
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "CompositeExplicitAutograd")
+    # triton_op's bookkeeping (what torch.compile / AOTInductor consult).
+    assert qualname in torch._library.triton.triton_ops_to_kernels
+    if not _ext.has_ops():
+        pytest.skip("the C++ ops to compare schemas with are not built")
+    assert _signature(name) == _signature(TRITON_OPS[name])
+
+
+def test_ops_through_the_dispatcher():
+    # How the C++ engine calls an impl: c10::Dispatcher::findSchemaOrThrow by
+    # name, then a call that Python does not mediate.
+    def call(name, *args):
+        handle = torch._C._dispatch_find_schema_or_throw(f"pycomm::{name}", "")
+        return torch._C._dispatch_call_boxed(handle, *args)
+
+    grad, residual = make_grad(33, kind="nonfinite"), make_residual(33)
+    res_ref, res_op = residual.clone(), residual.clone()
+    bits_ref, scales_ref = ob.compress_reference(grad, res_ref, 32)
+    bits, scales = call("onebit_compress_triton", grad, res_op, 32)
+    assert torch.equal(bits, bits_ref)
+    torch.testing.assert_close(scales, scales_ref, equal_nan=True, **SCALE_TOL)
+    torch.testing.assert_close(res_op, res_ref, equal_nan=True, **RESIDUAL_TOL)
+    out, out_ref = poisoned(33), poisoned(33)
+    call("onebit_decompress_triton", out, bits_ref, scales_ref, 32, False)
+    ob.decompress_reference(bits_ref, scales_ref, 32, out_ref, False)
+    torch.testing.assert_close(out, out_ref, equal_nan=True, rtol=0, atol=0)
+
+    idx_ref, val_ref = tk.compress_reference(grad, None, 5, True)
+    idx, val = call("topk_compress_triton", grad, None, 5, True)
+    assert torch.equal(idx, idx_ref)
+    torch.testing.assert_close(val, val_ref, equal_nan=True, rtol=0, atol=0)
+    out, out_ref = poisoned(33), poisoned(33)
+    call("topk_decompress_triton", out, idx_ref, val_ref, False)
+    tk.decompress_reference(idx_ref, val_ref, out_ref, False)
+    torch.testing.assert_close(out, out_ref, equal_nan=True, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("n", ODD_SIZES)
+def test_onebit_ops_match_reference(n, kind):
+    grad = make_grad(n, kind=kind)
+    residual = make_residual(n)
+    res_ref, res_op = residual.clone(), residual.clone()
+    bits_ref, scales_ref = ob.compress_reference(grad, res_ref, 64)
+    bits, scales = torch.ops.pycomm.onebit_compress_triton(grad, res_op, 64)
+    assert torch.equal(bits, bits_ref)
+    torch.testing.assert_close(scales, scales_ref, equal_nan=True, **SCALE_TOL)
+    torch.testing.assert_close(res_op, res_ref, equal_nan=True, **RESIDUAL_TOL)
+
+    # compress_into: the same payload and new residual, in a second buffer;
+    # the old residual left as it was.
+    res_in, res_out = residual.clone(), poisoned(n)
+    bits2, scales2 = torch.ops.pycomm.onebit_compress_into_triton(grad, res_in, res_out, 64)
+    assert torch.equal(bits2, bits)
+    torch.testing.assert_close(scales2, scales, equal_nan=True, rtol=0, atol=0)
+    torch.testing.assert_close(res_out, res_op, equal_nan=True, rtol=0, atol=0)
+    assert torch.equal(res_in, residual)
+    # ... or in place, when both are one tensor.
+    res_same = residual.clone()
+    torch.ops.pycomm.onebit_compress_into_triton(grad, res_same, res_same, 64)
+    torch.testing.assert_close(res_same, res_op, equal_nan=True, rtol=0, atol=0)
+
+    for accumulate in (False, True):
+        out_ref = make_residual(n, seed=2) if accumulate else poisoned(n)
+        out = out_ref.clone()
+        ob.decompress_reference(bits_ref, scales_ref, 64, out_ref, accumulate)
+        torch.ops.pycomm.onebit_decompress_triton(out, bits_ref, scales_ref, 64, accumulate)
+        torch.testing.assert_close(out, out_ref, equal_nan=True, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("approx", [False, True])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("n", ODD_SIZES)
+def test_topk_ops_match_reference(n, kind, approx):
+    grad = make_grad(n, kind=kind)
+    residual = make_residual(n)
+    res_ref, res_op = residual.clone(), residual.clone()
+    k = tk.topk_k(n, 0.1)
+    idx_ref, val_ref = tk.compress_reference(grad, res_ref, k, approx)
+    idx, val = torch.ops.pycomm.topk_compress_triton(grad, res_op, k, approx)
+    assert idx.dtype == torch.int32 and val.dtype == torch.float32
+    assert torch.equal(idx, idx_ref)
+    torch.testing.assert_close(val, val_ref, equal_nan=True, rtol=0, atol=0)
+    torch.testing.assert_close(res_op, res_ref, equal_nan=True, rtol=0, atol=0)
+
+    for accumulate in (False, True):
+        out_ref = make_residual(n, seed=2) if accumulate else poisoned(n)
+        out = out_ref.clone()
+        tk.decompress_reference(idx_ref, val_ref, out_ref, accumulate)
+        torch.ops.pycomm.topk_decompress_triton(out, idx_ref, val_ref, accumulate)
+        torch.testing.assert_close(out, out_ref, equal_nan=True, rtol=0, atol=0)
+
+
+# opcheck compares outputs without equal_nan: finite inputs only (NaN and
+# Inf are covered by the tests above).
+@pytest.mark.parametrize("kind", ["random", "zeros"])
+@pytest.mark.parametrize("n", ODD_SIZES)
+def test_opcheck_onebit(n, kind):
+    # 2048-element blocks: opcheck runs each op several times, and every
+    # block is one (slow, interpreted) program.
+    grad, residual = make_grad(n, kind=kind), make_residual(n)
+    opcheck = torch.library.opcheck
+    opcheck(torch.ops.pycomm.onebit_compress_triton, (grad, residual, 2048))
+    opcheck(torch.ops.pycomm.onebit_compress_triton, (grad.half(), None, 2048))
+    opcheck(torch.ops.pycomm.onebit_compress_into_triton, (grad, residual, torch.zeros_like(grad), 2048))
+    bits, scales = ob.compress_reference(grad, residual.clone(), 64)
+    for acc in (False, True):
+        opcheck(torch.ops.pycomm.onebit_decompress_triton, (make_residual(n, 2), bits, scales, 64, acc))
+
+
+@pytest.mark.parametrize("kind", ["random", "zeros"])
+@pytest.mark.parametrize("n", ODD_SIZES)
+def test_opcheck_topk(n, kind):
+    grad, residual = make_grad(n, kind=kind), make_residual(n)
+    k = tk.topk_k(n, 0.1)
+    opcheck = torch.library.opcheck
+    for approx in (False, True):
+        opcheck(torch.ops.pycomm.topk_compress_triton, (grad, residual, k, approx))
+        opcheck(torch.ops.pycomm.topk_compress_triton, (grad.bfloat16(), None, k, approx))
+    idx, val = tk.compress_reference(grad, residual.clone(), k, True)
+    for accumulate in (False, True):
+        opcheck(torch.ops.pycomm.topk_decompress_triton, (make_residual(n, 2), idx, val, accumulate))
+
+
+def test_ops_under_torch_compile():
+    def roundtrip(grad, residual):
+        bits, scales = torch.ops.pycomm.onebit_compress_triton(grad, residual, 64)
+        dense = torch.empty_like(residual)
+        torch.ops.pycomm.onebit_decompress_triton(dense, bits, scales, 64, False)
+        idx, val = torch.ops.pycomm.topk_compress_triton(dense, residual, 10, True)
+        torch.ops.pycomm.topk_decompress_triton(dense, idx, val, True)
+        return dense * 2
+
+    grad, residual = make_grad(1000), make_residual(1000)
+    res_eager, res_compiled = residual.clone(), residual.clone()
+    expected = roundtrip(grad, res_eager)
+    got = torch.compile(roundtrip, backend="aot_eager", fullgraph=True)(grad, res_compiled)
+    assert torch.equal(got, expected)
+    assert torch.equal(res_compiled, res_eager)
+
+
+def _overlapping_residuals():
+    buf = torch.ones(65)
+    return torch.ones(64), buf[:64], buf[1:], 32
+
+
+def _i32(*values):
+    return torch.tensor(values, dtype=torch.int32)
+
+
+ones = torch.ones
+ERROR_CASES = [
+    ("onebit_compress", lambda: (ones(64), None, 48), "positive multiple of 32"),
+    ("onebit_compress", lambda: (ones(64, dtype=torch.int32), None, 32), "grad must be float32"),
+    ("onebit_compress", lambda: (ones(0), None, 32), "grad is empty"),
+    ("onebit_compress", lambda: (ones(64), ones(64).half(), 32), "residual must be float32"),
+    ("onebit_compress", lambda: (ones(64), ones(63), 32), "residual has 63 elements"),
+    ("onebit_compress_into", _overlapping_residuals, "must be the same tensor or not overlap"),
+    ("onebit_decompress", lambda: (ones(64), _i32(0, 0, 0), ones(2), 32, False), "bits has 3 words"),
+    ("onebit_decompress", lambda: (ones(64).half(), _i32(0, 0), ones(2), 32, False), "out must be float32"),
+    ("topk_compress", lambda: (ones(64), None, 0, False), "k must be in"),
+    ("topk_compress", lambda: (ones(64), None, 65, True), "k must be in"),
+    ("topk_decompress", lambda: (ones(8), torch.tensor([1, 2]), ones(2), False), "indices must be"),
+    ("topk_decompress", lambda: (ones(8), _i32(1, 8), ones(2), False), r"indices must lie in \[0, 8\)"),
+]
+
+
+@pytest.mark.parametrize("name,args,message", ERROR_CASES)
+def test_op_errors_match_cpp(name, args, message):
+    # The same RuntimeError as the C++ op (TORCH_CHECK), for the same input.
+    ops = [name + "_triton"] + ([name] if _ext.has_ops() else [])
+    for op in ops:
+        with pytest.raises(RuntimeError, match=message):
+            getattr(torch.ops.pycomm, op)(*args())
+
+
+# ----------------------------------------------------------------- layering ---
+PKG_DIR = pathlib.Path(pycomm.__file__).parent
+TRITON_FILES = sorted((PKG_DIR / "triton").glob("*.py"))
+
+
+def _imported_modules(path):
+    """Absolute names of every module a file in pycomm/triton imports,
+    wherever the import statement is (lazy ones inside functions too)."""
+    names = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            package = ["pycomm", "triton"][: 3 - node.level] if node.level else []
+            module = ".".join(package + ([node.module] if node.module else []))
+            # `from .. import compressors` imports pycomm.compressors.
+            names += [module] + [f"{module}.{alias.name}" for alias in node.names]
+    return names
+
+
+@pytest.mark.parametrize("path", TRITON_FILES, ids=lambda p: p.name)
+def test_triton_package_does_not_import_compressors(path):
+    names = _imported_modules(path)
+    if path.name != "__init__.py":  # a docstring only
+        assert "torch" in names  # the walk sees the file's imports
+    assert not [m for m in names if m == "pycomm.compressors" or m.startswith("pycomm.compressors.")]
+
+
+def test_triton_modules_load_without_compressors():
+    # Importing pycomm itself imports the compressors, so the modules are
+    # loaded under a bare "pycomm" package whose __init__ never runs: whatever
+    # they import shows in sys.modules. They register their ops without
+    # pycomm's C++ extension.
+    code = f"""
+import sys, types
+import torch
+pkg = types.ModuleType("pycomm")
+pkg.__path__ = [{str(PKG_DIR)!r}]
+sys.modules["pycomm"] = pkg
+import pycomm.triton.onebit, pycomm.triton.topk
+loaded = sorted(m for m in sys.modules if m.startswith("pycomm"))
+assert loaded == ["pycomm", "pycomm.triton", "pycomm.triton._common", "pycomm.triton.onebit",
+                  "pycomm.triton.topk", "pycomm.wire"], loaded
+for name in {sorted(TRITON_OPS)!r}:
+    getattr(torch.ops.pycomm, name).default
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300, env=os.environ.copy())
+
+
+def test_kernels_and_reference_share_the_rules():
+    # One copy of the wire constants and top-k's rules (pycomm/wire.py): the
+    # kernels and the reference read the same objects.
+    assert tri_ob.WORD_BITS == ob.WORD_BITS == 32
+    for name in ("NAN_KEY", "INF_KEY", "sample_stride", "sample_rank", "retry_rank", "accept", "topk_capacity"):
+        assert getattr(tri_tk, name) is getattr(tk, name), name
+    special = torch.tensor([0.0, -0.0, 1e-45, -1e-45, float("inf"), -float("inf"), float("nan")])
+    nans = torch.tensor([0x7FC00000, -0x400000, 0x7F800001, -1], dtype=torch.int32).view(torch.float32)
+    c = torch.cat([make_grad(4097, kind="nonfinite").cpu(), special, nans])
+    assert torch.equal(tri_tk.keys(c).long(), tk.keys_reference(c))
+
+
+def test_compressors_import_without_triton():
+    code = """
+import sys
+sys.modules["triton"] = None  # `import triton` now raises ImportError
+import torch, pycomm
+assert "triton" not in pycomm.available_impls("onebit", "cpu")
+c = pycomm.get_compressor("topk", density=0.1)
+c.decompress(c.compress(torch.randn(100)))
+assert not [m for m in sys.modules if m.startswith("pycomm.triton")]
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300, env=os.environ.copy())

@@ -17,9 +17,8 @@ from typing import Optional, Tuple
 import torch
 
 from .. import _ext
+from ..wire import WORD_BITS
 from .base import Compressor, Impl, check_positive_int, register
-
-WORD_BITS = 32
 
 
 @dataclass
@@ -109,16 +108,18 @@ def _decompress_op(bits, scales, block_size, out, accumulate):
     torch.ops.pycomm.onebit_decompress(out, bits, scales, block_size, accumulate)
 
 
+# The Triton kernels are ops too (pycomm/triton/onebit.py). Imported here only
+# to register them, and only when used: pycomm imports without Triton.
 def _compress_triton(grad, residual, block_size):
-    from ..triton import onebit as tri
+    from ..triton import onebit  # noqa: F401
 
-    return tri.compress(grad, residual, block_size)
+    return torch.ops.pycomm.onebit_compress_triton(grad, residual, block_size)
 
 
 def _decompress_triton(bits, scales, block_size, out, accumulate):
-    from ..triton import onebit as tri
+    from ..triton import onebit  # noqa: F401
 
-    tri.decompress(bits, scales, block_size, out, accumulate)
+    torch.ops.pycomm.onebit_decompress_triton(out, bits, scales, block_size, accumulate)
 
 
 IMPLS = {

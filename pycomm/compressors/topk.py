@@ -17,7 +17,6 @@ that was not sent and is zero where an entry was sent.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -26,10 +25,18 @@ import torch
 from .. import _ext
 from .base import Compressor, Impl, check_density, register
 
-NAN_KEY = 0x7FC00000
-INF_KEY = 0x7F800000
-SAMPLE_HITS = 256
-SAMPLE_MIN = 4096
+from ..wire import (  # noqa: F401  (the rules, re-exported for the reference's readers)
+    INF_KEY,
+    NAN_KEY,
+    SAMPLE_HITS,
+    SAMPLE_MIN,
+    accept,
+    retry_rank,
+    sample_rank,
+    sample_stride,
+    topk_capacity,
+    topk_k,
+)
 
 
 @dataclass
@@ -44,32 +51,6 @@ class TopKPayload:
     @property
     def nbytes(self) -> int:
         return self.indices.numel() * 4 + self.values.numel() * 4
-
-
-# ------------------------------------------------- rules (compress_math.h) ---
-def topk_k(n: int, density: float) -> int:
-    return min(n, max(1, math.ceil(density * n)))
-
-
-def topk_capacity(k: int) -> int:
-    return k + k // 4
-
-
-def sample_stride(n: int, k: int) -> int:
-    target = max(SAMPLE_MIN, SAMPLE_HITS * (-(-n // k)))
-    return max(1, n // target)
-
-
-def sample_rank(n: int, k: int, s: int) -> int:
-    return min(s, max(1, math.ceil(1.125 * k * s / n)))
-
-
-def retry_rank(rank: int, k: int, count: int, s: int) -> int:
-    return min(s, max(1, math.ceil(rank * 1.125 * k / count)))
-
-
-def accept(count: int, k: int) -> bool:
-    return k <= count <= topk_capacity(k)
 
 
 def keys_reference(c: torch.Tensor) -> torch.Tensor:
@@ -151,16 +132,18 @@ def _decompress_op(indices, values, out, accumulate):
     torch.ops.pycomm.topk_decompress(out, indices, values, accumulate)
 
 
+# The Triton kernels are ops too (pycomm/triton/topk.py). Imported here only
+# to register them, and only when used: pycomm imports without Triton.
 def _compress_triton(grad, residual, k, approx):
-    from ..triton import topk as tri
+    from ..triton import topk  # noqa: F401
 
-    return tri.compress(grad, residual, k, approx)
+    return torch.ops.pycomm.topk_compress_triton(grad, residual, k, approx)
 
 
 def _decompress_triton(indices, values, out, accumulate):
-    from ..triton import topk as tri
+    from ..triton import topk  # noqa: F401
 
-    tri.decompress(indices, values, out, accumulate)
+    torch.ops.pycomm.topk_decompress_triton(out, indices, values, accumulate)
 
 
 IMPLS = {

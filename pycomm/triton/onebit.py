@@ -1,5 +1,14 @@
 """Triton onebit: sign bits + per-block mean-magnitude scale, fused error feedback.
 
+Importing this module registers the ops
+
+* ``torch.ops.pycomm.onebit_compress_triton(grad, residual?, block_size) -> (bits, scales)``
+* ``torch.ops.pycomm.onebit_compress_into_triton(grad, residual, residual_out, block_size)
+  -> (bits, scales)``
+* ``torch.ops.pycomm.onebit_decompress_triton(out, bits, scales, block_size, accumulate)``
+
+with the schemas and semantics of the C++ ops ``pycomm::onebit_compress``,
+``onebit_compress_into`` and ``onebit_decompress`` (``csrc/ops/onebit.cpp``).
 Wire format and rules: ``kernels/include/pycomm/compress_math.h``; the oracle
 is ``pycomm.compressors.onebit.compress_reference`` / ``decompress_reference``.
 Bits match the reference exactly; scales match it up to float32 rounding
@@ -13,10 +22,13 @@ from typing import Optional, Tuple
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
+from torch.library import wrap_triton
 
-from ._common import device_guard, load_c
+from ._common import check, check_compress_inputs, check_out, device_guard, load_c, register_op
 
-from ..compressors.onebit import WORD_BITS
+# Bits per packed word: one 32-lane row packs into one uint32 (tl.arange(0, 32)).
+from ..wire import WORD_BITS  # noqa: E402
 
 # Largest tile one program holds at once ([MAX_TILE // 32, 32] floats). Larger
 # blocks loop over tiles inside the program instead of growing the tile, so
@@ -126,42 +138,22 @@ def _decompress_kernel(
     tl.store(out_ptr + offs, decoded, mask=mask)
 
 
+# ------------------------------------------------------------------- ops ---
+def _check_block_size(block_size: int) -> None:
+    check(
+        block_size > 0 and block_size % WORD_BITS == 0,
+        f"block_size must be a positive multiple of 32, got {block_size}",
+    )
 
 
-def _check_flat(name: str, t: torch.Tensor) -> None:
-    if t.dim() != 1 or not t.is_contiguous():
-        raise ValueError(f"{name} must be a flat contiguous tensor, got shape {tuple(t.shape)}")
-
-
-def compress(
-    grad: torch.Tensor, residual: Optional[torch.Tensor], block_size: int
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Onebit-compress ``c = grad + residual`` in one fused kernel.
-
-    ``grad``: flat contiguous float32/float16/bfloat16 of n elements;
-    ``residual``: flat contiguous float32 of n elements, or None (no error
-    feedback). Returns ``(bits, scales)``: int32 ``[ceil(n / 32)]`` packed
-    sign bits (bit i of word w is element 32w + i, 1 = ``c >= 0``, padding
-    bits 0) and float32 ``[ceil(n / block_size)]`` mean ``|c|`` per block.
-    If ``residual`` is given it becomes ``c - decoded`` in place.
-    """
-    _check_flat("grad", grad)
-    if residual is not None:
-        _check_flat("residual", residual)
-        if residual.dtype != torch.float32 or residual.numel() != grad.numel():
-            raise ValueError("residual must be float32 with as many elements as grad")
-    if block_size <= 0 or block_size % WORD_BITS:
-        raise ValueError(f"block_size must be a positive multiple of {WORD_BITS}, got {block_size}")
+def _launch_compress(grad: Tensor, residual: Optional[Tensor], block_size: int) -> Tuple[Tensor, Tensor]:
     n = grad.numel()
-    if n == 0:
-        raise ValueError("grad is empty: there is nothing to compress")
-    words = triton.cdiv(n, WORD_BITS)
     blocks = triton.cdiv(n, block_size)
-    bits = torch.empty(words, dtype=torch.int32, device=grad.device)
+    bits = torch.empty(triton.cdiv(n, WORD_BITS), dtype=torch.int32, device=grad.device)
     scales = torch.empty(blocks, dtype=torch.float32, device=grad.device)
     tile = min(triton.next_power_of_2(block_size), MAX_TILE)
     with device_guard(grad):
-        _compress_kernel[(blocks,)](
+        wrap_triton(_compress_kernel)[(blocks,)](
             grad,
             residual if residual is not None else grad,  # never read when HAS_RES is False
             bits,
@@ -177,37 +169,129 @@ def compress(
     return bits, scales
 
 
-def decompress(
-    bits: torch.Tensor, scales: torch.Tensor, block_size: int, out: torch.Tensor, accumulate: bool
-) -> None:
-    """Decode a onebit payload into ``out`` (flat contiguous float32, n elements).
+def _compress_fake(grad, residual, block_size):
+    n = grad.numel()
+    words = -(-n // WORD_BITS)
+    blocks = -(-n // block_size)
+    return grad.new_empty((words,), dtype=torch.int32), grad.new_empty((blocks,), dtype=torch.float32)
 
-    ``out`` becomes the decoded ``+-scale`` values, or has them added when
-    ``accumulate`` is true.
-    """
-    _check_flat("out", out)
-    if out.dtype != torch.float32:
-        raise ValueError(f"out must be float32, got {out.dtype}")
-    if block_size <= 0 or block_size % WORD_BITS:
-        raise ValueError(f"block_size must be a positive multiple of {WORD_BITS}, got {block_size}")
+
+@register_op("pycomm::onebit_compress_triton", mutates_args=("residual",), fake=_compress_fake)
+def onebit_compress_triton(
+    grad: Tensor, residual: Optional[Tensor], block_size: int
+) -> Tuple[Tensor, Tensor]:
+    """pycomm::onebit_compress on Triton kernels (see :func:`compress`)."""
+    check_compress_inputs(grad, residual)
+    _check_block_size(block_size)
+    return _launch_compress(grad, residual, block_size)
+
+
+def _compress_into_fake(grad, residual, residual_out, block_size):
+    return _compress_fake(grad, residual, block_size)
+
+
+# traceable=False: the overlap check reads data pointers, which FakeTensors
+# do not have.
+@register_op(
+    "pycomm::onebit_compress_into_triton",
+    mutates_args=("residual_out",),
+    fake=_compress_into_fake,
+    traceable=False,
+)
+def onebit_compress_into_triton(
+    grad: Tensor, residual: Tensor, residual_out: Tensor, block_size: int
+) -> Tuple[Tensor, Tensor]:
+    """pycomm::onebit_compress_into on Triton kernels: ``grad + residual``
+    compressed, the new residual written to ``residual_out``, ``residual``
+    left as it was (unless it is ``residual_out``)."""
+    check_compress_inputs(grad, residual)
+    check_compress_inputs(grad, residual_out)
+    _check_block_size(block_size)
+    nbytes = 4 * grad.numel()
+    r_in, r_out = residual.data_ptr(), residual_out.data_ptr()
+    check(
+        r_in == r_out or r_in + nbytes <= r_out or r_out + nbytes <= r_in,
+        "residual and residual_out must be the same tensor or not overlap",
+    )
+    # Not fused, unlike the C++ kernel: the Triton kernel updates the
+    # residual it reads, so the old residual is copied over first (one more
+    # read and write of n floats).
+    if r_in != r_out:
+        residual_out.copy_(residual)
+    return _launch_compress(grad, residual_out, block_size)
+
+
+def _decompress_fake(out, bits, scales, block_size, accumulate):
+    return None
+
+
+@register_op("pycomm::onebit_decompress_triton", mutates_args=("out",), fake=_decompress_fake)
+def onebit_decompress_triton(
+    out: Tensor, bits: Tensor, scales: Tensor, block_size: int, accumulate: bool
+) -> None:
+    """pycomm::onebit_decompress on Triton kernels (see :func:`decompress`)."""
+    _check_block_size(block_size)
+    check_out(out, bits.device)
     n = out.numel()
-    if bits.numel() != triton.cdiv(n, WORD_BITS) or scales.numel() != triton.cdiv(n, block_size):
-        raise ValueError(
-            f"payload of {bits.numel()} words / {scales.numel()} scales does not describe "
-            f"{n} elements with block_size={block_size}"
-        )
-    if n == 0:
-        return
-    words_per_prog = DECOMPRESS_TILE // WORD_BITS
-    grid = (triton.cdiv(n, DECOMPRESS_TILE),)
+    check(n > 0, "out is empty")
+    check(bits.dtype == torch.int32 and bits.is_contiguous(), "bits must be a contiguous int32 tensor")
+    check(
+        scales.dtype == torch.float32 and scales.is_contiguous(),
+        "scales must be a contiguous float32 tensor",
+    )
+    words, blocks = triton.cdiv(n, WORD_BITS), triton.cdiv(n, block_size)
+    check(bits.numel() == words, f"bits has {bits.numel()} words; out of {n} elements needs {words}")
+    check(
+        scales.numel() == blocks,
+        f"scales has {scales.numel()} entries; {n} elements in blocks of {block_size} need {blocks}",
+    )
+    check(scales.device == bits.device, "scales and bits are on different devices")
     with device_guard(out):
-        _decompress_kernel[grid](
-            bits.contiguous(),
-            scales.contiguous(),
+        wrap_triton(_decompress_kernel)[(triton.cdiv(n, DECOMPRESS_TILE),)](
+            bits,
+            scales,
             out,
             n,
             block_size,
-            ACCUMULATE=bool(accumulate),
-            WORDS=words_per_prog,
+            ACCUMULATE=accumulate,
+            WORDS=DECOMPRESS_TILE // WORD_BITS,
             num_warps=8,
         )
+
+
+# ------------------------------------------------------------ python API ---
+def compress(grad: Tensor, residual: Optional[Tensor], block_size: int) -> Tuple[Tensor, Tensor]:
+    """Onebit-compress ``c = grad + residual`` in one fused kernel.
+
+    ``grad``: contiguous float32/float16/bfloat16 of n elements;
+    ``residual``: contiguous float32 of n elements, or None (no error
+    feedback). Returns ``(bits, scales)``: int32 ``[ceil(n / 32)]`` packed
+    sign bits (bit i of word w is element 32w + i, 1 = ``c >= 0``, padding
+    bits 0) and float32 ``[ceil(n / block_size)]`` mean ``|c|`` per block.
+    If ``residual`` is given it becomes ``c - decoded`` in place. Runs
+    ``torch.ops.pycomm.onebit_compress_triton``.
+
+    Example (on CPU tensors under TRITON_INTERPRET=1, or on a GPU)::
+
+        >>> g = torch.tensor([1.0, -3.0] * 16 + [2.0])
+        >>> bits, scales = compress(g, None, 32)
+        >>> bits.tolist(), scales.tolist()   # signs 0b0101...01, then 1
+        ([1431655765, 1], [2.0, 2.0])
+    """
+    return torch.ops.pycomm.onebit_compress_triton(grad, residual, block_size)
+
+
+def decompress(bits: Tensor, scales: Tensor, block_size: int, out: Tensor, accumulate: bool) -> None:
+    """Decode a onebit payload into ``out`` (contiguous float32, n elements).
+
+    ``out`` becomes the decoded ``+-scale`` values, or has them added when
+    ``accumulate`` is true. Runs ``torch.ops.pycomm.onebit_decompress_triton``.
+
+    Example::
+
+        >>> out = torch.empty(33)
+        >>> decompress(*compress(torch.tensor([1.0, -3.0] * 16 + [2.0]), None, 32), 32, out, False)
+        >>> out[:3].tolist(), out[-1].item()
+        ([2.0, -2.0, 2.0], 2.0)
+    """
+    torch.ops.pycomm.onebit_decompress_triton(out, bits, scales, block_size, accumulate)

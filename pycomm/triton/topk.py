@@ -1,9 +1,17 @@
 """Triton topk: keep the k largest-magnitude entries of ``c = grad + residual``.
 
+Importing this module registers the ops
+
+* ``torch.ops.pycomm.topk_compress_triton(grad, residual?, k, approx) -> (indices, values)``
+* ``torch.ops.pycomm.topk_decompress_triton(out, indices, values, accumulate)``
+
+with the schemas and semantics of the C++ ops ``pycomm::topk_compress`` and
+``topk_decompress`` (``csrc/ops/topk.cpp``).
+
 Follows ``pycomm.compressors.topk.select_reference`` step by step (same
 sample, same ranks, same accept / retry / exact-fallback decisions), so the
-selected indices are identical to the reference's; the rules themselves are
-imported from there, not restated.
+selected indices are identical to the reference's. The rules those decisions
+use are pycomm/wire.py's, shared with the reference (compress_math.h in C++).
 
 Every full-size pass recomputes ``c = float(grad) + residual`` from the inputs
 instead of staging it (float32 addition is exact-rounded, so every pass, and
@@ -27,10 +35,10 @@ from typing import Optional, Tuple
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
+from torch.library import wrap_triton
 
-from ._common import device_guard, load_c
-
-from ..compressors import topk as ref
+from ._common import check, check_compress_inputs, check_out, device_guard, load_c, register_op
 
 TILE = 2048
 NUM_WARPS = 8
@@ -39,6 +47,18 @@ NUM_WARPS = 8
 RADIX_BINS = 256
 RADIX_SHIFTS = (24, 16, 8, 0)
 SCATTER_TILE = 1024
+
+
+# ------------------------------------------------ rules (compress_math.h) ---
+# The references' own rules (pycomm/wire.py, which imports nothing of pycomm):
+# the kernels depend on the rules, not on the oracle they are tested against.
+from ..wire import INF_KEY, NAN_KEY, accept, retry_rank, sample_rank, sample_stride, topk_capacity  # noqa: E402,F401
+
+
+def keys(c: Tensor) -> Tensor:
+    """int32 magnitude keys of float32 ``c``: sign cleared, every NaN -> NAN_KEY."""
+    key = c.view(torch.int32) & 0x7FFFFFFF
+    return torch.where(key > INF_KEY, NAN_KEY, key)
 
 
 @triton.jit
@@ -192,7 +212,7 @@ class _Pass:
         """Per-program counts of keys > thr and == thr (int32 [programs])."""
         above = torch.empty(self.programs, dtype=torch.int32, device=self.device)
         equal = torch.empty_like(above)
-        _count_kernel[(self.programs,)](
+        wrap_triton(_count_kernel)[(self.programs,)](
             self.grad, self.res, self.n, thr, above, equal,
             HAS_RES=self.has_res, BLOCK=TILE, num_warps=NUM_WARPS,
         )
@@ -206,11 +226,11 @@ class _Pass:
         hist = torch.zeros(RADIX_BINS, dtype=torch.int32, device=self.device)
         grid = (min(self.programs, _persistent_programs(self.device)),)
         for shift in RADIX_SHIFTS:
-            _radix_hist_kernel[grid](
+            wrap_triton(_radix_hist_kernel)[grid](
                 self.grad, self.res, self.n, state, hist,
                 SHIFT=shift, HAS_RES=self.has_res, BLOCK=TILE, num_warps=NUM_WARPS,
             )
-            _radix_pick_kernel[(1,)](state, hist, SHIFT=shift, num_warps=1)
+            wrap_triton(_radix_pick_kernel)[(1,)](state, hist, SHIFT=shift, num_warps=1)
         return state
 
     def compact(
@@ -234,7 +254,7 @@ class _Pass:
         offsets = torch.cumsum(taken, 0) - taken
         indices = torch.empty(total, dtype=torch.int32, device=self.device)
         values = torch.empty(total, dtype=torch.float32, device=self.device)
-        _compact_kernel[(self.programs,)](
+        wrap_triton(_compact_kernel)[(self.programs,)](
             self.grad, self.res, self.n, thr, offsets, eq_before,
             budget if budget is not None else offsets,  # unread without LIMIT_EQ
             indices, values,
@@ -243,46 +263,12 @@ class _Pass:
         return indices, values
 
 
-
-
-def _sample_threshold(grad, residual, positions, rank) -> torch.Tensor:
+def _sample_threshold(grad, residual, positions, rank) -> Tensor:
     # The sample is small (~256 n / k elements): torch ops are fine here.
     c = grad[positions].float()
     if residual is not None:
         c = c + residual[positions]
-    keys = ref.keys_reference(c)
-    return torch.topk(keys, rank, sorted=True).values[-1:].to(torch.int32)
-
-
-def compress(
-    grad: torch.Tensor, residual: Optional[torch.Tensor], k: int, approx: bool
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Top-k of ``c = grad + residual`` by magnitude key.
-
-    ``grad``: flat contiguous float32/float16/bfloat16 of n elements;
-    ``residual``: flat contiguous float32 of n elements, or None. Returns
-    ``(indices, values)``: int32 ascending indices and float32 ``c`` at them;
-    exactly k entries in exact mode (ties by lowest index), between k and
-    ``topk_capacity(k)`` in approximate mode. ``residual`` becomes ``c`` with
-    the selected entries set to 0.
-    """
-    if grad.dim() != 1 or not grad.is_contiguous():
-        raise ValueError(f"grad must be a flat contiguous tensor, got shape {tuple(grad.shape)}")
-    n = grad.numel()
-    if residual is not None:
-        if residual.dim() != 1 or not residual.is_contiguous():
-            raise ValueError("residual must be a flat contiguous tensor")
-        if residual.dtype != torch.float32 or residual.numel() != n:
-            raise ValueError("residual must be float32 with as many elements as grad")
-    if n == 0:
-        raise ValueError("grad is empty: there is nothing to compress")
-    if n >= 2**31:
-        raise ValueError(f"topk indices are int32: at most 2^31 - 1 elements, got {n}")
-    if not 1 <= k <= n:
-        raise ValueError(f"k must be in [1, {n}], got {k}")
-
-    with device_guard(grad):
-        return _select_and_compact(grad, residual, k, approx)
+    return torch.topk(keys(c), rank, sorted=True).values[-1:]
 
 
 def _select_and_compact(grad, residual, k, approx):
@@ -290,20 +276,20 @@ def _select_and_compact(grad, residual, k, approx):
     n = grad.numel()
     p = _Pass(grad, residual)
     if approx:
-        stride = ref.sample_stride(n, k)
+        stride = sample_stride(n, k)
         s = n // stride
         positions = torch.arange(s, device=grad.device) * stride + stride // 2
-        rank = ref.sample_rank(n, k, s)
+        rank = sample_rank(n, k, s)
         for attempt in range(2):
             thr = _sample_threshold(grad, residual, positions, rank)
             above, equal = p.count(thr)
             # The one host sync of approximate mode: the control flow and the
             # output size depend on the count.
             count = int(above.sum(dtype=torch.int64) + equal.sum(dtype=torch.int64))
-            if ref.accept(count, k):
+            if accept(count, k):
                 return p.compact(thr, above, equal, count, None)
             if attempt == 0:
-                new_rank = ref.retry_rank(rank, k, count, s)
+                new_rank = retry_rank(rank, k, count, s)
                 if new_rank == rank:
                     break
                 rank = new_rank
@@ -315,28 +301,99 @@ def _select_and_compact(grad, residual, k, approx):
     return p.compact(thr, above, equal, k, budget)
 
 
-def decompress(
-    indices: torch.Tensor, values: torch.Tensor, out: torch.Tensor, accumulate: bool
-) -> None:
-    """Scatter a topk payload into ``out`` (flat contiguous float32).
+# ------------------------------------------------------------------- ops ---
+# Both ops stay opaque under torch.compile (traceable=False): compress syncs
+# with the host in approximate mode and returns a data-dependent number of
+# entries, and decompress takes such a payload, whose size a traced body
+# could not branch on.
+def _compress_fake(grad, residual, k, approx):
+    # Between k and the capacity in approximate mode, as the C++ op's fake.
+    count = torch.library.get_ctx().new_dynamic_size(min=k, max=topk_capacity(k)) if approx else k
+    return grad.new_empty((count,), dtype=torch.int32), grad.new_empty((count,), dtype=torch.float32)
 
-    Without ``accumulate``: ``out`` = 0 except ``out[indices] = values``;
-    with it: ``out[indices] += values``. ``indices`` must be unique (as
-    compress produces them).
-    """
-    if out.dim() != 1 or not out.is_contiguous():
-        raise ValueError("out must be a flat contiguous tensor")
-    if out.dtype != torch.float32:
-        raise ValueError(f"out must be float32, got {out.dtype}")
-    if indices.numel() != values.numel():
-        raise ValueError(f"{indices.numel()} indices but {values.numel()} values")
+
+@register_op(
+    "pycomm::topk_compress_triton", mutates_args=("residual",), fake=_compress_fake, traceable=False
+)
+def topk_compress_triton(
+    grad: Tensor, residual: Optional[Tensor], k: int, approx: bool
+) -> Tuple[Tensor, Tensor]:
+    """pycomm::topk_compress on Triton kernels (see :func:`compress`)."""
+    check_compress_inputs(grad, residual)
+    n = grad.numel()
+    check(1 <= k <= n, f"k must be in [1, numel={n}], got {k}")
+    with device_guard(grad):
+        return _select_and_compact(grad, residual, k, approx)
+
+
+def _decompress_fake(out, indices, values, accumulate):
+    return None
+
+
+@register_op(
+    "pycomm::topk_decompress_triton", mutates_args=("out",), fake=_decompress_fake, traceable=False
+)
+def topk_decompress_triton(out: Tensor, indices: Tensor, values: Tensor, accumulate: bool) -> None:
+    """pycomm::topk_decompress on Triton kernels (see :func:`decompress`)."""
+    check_out(out, values.device)
+    check(
+        indices.dtype == torch.int32 and indices.is_contiguous() and indices.dim() == 1,
+        "indices must be a contiguous 1-D int32 tensor",
+    )
+    check(
+        values.dtype == torch.float32 and values.is_contiguous() and values.dim() == 1,
+        "values must be a contiguous 1-D float32 tensor",
+    )
+    count = indices.numel()
+    check(count == values.numel(), f"indices has {count} entries but values has {values.numel()}")
+    check(indices.device == values.device, "indices and values are on different devices")
+    if not out.is_cuda and count:
+        # As the C++ CPU op. Interpreted, a stray index would write outside
+        # out; on a GPU the check would cost a host sync (the CUDA op skips it too).
+        lo, hi = torch.aminmax(indices)
+        check(int(lo) >= 0 and int(hi) < out.numel(), f"indices must lie in [0, {out.numel()})")
     if not accumulate:
         out.zero_()  # a memset; no kernel of ours beats it
-    count = indices.numel()
     if count == 0:
         return
     with device_guard(out):
-        _scatter_kernel[(triton.cdiv(count, SCATTER_TILE),)](
-            indices.contiguous(), values.contiguous(), out, count,
-            ACCUMULATE=bool(accumulate), BLOCK=SCATTER_TILE, num_warps=4,
+        wrap_triton(_scatter_kernel)[(triton.cdiv(count, SCATTER_TILE),)](
+            indices, values, out, count, ACCUMULATE=accumulate, BLOCK=SCATTER_TILE, num_warps=4
         )
+
+
+# ------------------------------------------------------------ python API ---
+def compress(grad: Tensor, residual: Optional[Tensor], k: int, approx: bool) -> Tuple[Tensor, Tensor]:
+    """Top-k of ``c = grad + residual`` by magnitude key.
+
+    ``grad``: contiguous float32/float16/bfloat16 of n elements;
+    ``residual``: contiguous float32 of n elements, or None. Returns
+    ``(indices, values)``: int32 ascending indices and float32 ``c`` at them;
+    exactly k entries in exact mode (ties by lowest index), between k and
+    ``topk_capacity(k)`` in approximate mode. ``residual`` becomes ``c`` with
+    the selected entries set to 0. Runs ``torch.ops.pycomm.topk_compress_triton``.
+
+    Example (on CPU tensors under TRITON_INTERPRET=1, or on a GPU)::
+
+        >>> idx, val = compress(torch.tensor([0.5, -4.0, 1.0, 3.0]), None, 2, False)
+        >>> idx.tolist(), val.tolist()
+        ([1, 3], [-4.0, 3.0])
+    """
+    return torch.ops.pycomm.topk_compress_triton(grad, residual, k, approx)
+
+
+def decompress(indices: Tensor, values: Tensor, out: Tensor, accumulate: bool) -> None:
+    """Scatter a topk payload into ``out`` (contiguous float32).
+
+    Without ``accumulate``: ``out`` = 0 except ``out[indices] = values``;
+    with it: ``out[indices] += values``. ``indices`` must be unique (as
+    compress produces them). Runs ``torch.ops.pycomm.topk_decompress_triton``.
+
+    Example::
+
+        >>> out = torch.ones(4)
+        >>> decompress(torch.tensor([1, 3], dtype=torch.int32), torch.tensor([-4.0, 3.0]), out, True)
+        >>> out.tolist()
+        [1.0, -3.0, 1.0, 4.0]
+    """
+    torch.ops.pycomm.topk_decompress_triton(out, indices, values, accumulate)
