@@ -12,6 +12,8 @@ parametrized tests then check the case they are named after.
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -25,7 +27,8 @@ WORLD_SIZES = [2, 4]
 SIZES = [1, 33, 5000, 70001]
 # Per size: a chunking that leaves a short last chunk (or cuts a tiny tensor
 # into single elements) and one larger than the tensor.
-CHUNKS = {1: [1, 4096], 33: [32, 4096], 5000: [1664, 1 << 20], 70001: [7000, 1 << 20]}
+# sys.maxsize: "never chunk", which must not overflow the chunk arithmetic.
+CHUNKS = {1: [1, 4096], 33: [32, 4096], 5000: [1664, sys.maxsize], 70001: [7000, 1 << 20]}
 METHODS = [
     ("onebit", {"block_size": 64}),
     ("onebit", {"block_size": 2048}),
