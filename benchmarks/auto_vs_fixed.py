@@ -15,7 +15,7 @@ import argparse
 import json
 import sys
 
-from tabulate import tabulate
+from pycomm.bench import table
 
 
 def rows_of(records):
@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     if not rows:
         print("no run with both auto and allreduce in these files", file=sys.stderr)
         return 2
-    print(tabulate(rows, headers="keys", tablefmt="github"))
+    print(table(rows, "keys", tablefmt="github", numparse=True))
     return 0
 
 

@@ -23,28 +23,28 @@ from __future__ import annotations
 import argparse
 import glob
 import json
-import math
 import os
 import sys
 
-from tabulate import tabulate
-
+from pycomm.bench import table
+from pycomm.bench.methods import parse_method
 from pycomm.distributed.auto import Calibration
 from pycomm.plan import predict_allreduce_time
 
-#: bench method -> (model method, density)
-MODEL = {"allreduce": ("allreduce", None), "fp16": ("fp16", None), "bf16": ("bf16", None)}
-
 
 def model_of(method: str):
-    if method in MODEL:
-        return MODEL[method]
-    base = method.replace("-backend", "").replace("-noef", "")
-    if base == "onebit":
-        return "onebit", None
-    if base.startswith("topk-"):
-        return "topk", float(base.split("-", 1)[1])
-    return None  # PowerSGD: not modelled
+    """(the cost model's method, density) of a ``pycomm-bench ddp`` method name;
+    None for those it does not model (PowerSGD, auto).
+
+    >>> model_of("topk-0.01-noef-backend"), model_of("allreduce"), model_of("powersgd-4")
+    (('topk', 0.01), ('allreduce', None), None)
+    """
+    m = parse_method(method)
+    if m.compressor == "none":
+        return "allreduce", None
+    if m.compressor in ("fp16", "bf16", "onebit", "topk"):
+        return m.compressor, m.density
+    return None
 
 
 #: model method -> the calibration's name for it
@@ -100,9 +100,8 @@ def main(argv=None) -> int:
                          "-" if cal is None else ("yes" if abs(measured / cal - 1) <= 0.25 else "no")])
     print(f"{', '.join(paths)}: measured (median step - step without communication) vs the wire model (alpha {args.alpha:g} s) "
           "and vs the auto calibration of the same run")
-    print(tabulate(rows, headers=["method", "ranks", "link", "measured ms", "wire model ms", "measured/wire",
-                                  "calibrated ms", "measured/calibrated", "calibrated within 25%"],
-                   tablefmt="github", disable_numparse=True))
+    print(table(rows, ["method", "ranks", "link", "measured ms", "wire model ms", "measured/wire",
+                       "calibrated ms", "measured/calibrated", "calibrated within 25%"], tablefmt="github"))
     return 0
 
 

@@ -17,20 +17,22 @@ warm-up of 10% of the calls (at least 50):
   both ranks.
 
 Exits with status 1 and prints the failed checks if any fails; the JSON
-holds the measurements either way.
+holds the measurements either way. The ranks are started by
+:func:`pycomm.bench.launch.run_ranks`.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import hashlib
-import json
-import multiprocessing as mp
 import os
-import socket
 import sys
 import time
+
+from pycomm.bench.launch import run_ranks
+from pycomm.bench.report import default_json_path, write_json
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 WORLD = 2
 SIZES = (513, 65_539, 200_000, 2_100_003)  # the last spans two chunks (docs/allreduce.md, "Chunks")
@@ -55,16 +57,15 @@ def _input(rank: int, call: int, n: int):
     return torch.randn(n, generator=g)
 
 
-def _rank(rank: int, port: int, calls: int, in_flight: int, queue) -> None:
+def _rank(me) -> None:
+    """One rank (run_ranks): the calls, then its measurements to the parent."""
     import torch
     import torch.distributed as dist
 
     import pycomm.distributed as pd
     from pycomm.distributed.simulate import simulate_allreduce
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=120))
+    rank, calls, in_flight = me.rank, me.cfg["calls"], me.cfg["in_flight"]
     groups = {m: pd.wrap(compressor=m, min_compress_numel=1, **s) for m, s in GROUPS.items()}
     digest = hashlib.sha256()
     warm = max(50, calls // 10)
@@ -98,31 +99,18 @@ def _rank(rank: int, port: int, calls: int, in_flight: int, queue) -> None:
     probes["end"] = _probe()
     digests = [None] * WORLD
     dist.all_gather_object(digests, digest.hexdigest())
-    queue.put((rank, {"probes": probes, "rss_trace": trace, "mismatches": mismatches, "keyless_checked": keyless,
-                      "digests_equal": len(set(digests)) == 1, "seconds": elapsed}))
-    dist.destroy_process_group()
+    me.emit("result", probes=probes, rss_trace=trace, mismatches=mismatches, keyless_checked=keyless,
+            digests_equal=len(set(digests)) == 1, seconds=elapsed)
 
 
 def run(calls: int = 2000, in_flight: int = 4, timeout: float = 600.0) -> dict:
-    """Runs the soak on 2 spawned ranks; returns the report (see ``checks``)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, port, calls, in_flight, queue), daemon=True) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    results = {}
-    try:
-        while len(results) < WORLD:
-            rank, res = queue.get(timeout=timeout)
-            results[rank] = res
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
+    """Runs the soak on 2 local ranks; returns the report (see ``checks``).
+
+    >>> run(calls=200)["ok"]   # doctest: +SKIP
+    True
+    """
+    events = run_ranks(_rank, WORLD, {"calls": calls, "in_flight": in_flight}, timeout=120, stall=timeout, threads=1)
+    results = {e["rank"]: {k: v for k, v in e.items() if k not in ("event", "rank")} for e in events}
     checks = {}
     for rank, res in sorted(results.items()):
         warm, end = res["probes"]["warm"], res["probes"]["end"]
@@ -144,11 +132,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/soak-cpu-DATE.json)")
     args = ap.parse_args(argv)
     report = run(args.calls, args.in_flight)
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                   f"soak-cpu-{datetime.date.today().isoformat()}.json")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(report, f, indent=1)
+    out = args.out or os.path.join(ROOT, default_json_path("soak", "cpu"))
+    write_json(out, report)
     for name, ok in report["checks"].items():
         print(("ok    " if ok else "FAIL  ") + name)
     print(f"{args.calls} calls in {report['ranks'][0]['seconds']:.1f} s; report: {out}")

@@ -2,7 +2,8 @@
 "pycomm" backend's fp16, onebit and topk all-reduces of 4M float32, 2 ranks.
 
 Rank 0 is the pytest process; rank 1 is a process started by the fixture
-that runs the same collective each time rank 0 tells it which (a 2-element
+(:class:`pycomm.bench.launch.RankProcesses`) that runs the same collective
+each time rank 0 tells it which (a 2-element
 broadcast before every call, identical for every contender). Before timing,
 each contender's result must be bit-identical on both ranks, and plain Gloo's
 must be the exact sum.
@@ -14,9 +15,6 @@ median regression over 20%)::
 """
 
 import os
-import socket
-import subprocess
-import sys
 from datetime import timedelta
 
 import pytest
@@ -25,6 +23,8 @@ pytest.importorskip("pytest_benchmark")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+
+from pycomm.bench.launch import Rank, RankProcesses  # noqa: E402
 
 N = 1 << 22
 WORLD = 2
@@ -59,45 +59,35 @@ def _call(groups, name, x, base):
     dist.all_reduce(x, group=groups[name])
 
 
-def _worker(port):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=1, world_size=WORLD, timeout=timedelta(seconds=120))
+def _worker(rank):
+    """Rank 1: the collective rank 0 names, until it says EXIT."""
     groups = _groups()
     base, x = _data(1), torch.empty(N)
     names = [n for n, _ in CASES]
     while (case := _command()) != EXIT:
-        if case >= len(names):  # verification: report the result's bits
-            _verify(groups, names[case - len(names)], x, base)
+        if case >= len(names):  # verification: check the result's bits with rank 0
+            _verify(rank, groups, names[case - len(names)], x, base)
         else:
             _call(groups, names[case], x, base)
-    dist.destroy_process_group()
 
 
-def _verify(groups, name, x, base):
-    """Both ranks end with the same bits; rank 0 gets (min, max) of a digest."""
+def _verify(rank, groups, name, x, base):
+    """True on both ranks iff they end with the same bits."""
     _call(groups, name, x, base)
-    d = x.view(torch.int32).to(torch.int64).sum().reshape(1)
-    lo, hi = d.clone(), d.clone()
-    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
-    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
-    return int(lo), int(hi)
+    return rank.identical(x)
 
 
 @pytest.fixture(scope="module")
 def world():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, __file__, "--worker", str(port)])
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=0, world_size=WORLD, timeout=timedelta(seconds=120))
-    try:
-        yield _groups()
-    finally:
-        _command(EXIT)
-        dist.destroy_process_group()
-        proc.wait(timeout=60)
+    with RankProcesses(_worker, WORLD, ranks=[1], timeout=120, threads=1) as procs:
+        os.environ.update(procs.cluster.env(0))
+        dist.init_process_group("gloo", rank=0, world_size=WORLD, timeout=timedelta(seconds=120))
+        try:
+            yield _groups()
+        finally:
+            _command(EXIT)
+            dist.destroy_process_group()
+            procs.wait()
 
 
 @pytest.mark.benchmark(group="all-reduce 4M float32, 2 ranks")
@@ -108,8 +98,7 @@ def test_allreduce(benchmark, world, name):
     base, x = _data(0), torch.empty(N)
 
     _command(len(names) + case)
-    lo, hi = _verify(world, name, x, base)
-    assert lo == hi, f"{name}: the ranks' results differ"
+    assert _verify(Rank({}), world, name, x, base), f"{name}: the ranks' results differ"
     if name == "plain":
         assert torch.equal(x, base + _data(1)), "plain all-reduce is not the exact sum"
 
@@ -121,8 +110,3 @@ def test_allreduce(benchmark, world, name):
     benchmark.extra_info.update(numel=N, world=WORLD)
     if benchmark.stats is not None:
         benchmark.extra_info["algbw_gbps"] = 4 * N / benchmark.stats.stats.median / 1e9
-
-
-if __name__ == "__main__":
-    if sys.argv[1:2] == ["--worker"]:
-        _worker(int(sys.argv[2]))

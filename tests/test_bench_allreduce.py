@@ -12,7 +12,7 @@ import pytest
 from _dist import subprocess_env
 
 from pycomm.bench import allreduce
-from pycomm.bench.allreduce import Method, bytes_sent, parse_method
+from pycomm.bench.allreduce import bytes_sent, parse_method
 from pycomm.bench.cli import main
 
 
@@ -98,7 +98,7 @@ def test_bad_argument_from_the_command_line(tmp_path):
 def test_bytes_follow_the_algorithms():
     n, mi = 1 << 22, 1 << 20
     for w in (2, 3, 4, 8):
-        plain = bytes_sent(Method("plain", None), n, w, mi)
+        plain = bytes_sent(parse_method("plain"), n, w, mi)
         assert plain == 2 * (w - 1) * 4 * n // w  # ring all-reduce of float32
         assert bytes_sent(parse_method("fp16"), n, w, mi) == plain // 2
         # onebit: about 2 n / 8 bytes (signs twice) plus the scales, for any W.
@@ -123,20 +123,20 @@ def test_defaults_and_quick():
     assert allreduce.make_args(ranks="2, 4", sizes=["64k", "1M"]).sizes == [65536, 1 << 20]
 
 
-# Runs in the spawned ranks (so module level): rank 1's onebit result is off
-# by one element, which only the cross-rank check can catch.
-def _rank_with_wrong_onebit(rank, world, port, cfg, out_q, parent_pid):
+# Runs in the rank processes (so module level): rank 1's onebit result is
+# off by one element, which only the cross-rank check can catch.
+def _rank_with_wrong_onebit(rank):
     import pycomm.distributed as pd
 
     real = pd.all_reduce
 
     def wrong(tensor, key=None, group=None, op="sum", async_op=False):
         real(tensor, key=key, group=group, op=op, async_op=async_op)
-        if rank == 1 and pd.options_of(group)["method"] == "onebit":
+        if rank.rank == 1 and pd.options_of(group)["method"] == "onebit":
             tensor[7] += 1.0
 
     pd.all_reduce = wrong
-    allreduce._rank_main(rank, world, port, cfg, out_q, parent_pid)
+    allreduce._rank_main(rank)
 
 
 def test_failed_verification_is_reported_not_timed(monkeypatch):

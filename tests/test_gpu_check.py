@@ -1,9 +1,9 @@
-"""benchmarks/gpu_check.sh, the GPU check, dry-run on a machine without a GPU.
+"""pycomm.bench.gpu_check, the GPU check, dry-run on a machine without a GPU.
 
 ``--dry-run`` does all that needs no GPU: argument handling, environment
 checks, nvcc compiling every CUDA kernel for sm_90a with the ptxas register
 report, the Triton kernels compiled for sm_90a, the CPU half of the onebit
-tests, the benchmark on cpu, the result files. So the script that will run on
+tests, the benchmark on cpu, the result files. So the check that will run on
 the GPU machine (where device time is short) is exercised here first.
 Skipped without nvcc: the dry run compiles the CUDA kernels.
 """
@@ -21,8 +21,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
-DRY_RUN_TIMEOUT_S = 180  # the script's own budget in a dry run is 170 s
+MODULE = [sys.executable, "-m", "pycomm.bench.gpu_check"]
+PROG = "python -m pycomm.bench.gpu_check"
+DRY_RUN_TIMEOUT_S = 180  # the check's own budget in a dry run is 170 s
 
 
 def _nvcc() -> str | None:
@@ -35,9 +36,9 @@ def _nvcc() -> str | None:
     return None
 
 
-def _run(args, timeout, env=None) -> subprocess.CompletedProcess:
+def _run(args, timeout, env=None, command=MODULE) -> subprocess.CompletedProcess:
     return subprocess.run(
-        ["bash", str(SCRIPT), *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env
+        [*command, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env
     )
 
 
@@ -90,7 +91,7 @@ def test_unknown_option_exits_with_usage(tmp_path: Path):
     proc = _run(["--no-such-option", str(tmp_path / "out")], timeout=30)
     assert proc.returncode != 0
     assert "unknown option: --no-such-option" in proc.stderr
-    assert "usage: bash benchmarks/gpu_check.sh" in proc.stderr
+    assert f"usage: {PROG}" in proc.stderr
     assert not (tmp_path / "out").exists(), "nothing may be written on a usage error"
 
 
@@ -112,4 +113,16 @@ def test_bad_arguments_exit_with_usage(args, message):
 def test_help():
     proc = _run(["--help"], timeout=30)
     assert proc.returncode == 0
-    assert "usage: bash benchmarks/gpu_check.sh" in proc.stdout and "--dry-run" in proc.stdout
+    assert f"usage: {PROG}" in proc.stdout and "--dry-run" in proc.stdout
+
+
+@pytest.mark.parametrize("command, prog", [
+    ([sys.executable, "-m", "pycomm.bench", "gpu-check"], "pycomm-bench gpu-check"),
+    (["bash", str(ROOT / "benchmarks" / "gpu_check.sh")], PROG),  # runs the file, before pycomm imports
+])
+def test_other_entry_points(command, prog):
+    proc = _run(["--help"], timeout=60, command=command)
+    assert proc.returncode == 0, proc.stderr
+    assert f"usage: {prog}" in proc.stdout and "--dry-run" in proc.stdout
+    proc = _run(["--budget", "abc"], timeout=60, command=command)
+    assert proc.returncode == 2 and "--budget" in proc.stderr

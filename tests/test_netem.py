@@ -5,6 +5,7 @@ emulation_available() is False (not root, no iproute2, ...)."""
 
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -25,7 +26,10 @@ NBYTES = 4 << 20  # 0.34 s per all-reduce at 100 Mbit/s, 2 ranks
 
 
 def _ours(prefix=PREFIX):
-    return [n for n in netem._netns_list() if n.startswith(prefix + "-")]
+    # Exactly this prefix's names: the DDP and hierarchy benchmark tests build
+    # pycommtest-ddp-* and pycommtest-hier-*, maybe at the same time.
+    pattern = re.compile(rf"^{re.escape(prefix)}-(sw|r[0-9]+|n[0-9]+)$")
+    return [n for n in netem._netns_list() if pattern.match(n)]
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 """All-reduce benchmark: plain Gloo against the "pycomm" backend's fp16,
 onebit and topk all-reduces, on W local ranks over 127.0.0.1, side by side.
 
-For each world size W (``--ranks``, each a fresh set of spawned processes)
+For each world size W (``--ranks``, each a fresh set of local rank processes)
 and tensor size (``--sizes``, float32), every method (``--methods``) is first
 verified on its first call: the result must be bit-identical on all ranks,
 and plain Gloo must give the exact sum (the inputs are on a 2^-14 grid, so
@@ -40,24 +40,18 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import gc
-import hashlib
 import math
-import multiprocessing as mp
-import os
-import queue as _queue
-import signal
-import socket
-import sys
-import threading
 import time
-import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
-import numpy as np
 import torch
 
-from . import Timed, default_json_path, fmt_number, machine_info, summarize, time_interleaved
+from .launch import Rank, RanksFailed, run_ranks, threads_per_rank
+from .methods import ALLREDUCE_BASES, Method, parse_method as _parse_method
+from .report import (default_json_path, finish, fmt_number, loadavg, machine_info, ms, progress_bar, size_label,
+                     spread_ms, status_note, table)
+from .timing import Timed, summarize, time_interleaved
 
 HELP = "time plain Gloo, fp16, onebit and topk all-reduces on local ranks (verified first)"
 
@@ -91,51 +85,21 @@ SHIFT = 1021
 #: bucket index): EF is on, as in training.
 EF_KEY = 0
 
-OK, VERIFY_FAILED, ERROR = "ok", "verify_failed", "error"
+OK, VERIFY_FAILED = "ok", "verify_failed"
 PARTS = ("total", "compress", "wire")
 
 
 # ----------------------------------------------------------------- methods ---
-@dataclass(frozen=True)
-class Method:
-    """One all-reduce method: ``compressor`` None is plain Gloo (float32)."""
-
-    name: str
-    compressor: Optional[str]
-    settings: Tuple[Tuple[str, object], ...] = ()
-
-    @property
-    def compressed(self) -> bool:
-        return self.compressor is not None
-
-    def setting(self, key: str, default: object = None) -> object:
-        return dict(self.settings).get(key, default)
-
-
 def parse_method(name: str) -> Method:
     """``plain``, ``fp16``, ``bf16``, ``onebit`` or ``topk-<density>`` (e.g.
-    ``topk-0.01``); raises ValueError otherwise.
+    ``topk-0.01``), each through a pycomm group; raises ValueError otherwise.
 
     Example::
 
-        >>> parse_method("topk-0.001").settings
-        (('density', 0.001),)
+        >>> parse_method("topk-0.001").density
+        0.001
     """
-    if name == "plain":
-        return Method(name, None)
-    if name in ("fp16", "bf16", "onebit"):
-        return Method(name, name)
-    if name.startswith("topk-"):
-        try:
-            density = float(name[len("topk-"):])
-        except ValueError:
-            density = float("nan")
-        if not (0.0 < density <= 1.0):
-            raise ValueError(f"{name!r}: the density after 'topk-' must be in (0, 1]")
-        return Method(name, "topk", (("density", density),))
-    raise ValueError(
-        f"unknown method {name!r}; choose from plain, fp16, bf16, onebit, topk-<density> (e.g. topk-0.01)"
-    )
+    return _parse_method(name, bases=ALLREDUCE_BASES, suffixes=False)
 
 
 def contender_names(method: Method) -> List[str]:
@@ -153,7 +117,7 @@ def _cdiv(a: int, b: int) -> int:
 
 def chunk_bounds(numel: int, chunk_numel: int) -> List[Tuple[int, int]]:
     """``[(begin, length), ...]`` of the chunks the backend cuts a tensor into."""
-    from ..distributed.algorithms import chunk_bounds as bounds
+    from ..distributed.spec import chunk_bounds as bounds
 
     return [(b, e - b) for b, e in bounds(numel, chunk_numel)]
 
@@ -209,15 +173,15 @@ def bytes_sent(method: Method, numel: int, world: int, chunk_numel: int,
 
     Example::
 
-        >>> bytes_sent(Method("plain", None), 1 << 20, 4, 1 << 20)   # 1.5 * 4 MiB
+        >>> bytes_sent(parse_method("plain"), 1 << 20, 4, 1 << 20)   # 1.5 * 4 MiB
         6291456
         >>> # 2 (W-1) segment payloads of 8192 words + 128 scales, 4 bytes each
-        >>> bytes_sent(Method("onebit", "onebit"), 1 << 20, 4, 1 << 20)
+        >>> bytes_sent(parse_method("onebit"), 1 << 20, 4, 1 << 20)
         199680
     """
     if world < 2:
         return 0
-    if method.compressor is None:
+    if not method.compressed:
         return 2 * (world - 1) * 4 * numel // world
     if method.compressor in ("fp16", "bf16"):
         return 2 * (world - 1) * 2 * numel // world
@@ -229,7 +193,7 @@ def bytes_sent(method: Method, numel: int, world: int, chunk_numel: int,
                 a2a = sum(lay.size[j] for j in range(world) if j != r)
                 total[r] += 4 * (a2a + (world - 1) * lay.size[0])
         else:
-            wire = topk_wire_numel(m, float(method.setting("density")), approx)
+            wire = topk_wire_numel(m, float(method.density), approx)
             for r in range(world):
                 total[r] += 4 * (world - 1) * wire
     return max(total)
@@ -246,11 +210,6 @@ def _grid_data(n: int, world: int, rank: int, seed: int) -> Tuple[torch.Tensor, 
     for r in range(1, world):
         exact.add_(shared[r * SHIFT: r * SHIFT + n])  # exact: see GRID
     return mine, exact
-
-
-def _digest(t: torch.Tensor) -> str:
-    raw = t.contiguous().view(torch.int32).numpy().view(np.uint8)
-    return hashlib.blake2b(raw, digest_size=16).hexdigest()
 
 
 def _first_difference(got: torch.Tensor, want: torch.Tensor) -> str:
@@ -270,18 +229,19 @@ def _fp16_tolerance(world: int, dtype: torch.dtype) -> float:
 class _RankBench:
     """What one rank runs for one world size: groups, data, contenders."""
 
-    def __init__(self, rank: int, world: int, cfg: Dict[str, Any], out_q) -> None:
+    def __init__(self, rank: Rank) -> None:
         import torch.distributed as dist
 
         import pycomm.distributed as pd
 
-        self.rank, self.world, self.cfg, self.out_q = rank, world, cfg, out_q
+        self.me, self.rank, self.world, self.cfg = rank, rank.rank, rank.world, rank.cfg
         self.dist, self.pd = dist, pd
+        cfg = self.cfg
         self.methods = [parse_method(m) for m in cfg["methods"]]
         self.groups: Dict[str, Any] = {}
         for m in self.methods:
             if m.compressed:
-                settings = dict(m.settings)
+                settings: Dict[str, Any] = {} if m.density is None else {"density": m.density}
                 if cfg["chunk_numel"] is not None:
                     settings["chunk_numel"] = cfg["chunk_numel"]
                 self.groups[m.name] = pd.wrap(compressor=m.compressor, **settings)
@@ -289,20 +249,18 @@ class _RankBench:
         self.options = {name: pd.options_of(g) for name, g in self.groups.items()}
 
     # -- messages to the parent (rank 0 only speaks for the group) ---------
-    def send(self, *msg: Any) -> None:
-        if self.rank == 0:
-            self.out_q.put(msg)
-
     def tick(self, n: int = 1) -> None:
-        self.send("tick", n)
+        if self.rank == 0:
+            self.me.emit("tick", n=n)
 
     def say(self, text: str) -> None:
-        self.send("say", text)
+        if self.rank == 0:
+            self.me.emit("say", text=text)
 
     # -- one (world, size) case -------------------------------------------
     def run_size(self, n: int) -> List[Dict[str, Any]]:
         dist, pd, W, r = self.dist, self.pd, self.world, self.rank
-        self.say(f"W={W} n={_size_label(n)}: data")
+        self.say(f"W={W} n={size_label(n)}: data")
         orig, exact = _grid_data(n, W, r, self.cfg["seed"])
         buf = torch.empty_like(orig)
         scratch = torch.empty_like(orig)  # decode target of the compress contenders
@@ -321,7 +279,7 @@ class _RankBench:
         for m in self.methods:
             rec = self._record(m, n)
             records[m.name] = rec
-            self.say(f"W={W} n={_size_label(n)}: verify {m.name}")
+            self.say(f"W={W} n={size_label(n)}: verify {m.name}")
             buf.copy_(orig)
             dist.barrier()
             if m.compressed:
@@ -345,7 +303,7 @@ class _RankBench:
         del exact
 
         if timed:
-            self.say(f"W={W} n={_size_label(n)}: time")
+            self.say(f"W={W} n={size_label(n)}: time")
             samples = time_interleaved(timed, self.cfg["repeats"], self.cfg["warmup"],
                                        on_call=lambda _name: self.tick())
         else:
@@ -371,12 +329,12 @@ class _RankBench:
             "numel": n,
             "dtype": "float32",
             "method": m.name,
-            "compressor": m.compressor,
-            "density": m.setting("density"),
+            "compressor": m.compressor if m.compressed else None,
+            "density": m.density,
             "block_size": block if m.compressor == "onebit" else None,
             "approx": approx if m.compressor == "topk" else None,
             "chunk_numel": chunk,
-            "error_feedback": m.compressor in ("onebit", "topk"),
+            "error_feedback": m.error_feedback,
             "status": OK,
             "error": None,
             "verified": None,
@@ -424,14 +382,13 @@ class _RankBench:
             tol = _fp16_tolerance(self.world, torch.float16 if m.compressor == "fp16" else torch.bfloat16)
             if err > tol:
                 problem = f"rank {self.rank}: {m.compressor} sum off by up to {err:g} (tolerance {tol:g})"
-        verdicts: List[Optional[Tuple[str, Optional[str]]]] = [None] * self.world
-        self.dist.all_gather_object(verdicts, (_digest(result), problem))
-        problems = [p for _d, p in verdicts if p is not None]
+        verdicts: List[Optional[str]] = [None] * self.world
+        self.dist.all_gather_object(verdicts, problem)
+        problems = [p for p in verdicts if p is not None]
         if problems:
             return "; ".join(problems)
-        digests = [d for d, _p in verdicts]
-        if len(set(digests)) > 1:
-            return f"results differ between ranks (digests {', '.join(d[:8] for d in digests)})"
+        if not self.me.identical(result):
+            return "results differ between ranks"
         return None
 
     # -- compress: the per-rank compute of the algorithm, no communication ----
@@ -564,208 +521,42 @@ class _RankBench:
         return topk
 
 
-def _watch_parent(parent_pid: int) -> None:
-    # A rank whose parent died (SIGKILL, a closed terminal) must not linger
-    # holding ports and gigabytes: exit as soon as it is orphaned.
-    while True:
-        if os.getppid() != parent_pid:
-            os._exit(3)
-        time.sleep(1.0)
-
-
-def _rank_main(rank: int, world: int, port: int, cfg: Dict[str, Any], out_q, parent_pid: int) -> None:
-    """Entry point of one spawned rank: every size for this world size."""
-    # Ctrl-C reaches the whole process group: the parent handles it and kills
-    # the ranks, which would otherwise print W tracebacks.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
-    try:
-        from datetime import timedelta
-
-        import torch.distributed as dist
-
-        torch.set_num_threads(cfg["threads"])
-        dist.init_process_group("gloo", init_method=f"tcp://{HOST}:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=cfg["timeout"]))
-        bench = _RankBench(rank, world, cfg, out_q)
-        for n in cfg["sizes"]:
-            records = bench.run_size(n)
-            if rank == 0:
-                out_q.put(("records", records))
-            gc.collect()
-        dist.barrier()
-        dist.destroy_process_group()
-        out_q.put(("done", rank))
-    except BaseException:  # noqa: BLE001 - anything a rank raises goes to the parent
-        # Reported before the group is torn down: closing the connections
-        # makes the peers fail too, and the parent names the first report.
-        out_q.put(("error", rank, traceback.format_exc()))
-    out_q.close()
-    out_q.join_thread()
-
-
-# --------------------------------------------------------- parent (driver) ---
-def free_port() -> int:
-    """A TCP port that was free on 127.0.0.1 a moment ago (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
-
-
-class RanksFailed(RuntimeError):
-    """A rank raised, died or stalled; every rank has been killed."""
-
-
-def run_world(world: int, cfg: Dict[str, Any], on_tick: Callable[[int], None],
-              on_say: Callable[[str], None], on_records: Callable[[List[Dict[str, Any]]], None]) -> None:
-    """Spawn ``world`` ranks that run every size, forwarding rank 0's progress
-    and records. Raises :class:`RanksFailed` if a rank fails or nothing is
-    heard from the ranks for ``cfg["timeout"]`` + 60 s; every rank is killed
-    before this returns or raises (KeyboardInterrupt included)."""
-    ctx = mp.get_context("spawn")
-    out_q = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(target=_rank_main, args=(r, world, port, cfg, out_q, os.getpid()),
-                    name=f"pycomm-bench-rank{r}", daemon=True)
-        for r in range(world)
-    ]
-    # A hung collective raises inside the ranks after cfg["timeout"]; this
-    # is the backstop when a rank hangs where no timeout applies.
-    stall = cfg["timeout"] + 60.0
-    done: set = set()
-    errors: Dict[int, str] = {}
-    try:
-        for p in procs:
-            p.start()
-        last_heard = time.monotonic()
-        grace_end: Optional[float] = None
-        while len(done) < world:
-            now = time.monotonic()
-            if grace_end is not None and now >= grace_end:
-                break
-            if now - last_heard > stall:
-                raise RanksFailed(
-                    f"no progress from the {world} ranks for {stall:.0f} s; all ranks were killed")
-            try:
-                msg = out_q.get(timeout=0.25)
-            except _queue.Empty:
-                for r, p in enumerate(procs):
-                    if r not in done and r not in errors and p.exitcode is not None:
-                        # Died without a word (segfault, OOM kill); its message
-                        # may still be in flight, so give it a moment.
-                        if grace_end is None:
-                            grace_end = now + 2.0
-                        elif now >= grace_end - 0.3:
-                            errors[r] = f"rank {r} exited with code {p.exitcode} without reporting"
-                continue
-            last_heard = time.monotonic()
-            kind = msg[0]
-            if kind == "tick":
-                on_tick(msg[1])
-            elif kind == "say":
-                on_say(msg[1])
-            elif kind == "records":
-                on_records(msg[1])
-            elif kind == "done":
-                done.add(msg[1])
-            elif kind == "error":
-                errors[msg[1]] = msg[2]
-                # The peers of a failed rank hang in a collective or fail
-                # because it left: a moment for their own reports, no more.
-                grace_end = grace_end or time.monotonic() + 3.0
-        if errors or len(done) < world:
-            # The first rank to report is usually the cause; the others
-            # typically fail because it left (connection closed) or timed out.
-            first = next(iter(errors)) if errors else None
-            text = errors[first] if first is not None else ""
-            others = [f"rank {r}: {errors[r].strip().splitlines()[-1]}" for r in sorted(errors) if r != first]
-            missing = [r for r in range(world) if r not in done and r not in errors]
-            if missing:
-                others.append(f"ranks {missing} did not finish (killed)")
-            head = f"rank {first} failed:\n{text}" if first is not None else "ranks did not finish"
-            raise RanksFailed(head + ("\n" + "\n".join(others) if others else ""))
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        for p in procs:
-            if p.pid is not None:
-                p.join(timeout=10.0)
-        out_q.close()
-        out_q.cancel_join_thread()
-
-
-def _size_label(n: int) -> str:
-    for suffix, unit in (("G", 1 << 30), ("M", 1 << 20), ("k", 1 << 10)):
-        if n >= unit and n % unit == 0:
-            return f"{n // unit}{suffix}"
-    return str(n)
-
-
-def _split_list(values: Optional[Sequence[str]]) -> Optional[List[str]]:
-    if values is None:
-        return None
-    if isinstance(values, str):
-        values = [values]
-    return [p.strip() for item in values for p in str(item).split(",") if p.strip()]
+def _rank_main(rank: Rank) -> None:
+    """One rank (:func:`pycomm.bench.launch.run_ranks`): every size for this world size."""
+    bench = _RankBench(rank)
+    for n in rank.cfg["sizes"]:
+        records = bench.run_size(n)
+        if rank.rank == 0:
+            rank.emit("records", records=records)
+        gc.collect()
+    bench.dist.barrier()
 
 
 def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
     """A copy of ``args`` with defaults filled in (``--quick``: 2 ranks, 1M and
     4M, few repeats) and lists parsed; raises ValueError naming the bad option."""
-    from .cli import positive_int
+    from .cli import fill_defaults, list_option, positive_int
 
     a = argparse.Namespace(**vars(args))
     quick = bool(getattr(a, "quick", False))
-    for name, full, small in (("repeats", DEFAULT_REPEATS, QUICK_REPEATS),
-                              ("warmup", DEFAULT_WARMUP, QUICK_WARMUP)):
-        if getattr(a, name, None) is None:
-            setattr(a, name, small if quick else full)
-    for name, low in (("repeats", 1), ("warmup", 0)):
-        value = getattr(a, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"argument --{name}: must be an integer >= {low}, got {value!r}")
+    fill_defaults(a, quick, repeats=(DEFAULT_REPEATS, QUICK_REPEATS), warmup=(DEFAULT_WARMUP, QUICK_WARMUP))
 
-    ranks = _split_list(getattr(a, "ranks", None))
-    if ranks is None:
-        a.ranks = list(QUICK_RANKS if quick else DEFAULT_RANKS)
-    else:
-        if not ranks:
-            raise ValueError("argument --ranks: empty list")
-        parsed = []
-        for text in ranks:
-            try:
-                w = int(text)
-            except ValueError:
-                raise ValueError(f"argument --ranks: expected integers like 2,4, got {text!r}") from None
-            if not 2 <= w <= MAX_RANKS:
-                raise ValueError(f"argument --ranks: a world size must be between 2 and {MAX_RANKS}, got {w}")
-            parsed.append(w)
-        a.ranks = list(dict.fromkeys(parsed))
-
-    sizes = _split_list(getattr(a, "sizes", None))
-    if sizes is None:
-        a.sizes = list(QUICK_SIZES if quick else DEFAULT_SIZES)
-    else:
-        if not sizes:
-            raise ValueError("argument --sizes: empty list")
+    def world_size(text: str) -> int:
         try:
-            a.sizes = list(dict.fromkeys(positive_int(s) for s in sizes))
-        except argparse.ArgumentTypeError as exc:
-            raise ValueError(f"argument --sizes: {exc}") from None
+            w = int(text)
+        except ValueError:
+            raise ValueError(f"expected integers like 2,4, got {text!r}") from None
+        if not 2 <= w <= MAX_RANKS:
+            raise ValueError(f"a world size must be between 2 and {MAX_RANKS}, got {w}")
+        return w
 
-    methods = _split_list(getattr(a, "methods", None))
-    if methods is None:
-        methods = list(DEFAULT_METHODS)
-    if not methods:
-        raise ValueError("argument --methods: empty list")
-    for name in methods:
-        try:
-            parse_method(name)
-        except ValueError as exc:
-            raise ValueError(f"argument --methods: {exc}") from None
-    a.methods = list(dict.fromkeys(methods))
+    def method_name(text: str) -> str:
+        parse_method(text)
+        return text
+
+    a.ranks = list_option(getattr(a, "ranks", None), "ranks", QUICK_RANKS if quick else DEFAULT_RANKS, world_size)
+    a.sizes = list_option(getattr(a, "sizes", None), "sizes", QUICK_SIZES if quick else DEFAULT_SIZES, positive_int)
+    a.methods = list_option(getattr(a, "methods", None), "methods", DEFAULT_METHODS, method_name)
 
     chunk = getattr(a, "chunk_numel", None)
     if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
@@ -801,14 +592,6 @@ def make_args(**overrides: Any) -> argparse.Namespace:
     return resolve_args(argparse.Namespace(**base))
 
 
-def threads_per_rank(world: int, threads: Optional[int]) -> int:
-    """``threads`` if given, else the cores shared out: W ranks with torch's
-    default thread count each would oversubscribe a small machine W times."""
-    if threads is not None:
-        return threads
-    return max(1, (os.cpu_count() or 1) // world)
-
-
 def run_allreduce(args: argparse.Namespace) -> Dict[str, Any]:
     """Run the benchmark and return the JSON document (``records`` included);
     prints nothing but the progress bar (stderr). A world size whose ranks
@@ -820,8 +603,6 @@ def run_allreduce(args: argparse.Namespace) -> Dict[str, Any]:
         >>> sorted({r["method"] for r in doc["records"]})                       # doctest: +SKIP
         ['fp16', 'onebit', 'plain', 'topk-0.001', 'topk-0.01']
     """
-    from tqdm import tqdm
-
     args = resolve_args(args)
     started = _dt.datetime.now().isoformat(timespec="seconds")
     t_start = time.monotonic()
@@ -832,16 +613,26 @@ def run_allreduce(args: argparse.Namespace) -> Dict[str, Any]:
     total = per_size * len(args.sizes) * len(args.ranks)
     records: List[Dict[str, Any]] = []
     failures: List[Dict[str, Any]] = []
-    bar = tqdm(total=total, unit="call", disable=not args.progress, leave=False, dynamic_ncols=True,
-               file=sys.stderr)
+    bar = progress_bar(total, "call", args.progress)
+
+    def on_event(event: Dict[str, Any]) -> None:
+        if event["event"] == "tick":
+            bar.update(event["n"])
+        elif event["event"] == "say":
+            bar.set_description(event["text"])
+        elif event["event"] == "records":
+            records.extend(event["records"])
+
     try:
         for world in args.ranks:
             cfg = dict(methods=args.methods, sizes=args.sizes, repeats=args.repeats, warmup=args.warmup,
-                       chunk_numel=args.chunk_numel, timeout=args.timeout, seed=SEED,
-                       threads=threads_per_rank(world, args.threads))
+                       chunk_numel=args.chunk_numel, seed=SEED)
             before = len(records)
             try:
-                run_world(world, cfg, bar.update, bar.set_description, records.extend)
+                # A hung collective raises inside the ranks after --timeout;
+                # the stall limit (60 s more) is the backstop where none applies.
+                run_ranks(_rank_main, world, cfg, timeout=args.timeout, stall=args.timeout + 60.0,
+                          threads=threads_per_rank(world, args.threads), on_event=on_event)
             except RanksFailed as exc:
                 failures.append({"ranks": world, "error": str(exc)})
                 # Skip the bar past what this world size will not run.
@@ -873,7 +664,7 @@ def run_allreduce(args: argparse.Namespace) -> Dict[str, Any]:
         "quick": bool(getattr(args, "quick", False)),
         "timeout_s": args.timeout,
         "total_s": time.monotonic() - t_start,
-        "loadavg_end": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "loadavg_end": loadavg(),
         "records": records,
         "failures": failures,
     }
@@ -884,21 +675,14 @@ def run_allreduce(args: argparse.Namespace) -> Dict[str, Any]:
 
 def format_table(doc: Dict[str, Any]) -> str:
     """The results as a text table (tabulate), times in milliseconds."""
-    from tabulate import tabulate
-
-    def ms(r: Dict[str, Any], key: str) -> Optional[float]:
-        return None if r.get(key) is None else 1e3 * r[key]
-
-    table = []
+    rows = []
     for r in doc["records"]:
-        spread = "-" if r["p10_s"] is None else f"{fmt_number(ms(r, 'p10_s'))}-{fmt_number(ms(r, 'p90_s'))}"
-        note = "" if r["status"] == OK else f"{r['status'].upper().replace('_', ' ')}: {r['error']}"[:100]
-        table.append([
-            r["ranks"], _size_label(r["numel"]), r["method"], fmt_number(ms(r, "median_s")), spread,
+        rows.append([
+            r["ranks"], size_label(r["numel"]), r["method"], fmt_number(ms(r["median_s"])), spread_ms(r),
             fmt_number(r["algbw_gbps"]), fmt_number(r["bytes_sent"] / 2 ** 20), fmt_number(r["speedup_vs_plain"]),
-            fmt_number(ms(r, "compress_median_s")), fmt_number(ms(r, "wire_median_s")),
-            fmt_number(ms(r, "max_compress_wire_s")), fmt_number(ms(r, "sum_compress_wire_s")),
-            fmt_number(r["measured_vs_max"]), note,
+            fmt_number(ms(r["compress_median_s"])), fmt_number(ms(r["wire_median_s"])),
+            fmt_number(ms(r["max_compress_wire_s"])), fmt_number(ms(r["sum_compress_wire_s"])),
+            fmt_number(r["measured_vs_max"]), status_note(r),
         ])
     headers = ["W", "numel", "method", "median ms", "p10-p90 ms", "GB/s", "MiB sent/rank", "x vs plain",
                "compress ms", "wire ms", "max(c,w) ms", "c+w ms", "meas/max", "notes"]
@@ -914,7 +698,7 @@ def format_table(doc: Dict[str, Any]) -> str:
         "GB/s = 4 n / time; compress = the rank's kernels alone, wire = the collectives alone "
         "(same rounds)\n"
     )
-    out = head + tabulate(table, headers=headers, disable_numparse=True)
+    out = head + table(rows, headers)
     for f in doc["failures"]:
         out += f"\nFAILED W={f['ranks']}: {f['error'].strip().splitlines()[-1]}"
     return out
@@ -922,7 +706,7 @@ def format_table(doc: Dict[str, Any]) -> str:
 
 def failed(doc: Dict[str, Any]) -> List[str]:
     """One line per verification failure, crashed record or failed world size."""
-    lines = [f"{r['ranks']} ranks, {_size_label(r['numel'])}, {r['method']}: {r['error']}"
+    lines = [f"{r['ranks']} ranks, {size_label(r['numel'])}, {r['method']}: {r['error']}"
              for r in doc["records"] if r["status"] != OK]
     lines += [f"{f['ranks']} ranks: {f['error']}" for f in doc["failures"]]
     return lines
@@ -940,8 +724,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "each rank uses --threads threads, by default the CPU count / W (at least 1)")
     g.add_argument("--sizes", nargs="+", metavar="N", default=None,
                    help="float32 elements per tensor, comma or space separated, k/M/G suffixes "
-                        f"(default: {','.join(map(_size_label, DEFAULT_SIZES))}; "
-                        f"{','.join(map(_size_label, QUICK_SIZES))} with --quick)")
+                        f"(default: {','.join(map(size_label, DEFAULT_SIZES))}; "
+                        f"{','.join(map(size_label, QUICK_SIZES))} with --quick)")
     g.add_argument("--methods", nargs="+", metavar="METHOD", default=None,
                    help="plain, fp16, bf16, onebit, topk-<density>, comma or space separated "
                         f"(default: {','.join(DEFAULT_METHODS)})")
@@ -957,13 +741,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """``pycomm-bench allreduce``: run, print the table, write the JSON.
     Exit status 1 if a method failed verification or a world size failed."""
-    from . import write_json
-
+    t0 = time.monotonic()
     doc = run_allreduce(args)
-    print(format_table(doc))
-    write_json(args.json, doc)
-    print(f"\nwrote {args.json} ({doc['total_s']:.0f} s)")
-    bad = failed(doc)
-    for line in bad:
-        print(f"FAILED {line}", file=sys.stderr)
-    return 1 if bad else 0
+    return finish(doc, args.json, format_table(doc), failed(doc), t0)

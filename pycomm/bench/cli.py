@@ -11,13 +11,15 @@ Each subcommand is a module of :mod:`pycomm.bench` named in
   message naming the option (reported like an argparse error: exit 2);
 - ``run(args) -> int``: run, print, write JSON; returns the exit status.
 
-Adding a benchmark (``ddp``, ``allreduce``, ``all``) is adding a module and a
-line in :data:`SUBCOMMANDS`.
+Adding a benchmark is adding a module and a line in :data:`SUBCOMMANDS`
+(:mod:`pycomm.bench.launch` says how). Tools with a command line of their
+own (:data:`TOOLS`: the GPU check) get their arguments as they are.
 
 Example::
 
     $ pycomm-bench kernels --quick
     $ python -m pycomm.bench kernels --numel 4M --impls cpu --threads 2 --json out.json
+    $ python -m pycomm.bench gpu-check --dry-run
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import argparse
 import importlib
 import re
 import sys
-from typing import List, Optional
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -37,6 +39,10 @@ SUBCOMMANDS = {
     "ddp": "pycomm.bench.ddp",
     "hierarchy": "pycomm.bench.hierarchy",
     "all": "pycomm.bench.all",
+}
+#: tool -> module whose ``main(argv, prog)`` takes the rest of the command line.
+TOOLS = {
+    "gpu-check": "pycomm.bench.gpu_check",
 }
 
 _SUFFIX = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
@@ -63,6 +69,58 @@ def nonnegative_int(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
     return value
+
+
+def split_list(values: Union[None, str, Sequence[object]]) -> Optional[List[str]]:
+    """Items of options that take lists comma or space separated; None stays None.
+
+    >>> split_list(["2,4", " 8"]), split_list(None)
+    (['2', '4', '8'], None)
+    """
+    if values is None:
+        return None
+    if isinstance(values, str):
+        values = [values]
+    return [p.strip() for item in values for p in str(item).split(",") if p.strip()]
+
+
+def list_option(values: Union[None, str, Sequence[object]], name: str, default: Sequence[object],
+                parse: Callable[[str], object]) -> List[object]:
+    """The items of a list option, each through ``parse`` (ValueError or
+    ArgumentTypeError: reported naming ``--name``), repeats dropped;
+    ``default`` when the option was not given.
+
+    >>> list_option(["64k,1M", "64k"], "sizes", [], positive_int)
+    [65536, 1048576]
+    """
+    items = split_list(values)
+    if items is None:
+        return list(default)
+    if not items:
+        raise ValueError(f"argument --{name}: empty list")
+    parsed = []
+    for text in items:
+        try:
+            parsed.append(parse(text))
+        except (ValueError, argparse.ArgumentTypeError) as exc:
+            raise ValueError(f"argument --{name}: {exc}") from None
+    return list(dict.fromkeys(parsed))
+
+
+def fill_defaults(args: argparse.Namespace, quick: bool, **defaults: Tuple[int, int]) -> None:
+    """Set each option still None to its default, ``(full, with --quick)``,
+    then check it is an integer >= 1 (>= 0 for ``warmup``); ValueError names it.
+
+    >>> a = argparse.Namespace(repeats=None, warmup=2)
+    >>> fill_defaults(a, True, repeats=(15, 3), warmup=(3, 1)); (a.repeats, a.warmup)
+    (3, 2)
+    """
+    for name, (full, small) in defaults.items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, small if quick else full)
+        value, low = getattr(args, name), 0 if name == "warmup" else 1
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"argument --{name.replace('_', '-')}: must be an integer >= {low}, got {value!r}")
 
 
 def device_arg(text: str) -> torch.device:
@@ -122,6 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, parents=[common], help=module.HELP, description=doc)
         module.add_arguments(p)
         p.set_defaults(_module=module, _parser=p)
+    for name, module_name in TOOLS.items():  # listed in --help; main() hands them their arguments
+        sub.add_parser(name, add_help=False, help=importlib.import_module(module_name).HELP)
     return parser
 
 
@@ -134,6 +194,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         >>> main(["kernels", "--quick", "--json", "/tmp/k.json"])  # doctest: +SKIP
         0
     """
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in TOOLS:
+        return int(importlib.import_module(TOOLS[argv[0]]).main(argv[1:], prog=f"pycomm-bench {argv[0]}"))
     parser = build_parser()
     args = parser.parse_args(argv)
     module, sub_parser = args._module, args._parser

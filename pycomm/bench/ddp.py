@@ -46,17 +46,16 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import json
 import math
 import os
-import re
-import subprocess
 import sys
-import tempfile
-import threading
 import time
-from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from .launch import Rank, RanksFailed, run_ranks, threads_per_rank
+from .methods import DDP_BASES, Method, parse_method as _parse_method
+from .report import finish, fmt_number, machine_info, progress_bar, table
+from .timing import median, summarize
 
 HELP = "end-to-end DDP training on emulated slow links: pycomm vs all-reduce, fp16 and PowerSGD"
 
@@ -101,97 +100,17 @@ EVAL_RANK = 1_000_000
 # --------------------------------------------------------------------------- methods
 
 
-@dataclass(frozen=True)
-class Method:
-    """One way of reducing DDP's gradient buckets (see the module docstring)."""
-
-    name: str
-    entry: str  # "ddp" (no hook), "torch" (PyTorch's hooks), "hook" (pycomm over Gloo), "backend"
-    compressor: str  # "none", "fp16", "bf16", "powersgd", "onebit", "topk"
-    error_feedback: bool = False
-    density: Optional[float] = None
-    rank: Optional[int] = None
-
-    @property
-    def pycomm(self) -> bool:
-        return self.entry in ("hook", "backend")
-
-
-_METHOD_RE = re.compile(
-    r"^(?P<base>allreduce|fp16|bf16|auto|powersgd-(?P<rank>[0-9]+)|onebit|topk-(?P<density>[0-9.eE+-]+?))"
-    r"(?P<noef>-noef)?(?P<backend>-backend)?$"
-)
-
-
 def parse_method(name: str) -> Method:
-    """``Method`` of a name such as ``onebit-noef-backend`` or ``powersgd-4``.
+    """``Method`` of a name such as ``onebit-noef-backend`` or ``powersgd-4``
+    (:mod:`pycomm.bench.methods`, the names this benchmark trains with).
 
     >>> parse_method("topk-0.01-noef")
     Method(name='topk-0.01-noef', entry='hook', compressor='topk', error_feedback=False, density=0.01, rank=None)
     """
-    m = _METHOD_RE.match(name.strip())
-    if m is None:
-        raise ValueError(
-            f"unknown method {name!r}: expected allreduce, fp16, bf16, powersgd-<rank>, "
-            "onebit, topk-<density> or auto, the last three optionally followed by -noef and/or -backend"
-        )
-    base = m.group("base")
-    is_pycomm = base in ("onebit", "auto") or base.startswith("topk-")
-    if (m.group("noef") or m.group("backend")) and not is_pycomm:
-        raise ValueError(f"method {name!r}: -noef and -backend apply to onebit and topk only")
-    if base.startswith("powersgd-"):
-        r = int(m.group("rank"))
-        if r < 1:
-            raise ValueError(f"method {name!r}: the PowerSGD rank must be >= 1")
-        return Method(name, "torch", "powersgd", True, rank=r)
-    if base in ("fp16", "bf16"):
-        return Method(name, "torch", base)
-    if base == "allreduce":
-        return Method(name, "ddp", "none")
-    entry = "backend" if m.group("backend") or base == "auto" else "hook"
-    ef = not m.group("noef")
-    if base == "auto":
-        return Method(name, entry, "auto", ef)
-    if base == "onebit":
-        return Method(name, entry, "onebit", ef)
-    try:
-        density = float(m.group("density"))
-    except ValueError:
-        raise ValueError(f"method {name!r}: bad density {m.group('density')!r}") from None
-    if not 0.0 < density <= 1.0:
-        raise ValueError(f"method {name!r}: density must be in (0, 1], got {density}")
-    return Method(name, entry, "topk", ef, density=density)
+    return _parse_method(name, bases=DDP_BASES)
 
 
 # --------------------------------------------------------------------------- rank side
-
-
-def _tx_bytes(ifname: Optional[str]) -> Optional[int]:
-    """Bytes sent so far on ``ifname`` of this process's network namespace
-    (``/proc/self/net/dev`` is per namespace), or None if there is none."""
-    if not ifname:
-        return None
-    try:
-        with open("/proc/self/net/dev", encoding="ascii") as fh:
-            for line in fh:
-                name, _, rest = line.partition(":")
-                if name.strip() == ifname:
-                    return int(rest.split()[8])  # receive has 8 fields, then transmit bytes
-    except OSError:
-        return None
-    return None
-
-
-class _Emitter:
-    """JSON lines on stdout from rank 0: progress and results for the parent."""
-
-    def __init__(self, rank: int) -> None:
-        self.rank = rank
-
-    def __call__(self, **event: Any) -> None:
-        if self.rank == 0:
-            sys.stdout.write(json.dumps(event, allow_nan=False) + "\n")
-            sys.stdout.flush()
 
 
 def _workload(cfg: Dict[str, Any]):
@@ -214,44 +133,25 @@ def _optimizer(model, cfg: Dict[str, Any]):
     return torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=0.0, fused=True)
 
 
-def _median(xs: Sequence[float]) -> float:
-    s = sorted(xs)
-    n = len(s)
-    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
-
-
-def _percentile(xs: Sequence[float], q: float) -> float:
-    import numpy as np
-
-    return float(np.percentile(np.asarray(xs, dtype=float), q))
-
-
 class _RankTrainer:
     """Everything one rank does: every method in turn, same data and seed."""
 
-    def __init__(self, cfg: Dict[str, Any]) -> None:
+    def __init__(self, rank: Rank) -> None:
         import torch
         import torch.distributed as dist
 
-        self.cfg = cfg
+        self.me = rank
+        self.cfg = rank.cfg
         self.dist = dist
         self.torch = torch
-        self.rank = dist.get_rank()
-        self.world = dist.get_world_size()
-        self.emit = _Emitter(self.rank)
-        self.ifname = os.environ.get("GLOO_SOCKET_IFNAME") or cfg.get("count_ifname")
+        self.rank = rank.rank
+        self.world = rank.world
         self._pycomm_groups: Dict[Tuple, Any] = {}
 
     # ---- helpers
-    def _max_over_ranks(self, values: List[float]) -> List[float]:
-        t = self.torch.tensor(values, dtype=self.torch.float64)
-        self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX)
-        return t.tolist()
-
-    def _mean_over_ranks(self, values: List[float]) -> List[float]:
-        t = self.torch.tensor(values, dtype=self.torch.float64)
-        self.dist.all_reduce(t)
-        return (t / self.world).tolist()
+    def emit(self, event: str, **fields: Any) -> None:
+        if self.rank == 0:  # rank 0 speaks for the group
+            self.me.emit(event, **fields)
 
     def _pycomm_group(self, m: Method):
         """A "pycomm" group for ``m``'s settings (created once, in method order:
@@ -304,17 +204,7 @@ class _RankTrainer:
     def _params_identical(self, ddp) -> bool:
         """Every rank ends with bit-identical parameters (DDP's promise; a
         compressed all-reduce that gave ranks different results breaks it)."""
-        torch = self.torch
-        flat = torch.cat([p.detach().reshape(-1) for p in ddp.parameters()])
-        digest = flat.view(torch.int32).to(torch.int64)
-        # Two position-weighted sums of the bits: equal on every rank iff
-        # (almost surely) the bits are equal.
-        w = torch.arange(1, digest.numel() + 1, dtype=torch.int64)
-        mine = torch.stack([digest.sum(), (digest * w % 1_000_003).sum()])
-        lo, hi = mine.clone(), mine.clone()
-        self.dist.all_reduce(lo, op=self.dist.ReduceOp.MIN)
-        self.dist.all_reduce(hi, op=self.dist.ReduceOp.MAX)
-        return bool(torch.equal(lo, hi))
+        return self.me.identical(self.torch.cat([p.detach().reshape(-1) for p in ddp.parameters()]))
 
     def _compress_time(self, m: Method, numel: int) -> Optional[float]:
         """Seconds this rank's compressor takes for one compress + decompress
@@ -346,7 +236,7 @@ class _RankTrainer:
             t0 = time.perf_counter()
             once()
             times.append(time.perf_counter() - t0)
-        return self._max_over_ranks([_median(times)])[0]
+        return self.me.max_over_ranks([median(times)])[0]
 
     def compute_time(self) -> float:
         """Median seconds of one forward + backward + optimizer step without any
@@ -362,7 +252,7 @@ class _RankTrainer:
             opt.zero_grad(set_to_none=True)
             if step >= 2:
                 times.append(time.perf_counter() - t0)
-        return self._max_over_ranks([_median(times)])[0]
+        return self.me.max_over_ranks([median(times)])[0]
 
     def nocomm_step_time(self, steps: int = 12, warmup: int = 2) -> float:
         """Median step time of the same DDP training with a hook that sends
@@ -391,7 +281,7 @@ class _RankTrainer:
             opt.step()
             opt.zero_grad(set_to_none=True)
             times.append(time.perf_counter() - t0)
-        return _median(self._max_over_ranks(times)[warmup:])
+        return median(self.me.max_over_ranks(times)[warmup:])
 
     # ---- one method
     def train(self, m: Method, steps: int, start_iter: int, timed_from: int, report_every: int) -> Dict[str, Any]:
@@ -404,7 +294,7 @@ class _RankTrainer:
         self.dist.barrier()
         for step in range(steps):
             if step == timed_from:
-                tx0 = _tx_bytes(self.ifname)
+                tx0 = self.me.tx_bytes()
             t0 = time.perf_counter()
             loss = loss_fn(ddp, batch_fn(self.rank, step))
             loss.backward()
@@ -413,14 +303,15 @@ class _RankTrainer:
             times.append(time.perf_counter() - t0)
             losses.append(float(loss.detach()))
             if (step + 1) % report_every == 0 or step + 1 == steps:
-                self.emit(event="step", method=m.name, step=step + 1, steps=steps)
-        tx1 = _tx_bytes(self.ifname)
-        times = self._max_over_ranks(times)
-        losses = self._mean_over_ranks(losses)
+                self.emit("step", method=m.name, step=step + 1, steps=steps)
+        tx1 = self.me.tx_bytes()
+        times = self.me.max_over_ranks(times)
+        losses = self.me.mean_over_ranks(losses)
         sent = None
         if tx0 is not None and tx1 is not None:
-            sent = self._mean_over_ranks([float(tx1 - tx0)])[0] / max(1, steps - timed_from)
+            sent = self.me.mean_over_ranks([float(tx1 - tx0)])[0] / max(1, steps - timed_from)
         timed = times[timed_from:]
+        stats = summarize(timed)
         window = losses[-min(FINAL_LOSS_WINDOW, len(losses)):]
         with torch.no_grad():
             evals = [float(loss_fn(ddp.module, batch_fn(EVAL_RANK + i, 0))) for i in range(EVAL_BATCHES)]
@@ -433,9 +324,9 @@ class _RankTrainer:
             "steps": steps,
             "start_iter": start_iter,
             "timed_steps": len(timed),
-            "step_time_median_s": _median(timed),
-            "step_time_p10_s": _percentile(timed, 10),
-            "step_time_p90_s": _percentile(timed, 90),
+            "step_time_median_s": stats["median_s"],
+            "step_time_p10_s": stats["p10_s"],
+            "step_time_p90_s": stats["p90_s"],
             "bytes_sent_per_rank_per_step": sent,
             "final_loss": sum(evals) / len(evals),
             "train_loss_last": sum(window) / len(window),
@@ -456,121 +347,25 @@ class _RankTrainer:
         return rec
 
 
-def _rank_main(cfg_path: str) -> int:
-    """One rank (``python -m pycomm.bench.ddp --worker CFG``), env:// init."""
-    from datetime import timedelta
-
-    import torch
-    import torch.distributed as dist
-
-    with open(cfg_path, encoding="utf-8") as fh:
-        cfg = json.load(fh)
-    torch.set_num_threads(cfg["threads"])
-    dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=cfg["timeout"]))
-    try:
-        trainer = _RankTrainer(cfg)
-        trainer.emit(event="compute", compute_time_s=trainer.compute_time(),
-                     nocomm_step_time_s=trainer.nocomm_step_time())
-        for run in cfg["plan"]:
-            rec = trainer.train(parse_method(run["method"]), run["steps"], run["start_iter"], run["timed_from"],
-                                max(1, run["steps"] // 20))
-            trainer.emit(event="result", record=rec)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    return 0
+def _rank_main(rank: Rank) -> None:
+    """One rank (:func:`pycomm.bench.launch.run_ranks`): the baselines, then every method of the plan."""
+    trainer = _RankTrainer(rank)
+    trainer.emit("compute", compute_time_s=trainer.compute_time(), nocomm_step_time_s=trainer.nocomm_step_time())
+    for run in rank.cfg["plan"]:
+        rec = trainer.train(parse_method(run["method"]), run["steps"], run["start_iter"], run["timed_from"],
+                            max(1, run["steps"] // 20))
+        trainer.emit("result", record=rec)
+    trainer.dist.barrier()
 
 
 # --------------------------------------------------------------------------- parent side
 
 
-class RanksFailed(RuntimeError):
-    pass
-
-
-def _read_events(proc: subprocess.Popen) -> Iterator[Dict[str, Any]]:
-    for line in proc.stdout:  # type: ignore[union-attr]
-        line = line.strip()
-        if line.startswith("{"):
-            try:
-                yield json.loads(line)
-            except json.JSONDecodeError:
-                continue
-
-
-def run_on_cluster(cluster, cfg: Dict[str, Any], on_step=None, timeout: float = DEFAULT_TIMEOUT,
-                   module: str = "pycomm.bench.ddp") -> Tuple[Dict[str, Any], List[Dict[str, Any]]]:
-    """Start the rank processes (``python -m <module> --worker CFG``) on
-    ``cluster`` with ``cfg``, collect rank 0's events: ``(baselines,
-    records)``, baselines being the fields of its "compute" event. Raises
-    :class:`RanksFailed` with the failing rank's stderr if
-    any rank fails or the run passes ``timeout`` seconds without progress."""
-    with tempfile.TemporaryDirectory(prefix="pycomm-ddp-") as tmp:
-        cfg_path = os.path.join(tmp, "cfg.json")
-        with open(cfg_path, "w", encoding="utf-8") as fh:
-            json.dump(cfg, fh)
-        argv = [sys.executable, "-m", module, "--worker", cfg_path]
-        logs = [open(os.path.join(tmp, f"rank{r}.err"), "w+", encoding="utf-8") for r in range(cluster.world_size)]
-        procs = [cluster.spawn(r, argv, stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL,
-                               stderr=logs[r], text=True) for r in range(cluster.world_size)]
-        records: List[Dict[str, Any]] = []
-        baselines: Dict[str, Any] = {}
-        last = [time.monotonic()]
-        stalled = threading.Event()
-
-        def watchdog() -> None:
-            while any(p.poll() is None for p in procs):
-                if time.monotonic() - last[0] > timeout:
-                    stalled.set()
-                    for p in procs:
-                        p.kill()
-                    return
-                time.sleep(0.5)
-
-        threading.Thread(target=watchdog, daemon=True).start()
-        try:
-            for ev in _read_events(procs[0]):
-                last[0] = time.monotonic()
-                if ev.get("event") == "step" and on_step:
-                    on_step(ev)
-                elif ev.get("event") == "compute":
-                    baselines = {k: v for k, v in ev.items() if k != "event"}
-                elif ev.get("event") == "result":
-                    records.append(ev["record"])
-            for p in procs:
-                p.wait()
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-        try:
-            bad = [r for r, p in enumerate(procs) if p.returncode != 0]
-            if stalled.is_set() or bad:
-                parts = []
-                for r in bad or range(len(procs)):
-                    logs[r].seek(0)
-                    tail = logs[r].read()[-3000:].strip()
-                    parts.append(f"rank {r} (exit {procs[r].returncode}):\n{tail}")
-                why = f"no progress for {timeout:.0f} s" if stalled.is_set() else "rank(s) failed"
-                raise RanksFailed(f"{why} on {cluster.describe()}\n" + "\n".join(parts))
-        finally:
-            for fh in logs:
-                fh.close()
-    return baselines, records
-
-
-def _split_list(values: Optional[Sequence[str]]) -> Optional[List[str]]:
-    if values is None:
-        return None
-    out = [v.strip() for item in values for v in item.split(",") if v.strip()]
-    return out or None
-
-
 def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
     """Defaults (``--quick`` shrinks them) and checks; ValueError names the option."""
-    from . import default_json_path
+    from .cli import split_list
     from .netem import parse_rate
+    from .report import default_json_path
 
     if args.device.type != "cpu":
         raise ValueError("--device: the ddp benchmark trains on CPU ranks over Gloo (emulated links)")
@@ -580,7 +375,7 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
         raise ValueError("--warmup: not used by ddp; use --start-iter")
     if args.ranks < 2:
         raise ValueError(f"--ranks must be >= 2, got {args.ranks}")
-    bws = _split_list(args.bandwidth) or (QUICK_BANDWIDTHS if args.quick else DEFAULT_BANDWIDTHS)
+    bws = split_list(args.bandwidth) or (QUICK_BANDWIDTHS if args.quick else DEFAULT_BANDWIDTHS)
     rates: List[Optional[float]] = []
     for b in bws:
         try:
@@ -593,7 +388,7 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
         raise ValueError(f"--bandwidth {','.join(bws)}: with --no-netns links cannot be shaped, use --bandwidth none")
     args.bandwidth = bws
     args.rates = rates
-    methods = _split_list(args.methods) or (QUICK_METHODS if args.quick else DEFAULT_METHODS)
+    methods = split_list(args.methods) or (QUICK_METHODS if args.quick else DEFAULT_METHODS)
     for name in methods:
         try:
             parse_method(name)
@@ -685,24 +480,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-plots", dest="plots", action="store_false", help="do not write PNG plots")
 
 
-def _rank_threads(world: int) -> int:
-    return max(1, (os.cpu_count() or 1) // world)
-
-
 def run_ddp(args: argparse.Namespace, out=sys.stdout) -> List[Dict[str, Any]]:
     """Run the sweep; the list of records (one per method and bandwidth)."""
-    from . import machine_info
     from .netem import LoopbackCluster, fmt_rate, link_report, make_cluster
-
-    try:
-        from tqdm import tqdm
-    except ImportError:  # pragma: no cover - tqdm is a dev requirement
-        tqdm = None
 
     order = [args.train_rate] + [r for r in args.rates if r != args.train_rate]
     plans = {r: run_plan(args, r == args.train_rate) for r in order}
     total = sum(run["steps"] for plan in plans.values() for run in plan)
-    bar = tqdm(total=total, unit="step", disable=not args.progress, file=sys.stderr, dynamic_ncols=True) if tqdm else None
+    bar = progress_bar(total, "step", args.progress)
     date = _dt.date.today().isoformat()
     machine = machine_info("cpu")
     records: List[Dict[str, Any]] = []
@@ -713,8 +498,7 @@ def run_ddp(args: argparse.Namespace, out=sys.stdout) -> List[Dict[str, Any]]:
                 "workload": args.workload, "batch_size": args.batch_size, "seed": args.seed,
                 "seq_len": args.seq_len, "model": args.model, "optimizer": args.optimizer,
                 "block_size": args.block_size,
-                "lr": args.lr, "bucket_cap_mb": args.bucket_cap_mb, "threads": args.threads or _rank_threads(args.ranks),
-                "timeout": args.timeout, "plan": plan,
+                "lr": args.lr, "bucket_cap_mb": args.bucket_cap_mb, "plan": plan,
             }
             cluster = (make_cluster(args.ranks, rate, prefix=args.netns_prefix) if args.netns
                        else LoopbackCluster(args.ranks, reason="--no-netns"))
@@ -722,19 +506,21 @@ def run_ddp(args: argparse.Namespace, out=sys.stdout) -> List[Dict[str, Any]]:
                 if not cluster.emulated:
                     cfg["count_ifname"] = "lo"
                 busbw, line = link_report(cluster)
-                if bar is not None:
-                    bar.write(line, file=out)
-                else:
-                    print(line, file=out, flush=True)
-                done = {"n": 0}
+                bar.write(line, file=out)
+                done: Dict[str, int] = {}
 
                 def on_step(ev: Dict[str, Any]) -> None:
-                    if bar is not None:
+                    if ev["event"] == "step":
                         bar.set_postfix_str(f"{fmt_rate(rate)} {ev['method']}", refresh=False)
                         bar.update(ev["step"] - done.get(ev["method"], 0))
-                    done[ev["method"]] = ev["step"]
+                        done[ev["method"]] = ev["step"]
 
-                baselines, recs = run_on_cluster(cluster, cfg, on_step, timeout=args.timeout)
+                # The timeout bounds each collective and the wait for any progress alike.
+                events = run_ranks(_rank_main, cluster, cfg, timeout=args.timeout, stall=args.timeout,
+                                   threads=threads_per_rank(args.ranks, args.threads), on_event=on_step)
+            baselines = next(({k: v for k, v in e.items() if k not in ("event", "rank")}
+                              for e in events if e["event"] == "compute"), {})
+            recs = [e["record"] for e in events if e["event"] == "result"]
             for rec, run in zip(recs, plan):
                 tokens = args.ranks * args.batch_size * _seq_len(args)
                 sent = rec["bytes_sent_per_rank_per_step"]
@@ -763,8 +549,7 @@ def run_ddp(args: argparse.Namespace, out=sys.stdout) -> List[Dict[str, Any]]:
                     rec.pop("loss_per_step", None)
                 records.append(rec)
     finally:
-        if bar is not None:
-            bar.close()
+        bar.close()
     add_speedups(records)
     return records
 
@@ -860,9 +645,6 @@ def break_even(records: List[Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
 def format_table(records: List[Dict[str, Any]]) -> str:
     """Median step time per method (rows) and bandwidth (columns), with the
     speedup over plain all-reduce, the bytes and loss at the training bandwidth."""
-    from tabulate import tabulate
-
-    from . import fmt_number
     from .netem import fmt_rate
 
     bws: List[Optional[float]] = []
@@ -906,7 +688,7 @@ def format_table(records: List[Dict[str, Any]]) -> str:
         e = be.get(m)
         row.append("-" if e is None else (fmt_rate(e["bits_per_s"]) if e["bits_per_s"] else e["note"].split(" (")[0]))
         rows.append(row)
-    return tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True)
+    return table(rows, headers, tablefmt="github")
 
 
 def plot(records: List[Dict[str, Any]], prefix: str) -> List[str]:
@@ -984,8 +766,6 @@ def _smooth(xs: Sequence[float], window: int = 10) -> List[float]:
 
 def run(args: argparse.Namespace) -> int:
     """``pycomm-bench ddp``: run, print the table, write JSON (and plots)."""
-    from . import write_json
-
     t0 = time.monotonic()
     try:
         records = run_ddp(args)
@@ -993,24 +773,19 @@ def run(args: argparse.Namespace) -> int:
         print(f"pycomm-bench ddp: {exc}", file=sys.stderr)
         return 1
     print()
-    print(format_table(records))
-    write_json(args.json, records)  # type: ignore[arg-type]
-    print(f"\nwrote {args.json} ({time.monotonic() - t0:.0f} s)")
+    bad = sorted({r["method"] for r in records if not r["params_identical"]})
+    status = finish(records, args.json, format_table(records),
+                    [f"{m}: ranks ended with different parameters" for m in bad], t0)
     if args.plots:
         try:
             for p in plot(records, os.path.splitext(args.json)[0]):
                 print(f"wrote {p}")
         except ImportError:
             print("matplotlib is not installed: no plots", file=sys.stderr)
-    bad = [r["method"] for r in records if not r["params_identical"]]
-    for m in sorted(set(bad)):
-        print(f"FAILED {m}: ranks ended with different parameters", file=sys.stderr)
-    return 1 if bad else 0
+    return status
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
-        sys.exit(_rank_main(sys.argv[2]))
     from .cli import main
 
     sys.exit(main(["ddp", *sys.argv[1:]]))

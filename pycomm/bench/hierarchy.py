@@ -27,12 +27,14 @@ Example::
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 import time
 from typing import Any, Dict, List, Optional
+
+from .launch import Rank, RanksFailed, run_ranks, threads_per_rank
+from .report import default_json_path, finish, machine_info, table
+from .timing import summarize, time_interleaved
 
 HELP = "hierarchical vs flat compressed all-reduce vs plain, on emulated nodes joined by slow links"
 
@@ -49,92 +51,77 @@ def _method_names(compressors: List[str]) -> List[str]:
 # --------------------------------------------------------------------------- rank side
 
 
-def _rank_main(cfg_path: str) -> int:
-    from datetime import timedelta
-
+def _rank_main(rank: Rank) -> None:
+    """One rank (:func:`pycomm.bench.launch.run_ranks`): every size, every method."""
     import torch
     import torch.distributed as dist
 
     import pycomm.distributed as pd
 
-    from .ddp import _Emitter, _tx_bytes
+    cfg, r, world, local = rank.cfg, rank.rank, rank.world, rank.cfg["ranks_per_node"]
+    groups: Dict[str, Any] = {"plain": None}
+    for comp in cfg["compressors"]:
+        kw = {"block_size": cfg["block_size"]} if comp == "onebit" else {"density": cfg["density"]}
+        groups[f"{comp}-flat"] = pd.wrap(compressor=comp, hierarchy="flat", **kw)
+        groups[f"{comp}-hier"] = pd.wrap(compressor=comp, hierarchy=local, **kw)
+    names = list(groups)
+    count_bytes = rank.ifname is not None and r % local == 0  # one rank per node reads the node's link
 
-    with open(cfg_path, encoding="utf-8") as fh:
-        cfg = json.load(fh)
-    torch.set_num_threads(cfg["threads"])
-    dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=cfg["timeout"]))
-    rank, world, local = dist.get_rank(), dist.get_world_size(), cfg["ranks_per_node"]
-    emit = _Emitter(rank)
-    try:
-        groups: Dict[str, Any] = {"plain": None}
-        for comp in cfg["compressors"]:
-            kw = {"block_size": cfg["block_size"]} if comp == "onebit" else {"density": cfg["density"]}
-            groups[f"{comp}-flat"] = pd.wrap(compressor=comp, hierarchy="flat", **kw)
-            groups[f"{comp}-hier"] = pd.wrap(compressor=comp, hierarchy=local, **kw)
-        names = list(groups)
-        count_bytes = rank % local == 0  # one rank per node reads the node's link
+    def call(name: str, x: torch.Tensor, key: int) -> None:
+        if name == "plain":
+            dist.all_reduce(x)
+        else:  # with error feedback, as in training (one key per size)
+            pd.all_reduce(x, key=key, group=groups[name])
 
-        def call(name: str, x: torch.Tensor, key: int) -> None:
-            if name == "plain":
-                dist.all_reduce(x)
-            else:  # with error feedback, as in training (one key per size)
-                pd.all_reduce(x, key=key, group=groups[name])
+    for key, n in enumerate(cfg["sizes"]):
+        base = torch.randn(n, generator=torch.Generator().manual_seed(r))
+        x = torch.empty_like(base)
+        identical: Dict[str, bool] = {}
+        simulated: Dict[str, Optional[bool]] = {}
+        # Rank 0 checks against the simulation: it rebuilds every rank's input.
+        inputs = ([torch.randn(n, generator=torch.Generator().manual_seed(i)) for i in range(world)]
+                  if r == 0 else [])
+        for name in names:  # first call: the same on every rank, and what the simulation says
+            x.copy_(base)
+            call(name, x, key)
+            identical[name] = rank.identical(x)
+            simulated[name] = _matches_simulation(name, x, inputs, local, cfg) if r == 0 else None
 
-        for key, n in enumerate(cfg["sizes"]):
-            base = torch.randn(n, generator=torch.Generator().manual_seed(rank))
-            x = torch.empty_like(base)
-            times: Dict[str, List[float]] = {m: [] for m in names}
-            sent: Dict[str, List[float]] = {m: [] for m in names}
-            identical: Dict[str, bool] = {}
-            simulated: Dict[str, Optional[bool]] = {}
-            # Rank 0 checks against the simulation: it rebuilds every rank's input.
-            inputs = ([torch.randn(n, generator=torch.Generator().manual_seed(r)) for r in range(world)]
-                      if rank == 0 else [])
-            for name in names:  # first call: the same on every rank, and what the simulation says
-                x.copy_(base)
-                call(name, x, key)
-                digest = x.view(torch.int32).to(torch.int64).sum().reshape(1)
-                lo, hi = digest.clone(), digest.clone()
-                dist.all_reduce(lo, op=dist.ReduceOp.MIN)
-                dist.all_reduce(hi, op=dist.ReduceOp.MAX)
-                identical[name] = bool(torch.equal(lo, hi))
-                simulated[name] = _matches_simulation(name, x, inputs, local, cfg) if rank == 0 else None
-            for i in range(cfg["warmup"] + cfg["repeats"]):
-                shift = i % len(names)
-                for name in names[shift:] + names[:shift]:  # rotated: noise hits all alike
-                    x.copy_(base)
-                    dist.barrier()
-                    tx0 = _tx_bytes(cfg["count_ifname"]) if count_bytes else None
-                    t0 = time.perf_counter()
-                    call(name, x, key)
-                    dt = time.perf_counter() - t0
-                    tx1 = _tx_bytes(cfg["count_ifname"]) if count_bytes else None
-                    if i >= cfg["warmup"]:
-                        times[name].append(dt)
-                        if tx0 is not None and tx1 is not None:
-                            sent[name].append(tx1 - tx0)
-                emit(event="step", step=i + 1, size=n)
-            # per repeat: the slowest rank; per node: its link's bytes
-            flat = torch.tensor([t for m in names for t in times[m]], dtype=torch.float64)
-            dist.all_reduce(flat, op=dist.ReduceOp.MAX)
-            worst = flat.view(len(names), -1)
-            node_bytes = torch.tensor([statistics.median(sent[m]) if sent[m] else 0.0 for m in names],
-                                      dtype=torch.float64)
-            dist.all_reduce(node_bytes, op=dist.ReduceOp.MAX)
-            for j, name in enumerate(names):
-                ts = sorted(worst[j].tolist())
-                emit(event="result", record={
-                    "method": name, "numel": n, "MB": n * 4 / 1e6,
-                    "median_s": statistics.median(ts), "p10_s": ts[len(ts) // 10],
-                    "p90_s": ts[min(len(ts) - 1, (9 * len(ts)) // 10)],
-                    "node_bytes_out_per_call": node_bytes[j].item() if cfg["count_ifname"] else None,
+        # Each call: inputs restored and a barrier (untimed), the call timed,
+        # the node's link read before and after (untimed, warm-up calls too).
+        sent: Dict[str, List[float]] = {m: [] for m in names}
+        tx0: Dict[str, Optional[int]] = {}
+        calls = [0]
+
+        def setup(name: str) -> None:
+            x.copy_(base)
+            dist.barrier()
+            tx0[name] = rank.tx_bytes() if count_bytes else None
+
+        def after(name: str) -> None:
+            tx1 = rank.tx_bytes() if count_bytes else None
+            if tx0[name] is not None and tx1 is not None:
+                sent[name].append(tx1 - tx0[name])
+            calls[0] += 1
+            if calls[0] % len(names) == 0 and r == 0:
+                rank.emit("step", step=calls[0] // len(names), size=n)
+
+        contenders = {m: (lambda m=m: call(m, x, key), lambda m=m: setup(m)) for m in names}
+        times = time_interleaved(contenders, cfg["repeats"], cfg["warmup"], on_call=after)
+        # per repeat: the slowest rank; per node: its link's bytes
+        worst = rank.max_over_ranks([t for m in names for t in times[m]])
+        node_bytes = rank.max_over_ranks([statistics.median(sent[m][cfg["warmup"]:]) if sent[m] else 0.0
+                                          for m in names])
+        for j, name in enumerate(names):
+            stats = summarize(worst[j * cfg["repeats"]:(j + 1) * cfg["repeats"]])
+            if r == 0:
+                rank.emit("result", record={
+                    "method": name, "numel": n, "MB": n * 4 / 1e6, **stats,
+                    "node_bytes_out_per_call": node_bytes[j] if rank.ifname else None,
                     "identical_on_all_ranks": identical[name],
                     "matches_simulation": simulated[name],
                 })
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    return 0
+    dist.barrier()
 
 
 def _matches_simulation(name: str, got, inputs, local: int, cfg: Dict[str, Any]) -> bool:
@@ -163,7 +150,7 @@ def _matches_simulation(name: str, got, inputs, local: int, cfg: Dict[str, Any])
 
 
 def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
-    from . import default_json_path
+    from .cli import fill_defaults
     from .netem import parse_rate
 
     if args.device.type != "cpu":
@@ -180,8 +167,7 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
     if not args.netns and args.rate is not None:
         raise ValueError("--no-netns: links cannot be shaped, use --bandwidth none")
     args.sizes = args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES)
-    args.repeats = args.repeats or (QUICK_REPEATS if args.quick else DEFAULT_REPEATS)
-    args.warmup = 1 if args.warmup is None else args.warmup
+    fill_defaults(args, args.quick, repeats=(DEFAULT_REPEATS, QUICK_REPEATS), warmup=(1, 1))
     for c in args.compressors:
         if c not in ("onebit", "topk"):
             raise ValueError(f"--compressors: onebit and/or topk, got {c!r}")
@@ -209,8 +195,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def format_table(doc: Dict[str, Any]) -> str:
-    from tabulate import tabulate
-
+    """The results as a text table: time, speedup over plain, bytes out of each node, checks."""
     rows = []
     for rec in doc["records"]:
         plain = next(r for r in doc["records"] if r["numel"] == rec["numel"] and r["method"] == "plain")
@@ -221,21 +206,20 @@ def format_table(doc: Dict[str, Any]) -> str:
                      "-" if sent is None else f"{sent / 1e6:.2f}",
                      "yes" if rec["identical_on_all_ranks"] else "NO",
                      "yes" if rec["matches_simulation"] else "NO"])
-    return f"{doc['cluster']}\n" + tabulate(
-        rows, headers=["elements", "method", "ms median (p10-p90)", "vs plain", "MB out of each node", "identical",
-                       "= simulation"])
+    return f"{doc['cluster']}\n" + table(
+        rows, ["elements", "method", "ms median (p10-p90)", "vs plain", "MB out of each node", "identical",
+               "= simulation"])
 
 
 def run(args: argparse.Namespace) -> int:
-    from . import machine_info, write_json
-    from .ddp import RanksFailed, run_on_cluster
+    """``pycomm-bench hierarchy``: run, print the table, write the JSON."""
     from .netem import LoopbackCluster, link_report, make_cluster
 
     t0 = time.monotonic()
+    threads = threads_per_rank(args.ranks, args.threads)
     cfg = {"sizes": args.sizes, "ranks_per_node": args.ranks_per_node, "compressors": args.compressors,
            "block_size": args.block_size, "density": args.density, "repeats": args.repeats,
-           "warmup": args.warmup, "timeout": args.timeout,
-           "threads": args.threads or max(1, (os.cpu_count() or 1) // args.ranks)}
+           "warmup": args.warmup, "timeout": args.timeout, "threads": threads}
     cluster = (make_cluster(args.ranks, args.rate, prefix=args.netns_prefix, ranks_per_node=args.ranks_per_node)
                if args.netns else LoopbackCluster(args.ranks, reason="--no-netns", ranks_per_node=args.ranks_per_node))
     try:
@@ -243,28 +227,23 @@ def run(args: argparse.Namespace) -> int:
             cfg["count_ifname"] = "eth0" if cluster.emulated else None
             busbw, line = link_report(cluster)
             print(line, flush=True)
-            _, records = run_on_cluster(cluster, cfg, timeout=args.timeout, module="pycomm.bench.hierarchy")
+            events = run_ranks(_rank_main, cluster, cfg, timeout=args.timeout, stall=args.timeout, threads=threads)
             desc = cluster.describe()
     except RanksFailed as exc:
         print(f"pycomm-bench hierarchy: {exc}", file=sys.stderr)
         return 1
+    records = [e["record"] for e in events if e["event"] == "result"]
     doc = {"bench": "hierarchy", "date": time.strftime("%Y-%m-%d"), "machine": machine_info("cpu"),
            "cluster": desc, "emulated": cluster.emulated, "bandwidth_bits_per_s": args.rate,
            "link_busbw_measured": busbw, "ranks": args.ranks, "ranks_per_node": args.ranks_per_node,
            "config": cfg, "records": records}
     print()
-    print(format_table(doc))
-    write_json(args.json, doc)
-    print(f"\nwrote {args.json} ({time.monotonic() - t0:.0f} s)")
     bad = sorted({r["method"] for r in records if not (r["identical_on_all_ranks"] and r["matches_simulation"])})
-    for m in bad:
-        print(f"FAILED {m}: ranks got different results, or not the simulation's", file=sys.stderr)
-    return 1 if bad else 0
+    return finish(doc, args.json, format_table(doc),
+                  [f"{m}: ranks got different results, or not the simulation's" for m in bad], t0)
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
-        sys.exit(_rank_main(sys.argv[2]))
     from .cli import main
 
     sys.exit(main(["hierarchy", *sys.argv[1:]]))

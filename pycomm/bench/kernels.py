@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import os
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -43,7 +43,9 @@ from pycomm.compressors import onebit as onebit_ref
 from pycomm.compressors import topk as topk_ref
 from pycomm.compressors.base import compressor_class
 
-from . import Timed, default_json_path, fmt_number, machine_info, summarize, time_interleaved
+from .report import (default_json_path, finish, fmt_number, loadavg, machine_info, ms, progress_bar, spread_ms,
+                     status_note, table)
+from .timing import Timed, summarize, time_interleaved
 
 HELP = "time every compressor kernel against an unfused torch pipeline (verified first)"
 
@@ -676,28 +678,19 @@ def benchmarkable_impls(family: str, device: torch.device) -> List[str]:
 def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
     """A copy of ``args`` with defaults filled in (``--quick`` sizes, impl
     list, JSON path); raises ValueError naming the bad option."""
+    from .cli import fill_defaults, split_list
+
     a = argparse.Namespace(**vars(args))
     quick = bool(getattr(a, "quick", False))
-    for name, full, small in (
-        ("numel", DEFAULT_NUMEL, QUICK_NUMEL),
-        ("repeats", DEFAULT_REPEATS, QUICK_REPEATS),
-        ("warmup", DEFAULT_WARMUP, QUICK_WARMUP),
-    ):
-        if getattr(a, name, None) is None:
-            setattr(a, name, small if quick else full)
-    for name, low in (("numel", 1), ("repeats", 1), ("warmup", 0)):
-        value = getattr(a, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"argument --{name}: must be an integer >= {low}, got {value!r}")
+    fill_defaults(a, quick, numel=(DEFAULT_NUMEL, QUICK_NUMEL), repeats=(DEFAULT_REPEATS, QUICK_REPEATS),
+                  warmup=(DEFAULT_WARMUP, QUICK_WARMUP))
     a.device = torch.device(getattr(a, "device", None) or "cpu")
     a.progress = bool(getattr(a, "progress", True))
     a.threads = getattr(a, "threads", None)
 
     impls = getattr(a, "impls", None)
-    if isinstance(impls, str):
-        impls = [impls]
     if impls is not None:
-        wanted = [p.strip() for item in impls for p in item.split(",") if p.strip()]
+        wanted = split_list(impls)
         if not wanted:
             raise ValueError("argument --impls: empty list")
         known = known_impls()
@@ -746,8 +739,6 @@ def run_kernels(args: argparse.Namespace) -> Dict[str, object]:
         >>> doc["rows"][0]["median_s"] > 0                                  # doctest: +SKIP
         True
     """
-    from tqdm import tqdm
-
     args = resolve_args(args)
     started = _dt.datetime.now().isoformat(timespec="seconds")
     machine = machine_info(args.device)  # before the run: its load average is the others'
@@ -764,7 +755,7 @@ def run_kernels(args: argparse.Namespace) -> Dict[str, object]:
     contender_lists = [FAMILY_CONTENDERS[case.family](ctx, case, op, impls) for case, op, impls, _ in plan]
     # One tick per timed or warm-up call (every contender, plus the copy in each operation).
     total = sum(len(c) + COPY_PER_ROUND for c in contender_lists) * ctx.calls_per_contender
-    bar = tqdm(total=total, unit="call", disable=not args.progress, leave=False, dynamic_ncols=True)
+    bar = progress_bar(total, "call", args.progress)
     ctx.bar = bar
     try:
         ctx.copy_dst = torch.empty_like(ctx.g)
@@ -800,7 +791,7 @@ def run_kernels(args: argparse.Namespace) -> Dict[str, object]:
         "copy_gbps_max": max(per_op, default=None),
         "copy": None if copy_all is None else {**copy_all, "bytes_per_element": 8},
         "copy_by_op": ctx.copy_by_op,
-        "loadavg_end": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "loadavg_end": loadavg(),
         "rows": rows,
     }
 
@@ -810,21 +801,15 @@ def run_kernels(args: argparse.Namespace) -> Dict[str, object]:
 
 def format_table(doc: Dict[str, object]) -> str:
     """The results as a text table (tabulate)."""
-    from tabulate import tabulate
-
-    table = []
+    rows = []
     for r in doc["rows"]:
-        ms = lambda key: None if r[key] is None else 1e3 * r[key]  # noqa: E731
-        spread = "-" if r["p10_s"] is None else f"{fmt_number(ms('p10_s'))}-{fmt_number(ms('p90_s'))}"
-        notes = []
-        if r["status"] != OK:
-            notes.append(f"{r['status'].upper().replace('_', ' ')}: {r['error']}"[:100])
+        notes = [status_note(r)] if r["status"] != OK else []
         if r.get("count") is not None and r["kind"] != "baseline":
             notes.append(f"count={r['count']} (k={r['k']})")
         if r.get("recall") is not None:
             notes.append(f"recall={r['recall']:.4f}")
-        table.append([
-            r["compressor"], r["op"], r["impl"], fmt_number(ms("median_s")), spread, fmt_number(r["gbps"]),
+        rows.append([
+            r["compressor"], r["op"], r["impl"], fmt_number(ms(r["median_s"])), spread_ms(r), fmt_number(r["gbps"]),
             fmt_number(r["pct_copy"], 2), fmt_number(r["speedup_vs_unfused"]),
             fmt_number(r.get("speedup_vs_torch_topk")), " ".join(notes),
         ])
@@ -850,7 +835,7 @@ def format_table(doc: Dict[str, object]) -> str:
             "was busy (with few cores, try --threads 1); compare rows within one operation "
             "only, or run again\n"
         )
-    return head + tabulate(table, headers=headers, disable_numparse=True)
+    return head + table(rows, headers)
 
 
 def failed_rows(doc: Dict[str, object]) -> List[Dict[str, object]]:
@@ -877,13 +862,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """``pycomm-bench kernels``: run, print the table, write the JSON.
     Exit status 1 if an implementation failed verification or crashed."""
-    from . import write_json
-
+    t0 = time.monotonic()
     doc = run_kernels(args)
-    print(format_table(doc))
-    write_json(args.json, doc)
-    print(f"\nwrote {args.json}")
-    bad = failed_rows(doc)
-    for r in bad:
-        print(f"FAILED {r['compressor']} {r['op']} {r['impl']}: {r['error']}")
-    return 1 if bad else 0
+    return finish(doc, args.json, format_table(doc),
+                  [f"{r['compressor']} {r['op']} {r['impl']}: {r['error']}" for r in failed_rows(doc)], t0)

@@ -23,7 +23,8 @@ Building needs root and iproute2 (``ip``, ``tc``). Namespaces left over by a
 crashed run with the same prefix are deleted (by exact name) before a build;
 everything built is deleted on exit from the ``with`` block, at interpreter
 exit (atexit) and on SIGINT/SIGTERM, after the rank processes started through
-the cluster have been killed and waited for by PID.
+the cluster have been killed and waited for by PID. Rank processes are
+started by :mod:`pycomm.bench.launch`, through :meth:`EmulatedCluster.spawn`.
 
 Where emulation is not available, :func:`make_cluster` says so once and
 returns a :class:`LoopbackCluster` with the same interface (all ranks on
@@ -44,7 +45,6 @@ from __future__ import annotations
 import abc
 import argparse
 import atexit
-import json
 import logging
 import os
 import re
@@ -260,13 +260,14 @@ class LoopbackCluster(_ClusterBase):
     Same interface as :class:`EmulatedCluster` (``netns`` is None for every
     rank, ``command`` returns argv unchanged), ``emulated`` is False and
     :meth:`describe` says "loopback (not emulated)". The first one built in a
-    process logs a warning with ``reason``.
+    process logs a warning with ``reason``, unless ``warn`` is False (local
+    ranks on purpose, not a fallback).
     """
 
     emulated = False
 
     def __init__(self, world_size: int, reason: str = "", master_port: Optional[int] = None,
-                 ranks_per_node: int = 1) -> None:
+                 ranks_per_node: int = 1, warn: bool = True) -> None:
         super().__init__()
         global _warned_fallback
         if world_size < 1:
@@ -274,9 +275,9 @@ class LoopbackCluster(_ClusterBase):
         self.world_size = world_size
         self.ranks_per_node = _check_ranks_per_node(ranks_per_node, world_size)
         self.rate_bits_per_s = None
-        self.master_port = master_port if master_port is not None else _free_port()
+        self.master_port = master_port if master_port is not None else free_port()
         self.reason = reason
-        if not _warned_fallback:
+        if warn and not _warned_fallback:
             _warned_fallback = True
             log.warning("network emulation unavailable%s; running on plain loopback (not emulated)",
                         f" ({reason})" if reason else "")
@@ -310,12 +311,37 @@ def _check_ranks_per_node(ranks_per_node: int, world_size: int) -> int:
     return ranks_per_node
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port that was free on 127.0.0.1 a moment ago (the OS picks it).
+
+    >>> 0 < free_port() < 65536
+    True
+    """
     import socket
 
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def tx_bytes(ifname: Optional[str]) -> Optional[int]:
+    """Bytes sent so far on ``ifname`` of this process's network namespace
+    (``/proc/self/net/dev`` is per namespace), or None if there is none.
+
+    >>> tx_bytes("lo") >= 0, tx_bytes(None)
+    (True, None)
+    """
+    if not ifname:
+        return None
+    try:
+        with open("/proc/self/net/dev", encoding="ascii") as fh:
+            for line in fh:
+                name, _, rest = line.partition(":")
+                if name.strip() == ifname:
+                    return int(rest.split()[8])  # receive has 8 fields, then transmit bytes
+    except OSError:
+        return None
+    return None
 
 
 class EmulatedCluster(_ClusterBase):
@@ -500,33 +526,21 @@ def make_cluster(world_size: int, rate_bits_per_s: Optional[float] = None, prefi
 def measure_busbw(cluster, nbytes: int = 4 << 20, repeats: int = 5, warmup: int = 1,
                   timeout: float = 60.0) -> float:
     """Bus bandwidth (bit/s) of a plain Gloo float32 all-reduce of ``nbytes``
-    across the cluster's ranks, each a process started in its namespace:
-    2(W-1)/W x bits / time, time the median over ``repeats`` of the slowest
-    rank's time (a barrier before each call). Kills the ranks on failure."""
-    w = cluster.world_size
-    argv = [sys.executable, "-m", "pycomm.bench.netem", "busbw", "--nbytes", str(nbytes),
-            "--repeats", str(repeats), "--warmup", str(warmup), "--timeout", str(timeout)]
-    procs = [cluster.spawn(r, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in range(w)]
-    deadline = time.monotonic() + timeout
-    outs: List[Tuple[str, str]] = []
-    try:
-        for r, p in enumerate(procs):
-            try:
-                out, err = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                raise TimeoutError(f"busbw rank {r} did not finish within {timeout:.0f} s") from None
-            if p.returncode != 0:
-                raise RuntimeError(f"busbw rank {r} exited with {p.returncode}:\n{err.strip()[-2000:]}")
-            outs.append((out, err))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-        for p in procs:
-            p.wait()
-    result = json.loads(outs[0][0].strip().splitlines()[-1])
-    return result["busbw_bits_per_s"]
+    across the cluster's ranks, each a process started in its namespace
+    (:func:`pycomm.bench.launch.run_ranks`): 2(W-1)/W x bits / time, time the
+    median over ``repeats`` of the slowest rank's time (a barrier before each
+    call). Raises :class:`pycomm.bench.launch.RanksFailed` if a rank fails
+    or ``timeout`` seconds pass.
+
+    >>> with make_cluster(2, 100e6) as c:          # doctest: +SKIP
+    ...     measure_busbw(c) / 1e6
+    95.1
+    """
+    from .launch import run_ranks
+
+    cfg = {"nbytes": nbytes, "repeats": repeats, "warmup": warmup}
+    events = run_ranks(_busbw_rank, cluster, cfg, timeout=timeout, stall=timeout, threads=1)
+    return next(e["busbw_bits_per_s"] for e in events if e["event"] == "busbw")
 
 
 def link_report(cluster, **measure_kw) -> Tuple[float, str]:
@@ -538,47 +552,33 @@ def link_report(cluster, **measure_kw) -> Tuple[float, str]:
     return bw, f"{cluster.describe()}: set {fmt_rate(rate)}, measured bus bandwidth {fmt_rate(bw)}{ratio}"
 
 
-def _busbw_rank(nbytes: int, repeats: int, warmup: int, timeout: float) -> None:
-    """Entry point of one rank (``python -m pycomm.bench.netem busbw``), env:// init."""
-    from datetime import timedelta
-
+def _busbw_rank(rank) -> None:
+    """One rank of :func:`measure_busbw`."""
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=timeout))
-    try:
-        w, rank = dist.get_world_size(), dist.get_rank()
-        x = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
-        times = []
-        for i in range(warmup + repeats):
-            dist.barrier()
-            t0 = time.perf_counter()
-            dist.all_reduce(x)
-            t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            if i >= warmup:
-                times.append(t.item())
-            x.fill_(1.0)
-        times.sort()
-        n = len(times)
-        median = times[n // 2] if n % 2 else 0.5 * (times[n // 2 - 1] + times[n // 2])
-        busbw = 2 * (w - 1) / w * x.numel() * 4 * 8 / median
-        if rank == 0:
-            print(json.dumps({"world_size": w, "nbytes": x.numel() * 4, "times_s": times,
-                              "median_s": median, "busbw_bits_per_s": busbw}), flush=True)
-    finally:
-        dist.destroy_process_group()
+    from .timing import median
+
+    cfg, w = rank.cfg, rank.world
+    x = torch.ones(max(1, cfg["nbytes"] // 4), dtype=torch.float32)
+    times = []
+    for i in range(cfg["warmup"] + cfg["repeats"]):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(x)
+        t = rank.max_over_ranks([time.perf_counter() - t0])[0]
+        if i >= cfg["warmup"]:
+            times.append(t)
+        x.fill_(1.0)
+    busbw = 2 * (w - 1) / w * x.numel() * 4 * 8 / median(times)
+    if rank.rank == 0:
+        rank.emit("busbw", world_size=w, nbytes=x.numel() * 4, times_s=times, median_s=median(times),
+                  busbw_bits_per_s=busbw)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pycomm.bench.netem", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
-    b = sub.add_parser("busbw", help="one rank of measure_busbw (run inside a rank namespace)")
-    b.add_argument("--nbytes", type=int, default=4 << 20)
-    b.add_argument("--repeats", type=int, default=5)
-    b.add_argument("--warmup", type=int, default=1)
-    b.add_argument("--timeout", type=float, default=60.0)
     c = sub.add_parser("check", help="build a cluster, measure its bus bandwidth, tear it down")
     c.add_argument("--ranks", type=int, default=2)
     c.add_argument("--rate", default="100M", help="e.g. 100M, 1G, none")
@@ -586,9 +586,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     c.add_argument("--repeats", type=int, default=5)
     c.add_argument("--prefix", default="pycomm")
     args = ap.parse_args(argv)
-    if args.cmd == "busbw":
-        _busbw_rank(args.nbytes, args.repeats, args.warmup, args.timeout)
-        return 0
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     rate = parse_rate(args.rate)
     with make_cluster(args.ranks, rate, prefix=args.prefix) as cluster:
