@@ -42,6 +42,10 @@ py::dict spec_dict() {
   py::list methods, fields;
   for (const char* m : kMethods) methods.append(m);
   for (const char* f : kFieldNames) fields.append(f);
+  py::list collectives;
+  for (const char* c : kCollectives) collectives.append(c);
+  d["collectives"] = py::tuple(collectives);
+  d["reduce_scatter_suffix"] = kReduceScatterSuffix;
   d["methods"] = py::tuple(methods);
   d["call_fields"] = py::tuple(fields);
   d["default_chunk_numel"] = kDefaultChunkNumel;
@@ -94,6 +98,9 @@ PYBIND11_MODULE(_C, m) {
            py::arg("plugin_options") = "{}")
       .def("allreduce_keyed", &CompressedBackend::allreduce_keyed, py::arg("tensor"),
            py::arg("key"), py::arg("average"), py::arg("method") = py::none(),
+           py::call_guard<py::gil_scoped_release>())
+      .def("reduce_scatter_keyed", &CompressedBackend::reduce_scatter_keyed, py::arg("output"),
+           py::arg("input"), py::arg("key"), py::arg("average"),
            py::call_guard<py::gil_scoped_release>())
       .def("method_for", &CompressedBackend::method_for, py::arg("numel"))
       .def("set_size_methods", &CompressedBackend::set_size_methods, py::arg("table"),

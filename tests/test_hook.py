@@ -291,6 +291,8 @@ def test_hook_over_pycomm_group(training, name):
     # The residuals live in the backend, one per DDP bucket index.
     assert res["backend_keys"] == [0, 1, 2]
     assert "runs the pycomm backend with method='onebit'" in training[0]["mismatch"]
+    # The hook's own refusals keep their type in DDP's message.
+    assert "ValueError" in training[0]["mismatch"]
 
 
 def test_find_unused_parameters_with_private_group(training):

@@ -175,12 +175,14 @@ def test_hook_arguments_are_checked():
     with pytest.raises(TypeError, match=r"private_group must be a bool"):
         CompressionState(private_group=1)
     fut = compressed_hook({"compressor": "topk"}, None)
-    with pytest.raises(TypeError, match=r"compressed_hook needs a pycomm.ddp.CompressionState"):
+    # Raised from the future's callback, so DDP shows the type and message.
+    with pytest.raises(RuntimeError, match=r"TypeError: compressed_hook needs a pycomm.ddp.CompressionState"):
         fut.wait()
 
 
 def test_get_compressor_names_the_argument():
-    with pytest.raises(ValueError, match=r"unknown compressor 'zip'; available: onebit, topk"):
+    # (other tests register compressors of their own in the same process)
+    with pytest.raises(ValueError, match=r"unknown compressor 'zip'; available: (.*, )?onebit, topk"):
         pycomm.get_compressor("zip")
     with pytest.raises(TypeError, match=r"compressor 'topk'.*block_size"):
         pycomm.get_compressor("topk", block_size=64)

@@ -358,6 +358,7 @@ std::string field_value(int field, int64_t v) {
       return o.str();
     }
     case kApprox: return v ? "True" : "False";
+    case kCollective: return v == 0 || v == 1 ? kCollectives[v] : "?";
     case kDevice: return c10::DeviceTypeName(static_cast<c10::DeviceType>(v), true);
     default: return std::to_string(v);
   }
@@ -396,7 +397,8 @@ bool CompressedBackend::double_buffered(const at::Tensor& x, const std::string& 
 std::string CompressedBackend::describe_call(const at::Tensor& tensor, std::optional<int64_t> key,
                                              bool average, const std::string& method) const {
   std::ostringstream o;
-  o << "all_reduce key=" << (key ? std::to_string(*key) : "None") << " " << tensor.numel() << " "
+  o << kCollectives[collective_] << " key=" << (key ? std::to_string(*key) : "None") << " "
+    << tensor.numel() << " "
     << dtype_name(tensor.scalar_type()) << " " << method << " "
     << (average ? "avg" : "sum");
   return o.str();
@@ -407,7 +409,7 @@ void CompressedBackend::check_call(const at::Tensor& tensor, std::optional<int64
   if (config_.check_calls == 0) return;
   const int64_t numel = tensor.numel();
   const int dtype = static_cast<int>(tensor.scalar_type());
-  const auto signature = std::make_tuple(numel, dtype, average);
+  const auto signature = std::make_tuple(numel, dtype + 256 * collective_, average);
   if (config_.check_calls == 1) {
     if (key ? checked_keys_.count(*key) > 0 : checked_signatures_.count(signature) > 0) return;
   }
@@ -424,6 +426,7 @@ void CompressedBackend::check_call(const at::Tensor& tensor, std::optional<int64
   mine[kDensity] = density_bits;
   mine[kApprox] = config_.approx;
   mine[kDevice] = static_cast<int64_t>(tensor.device().type());
+  mine[kCollective] = collective_;
   const int world = getSize();
   const auto opts = tensor.options().dtype(at::kLong);
   at::Tensor in = at::tensor(mine, at::kLong).to(tensor.device());
@@ -447,7 +450,8 @@ void CompressedBackend::check_call(const at::Tensor& tensor, std::optional<int64
     diffs << ")";
   }
   TORCH_CHECK(diffs.tellp() == 0,
-              "ranks called the compressed all_reduce with different arguments: ", diffs.str(),
+              "ranks called the compressed ", kCollectives[collective_],
+              " with different arguments: ", diffs.str(),
               ". Every rank must make the same compressed calls in the same order with the same "
               "settings (checked at the first use of each key and of each keyless "
               "(numel, dtype, op); PYCOMM_DEBUG=detail checks every call)");
@@ -826,6 +830,205 @@ bool CompressedBackend::run_plugin(const at::Tensor& x, ErrorFeedback* ef, bool 
   return all_finite(sums, x);
 }
 
+// ------------------------------------------- compressed reduce-scatter ---
+WorkPtr CompressedBackend::reduce_scatter_keyed(at::Tensor output, at::Tensor input,
+                                                std::optional<int64_t> key, bool average) {
+  for (const auto* t : {&output, &input}) {
+    const auto dt = t->scalar_type();
+    TORCH_CHECK(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16,
+                "compressed reduce_scatter needs float32, float16 or bfloat16 tensors, got ", dt);
+  }
+  TORCH_CHECK(output.scalar_type() == input.scalar_type(), "output is ", output.scalar_type(),
+              " but input is ", input.scalar_type());
+  TORCH_CHECK(output.device() == input.device(), "output is on ", output.device(),
+              " but input is on ", input.device());
+  TORCH_CHECK(output.numel() > 0, "compressed reduce_scatter of an empty tensor");
+  TORCH_CHECK(input.numel() == output.numel() * getSize(), "input must hold world size (",
+              getSize(), ") x output's ", output.numel(), " elements, got ", input.numel());
+  const std::string m = method_for(input.numel());
+  std::optional<c10::Stream> stream;
+  if (!input.is_cpu()) {
+    stream = c10::impl::VirtualGuardImpl(input.device().type()).getStream(input.device());
+  }
+  return submit(c10d::OpType::_REDUCE_SCATTER_BASE, {output},
+                [this, output, input, key, average, stream, m] {
+                  std::optional<c10::StreamGuard> guard;
+                  if (stream) guard.emplace(*stream);
+                  run_reduce_scatter(output, input, key, average, m);
+                });
+}
+
+// Rank j receives shard j of every rank's input (spec.reduce_scatter in
+// docs/allreduce.md): per chunk of the shard, each rank compresses its W
+// segments (segment j = the chunk's part of shard j, with error feedback),
+// sends segment j's payload to rank j (one all_to_all of equal payloads),
+// and decodes the W payloads it receives in rank order into its output.
+// No server stage: the output is the decoded sum, in float32.
+void CompressedBackend::run_reduce_scatter(const at::Tensor& output, const at::Tensor& input,
+                                           std::optional<int64_t> key, bool average,
+                                           const std::string& m) {
+  collective_ = 1;
+  struct Restore {
+    int& c;
+    ~Restore() { c = 0; }
+  } restore{collective_};
+  try {
+    check_call(input, key, average, m);
+    const int world = getSize();
+    const bool direct = input.scalar_type() == at::kFloat && input.is_contiguous() &&
+                        output.is_contiguous();
+    at::Tensor in = direct ? input.view({-1}) : input.reshape({-1}).to(at::kFloat).contiguous();
+    at::Tensor out = direct ? output.view({-1}) : at::empty({output.numel()}, in.options());
+    const int64_t S = out.numel();
+    if (m == "none" || m == "fp16" || m == "bf16") {
+      // Exact, or the 16-bit cast (divided first, as the all-reduce does).
+      const auto dt = m == "none" ? at::kFloat : m == "fp16" ? at::kHalf : at::kBFloat16;
+      at::Tensor x = (average && m != "none" ? in / world : in).to(dt);
+      at::Tensor y = at::empty({S}, x.options());
+      c10d::ReduceScatterOptions rs;
+      rs.reduceOp = c10d::ReduceOp::SUM;
+      inner_->_reduce_scatter_base(y, x, rs)->wait();
+      out.copy_(y);
+      if (average && m == "none") out.div_(world);
+      if (!direct) output.copy_(out.view(output.sizes()));
+      return;
+    }
+    Group g{inner_.get(), getRank(), world};
+    ErrorFeedback* ef = key ? error_feedback_for(*key, in, m + kReduceScatterSuffix, g) : nullptr;
+    if (ef) prepare_backup(*ef);
+    const int64_t C = chunk_length(S, config_.chunk_numel), chunks = ceil_div(S, C);
+    const int64_t B = config_.block_size;
+    const auto byte_opts = in.options().dtype(at::kByte);
+
+    // A registered compressor's payload layout (dtypes and shapes), learned
+    // from this rank's first payload of each chunk (its segments are alike).
+    std::vector<at::Tensor> plugin_layout;
+    // One segment's payload as bytes, a fixed size for a given length; and
+    // its decoding, added into `dst` (written when !accumulate).
+    auto encode = [&](const at::Tensor& seg, const std::optional<at::Tensor>& r) -> at::Tensor {
+      const int64_t len = seg.numel();
+      if (m == "onebit") {
+        auto [bits, scales] = onebit_compress(seg, r, B);
+        return at::cat({bits.view(at::kByte), scales.view(at::kByte)});
+      }
+      if (m == "topk") {
+        const int64_t k = topk_k(len, config_.density);
+        const int64_t cap = config_.approx ? topk_capacity(k) : k;
+        auto [idx, vals] = topk_compress(seg, r, k, config_.approx);
+        at::Tensor buf = at::zeros({1 + 2 * cap}, seg.options().dtype(at::kInt));
+        buf.narrow(0, 0, 1).fill_(idx.numel());
+        buf.narrow(0, 1, idx.numel()).copy_(idx);
+        buf.narrow(0, 1 + idx.numel(), idx.numel()).copy_(vals.view(at::kInt));
+        return buf.view(at::kByte);
+      }
+      std::vector<at::Tensor> parts;
+      const bool learn = plugin_layout.empty();
+      for (auto& p : plugin_compress(m, config_.plugin_options, seg, r)) {
+        if (learn) plugin_layout.push_back(p);
+        const at::Tensor b = p.contiguous().reshape({-1}).view(at::kByte);
+        parts.push_back(b);
+        if (const int64_t pad = padded_nbytes(b.numel()) - b.numel(); pad > 0)
+          parts.push_back(at::zeros({pad}, byte_opts));
+      }
+      return parts.empty() ? at::empty({0}, byte_opts) : at::cat(parts);
+    };
+    auto decode = [&](const at::Tensor& bytes, const at::Tensor& dst, bool accumulate,
+                      const std::vector<at::Tensor>& layout) {
+      const int64_t len = dst.numel();
+      if (m == "onebit") {
+        const int64_t words = onebit_num_words(len), blocks = onebit_num_blocks(len, B);
+        const at::Tensor w = bytes.view(at::kInt);
+        onebit_decompress(dst, w.narrow(0, 0, words), w.narrow(0, words, blocks).view(at::kFloat),
+                          B, accumulate);
+      } else if (m == "topk") {
+        const at::Tensor w = bytes.view(at::kInt);
+        const int64_t count = w[0].item<int32_t>(), cap = (w.numel() - 1) / 2;
+        TORCH_CHECK(count >= 0 && count <= cap, "a top-k payload of ", count,
+                    " entries, capacity ", cap, ": ranks disagree on the tensor or density");
+        if (!accumulate) dst.zero_();
+        topk_decompress(dst, w.narrow(0, 1, count), w.narrow(0, 1 + count, count).view(at::kFloat),
+                        true);
+      } else {
+        std::vector<at::Tensor> payload;
+        int64_t off = 0;
+        for (const auto& p : layout) {
+          const int64_t nb = p.numel() * p.element_size();
+          payload.push_back(bytes.narrow(0, off, nb).view(p.scalar_type()).view(p.sizes()));
+          off += padded_nbytes(nb);
+        }
+        plugin_decompress(m, config_.plugin_options, payload, dst, accumulate);
+      }
+    };
+
+    struct Chunk {
+      int64_t begin, len, nbytes;
+      at::Tensor recv;
+      WorkPtr a2a;
+      std::vector<at::Tensor> layout;  // a registered compressor's payload, for decoding
+    };
+    std::vector<Chunk> st;
+    st.reserve(chunks);
+    std::vector<at::Tensor> sums;
+    auto stage1 = [&](int64_t i) {
+      const int64_t c0 = i * C, len = std::min(C, S - c0);
+      plugin_layout.clear();  // the last chunk may be shorter: learned per chunk
+      std::vector<at::Tensor> sends;
+      for (int j = 0; j < world; ++j) {
+        const int64_t at0 = j * S + c0;
+        std::optional<at::Tensor> r;
+        if (ef) {
+          r = ef->worker.narrow(0, at0, len);
+          ef->worker_backup.narrow(0, at0, len).copy_(*r);
+        }
+        sends.push_back(encode(in.narrow(0, at0, len), r));
+      }
+      const int64_t nbytes = sends[0].numel();
+      for (const auto& b : sends)
+        TORCH_CHECK(b.numel() == nbytes, "compressor '", m, "' made payloads of ", nbytes, " and ",
+                    b.numel(), " bytes for segments of ", len, " elements: payload sizes must "
+                    "depend on the element count alone");
+      at::Tensor send = at::cat(sends);
+      st.push_back(Chunk{c0, len, nbytes, at::empty({world * nbytes}, byte_opts), {}, plugin_layout});
+      std::vector<int64_t> splits(world, nbytes);
+      st.back().a2a = g.pg->alltoall_base(st.back().recv, send, splits, splits, c10d::AllToAllOptions());
+    };
+    auto stage2 = [&](int64_t i) {
+      Chunk& ch = st[i];
+      ch.a2a->wait();
+      at::Tensor dst = out.narrow(0, ch.begin, ch.len);
+      for (int src = 0; src < world; ++src)
+        decode(ch.recv.narrow(0, src * ch.nbytes, ch.nbytes), dst, src > 0, ch.layout);
+      if (average) dst.div_(world);
+      if (ef) sums.push_back(dst.sum());
+      ch.recv = at::Tensor();
+    };
+    for (int64_t i = 0; i < chunks; ++i) {
+      stage1(i);
+      if (i >= 1) stage2(i - 1);
+    }
+    stage2(chunks - 1);
+    if (!direct) output.copy_(out.view(output.sizes()));
+    if (ef) {
+      // Each rank holds another shard: they agree on finiteness (one MIN)
+      // before any rolls back, so the residuals stay consistent.
+      bool finite = all_finite(sums, out);
+      if (finite && !direct) finite = all_finite({output.sum(at::kFloat)}, output);
+      at::Tensor flag = at::full({1}, finite ? 1 : 0, in.options().dtype(at::kInt));
+      std::vector<at::Tensor> ts{flag};
+      c10d::AllreduceOptions mn;
+      mn.reduceOp = c10d::ReduceOp::MIN;
+      inner_->allreduce(ts, mn)->wait();
+      if (flag.item<int32_t>() == 0) swap_residuals(*ef);
+    }
+  } catch (const c10::DistBackendError& e) {
+    C10_THROW_ERROR(DistBackendError, failure_context(input, key, average, m) + e.what_without_backtrace());
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, failure_context(input, key, average, m), e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, failure_context(input, key, average, m), e.what());
+  }
+}
+
 // -------------------------------------------------- error-feedback state ---
 std::map<int64_t, ErrorFeedback> CompressedBackend::error_feedback_state() {
   std::map<int64_t, ErrorFeedback> copy;
@@ -847,8 +1050,9 @@ void CompressedBackend::load_error_feedback_state(std::map<int64_t, ErrorFeedbac
     TORCH_CHECK(ef.world_size == world, "error-feedback state of key ", key,
                 " was saved with world size ", ef.world_size, ", this group has ", world,
                 ": it cannot be reused (reset it instead)");
-    const bool method_ok = config_.method == "auto" ? (ef.method == "onebit" || ef.method == "topk")
-                                                    : ef.method == config_.method;
+    const std::string base = ef.method.substr(0, ef.method.find(kReduceScatterSuffix));
+    const bool method_ok = config_.method == "auto" ? (base == "onebit" || base == "topk")
+                                                    : base == config_.method;
     TORCH_CHECK(method_ok && ef.chunk_numel == config_.chunk_numel,
                 "error-feedback state of key ", key, " was saved for ", ef.method,
                 " with chunk_numel ", ef.chunk_numel, "; this group runs ", config_.method,

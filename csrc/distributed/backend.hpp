@@ -109,6 +109,11 @@ class CompressedBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> allreduce_keyed(at::Tensor tensor, std::optional<int64_t> key,
                                                  bool average,
                                                  std::optional<std::string> method = std::nullopt);
+  // Compressed reduce-scatter: `output` (S elements) receives this rank's
+  // shard of the sum (or average) of every rank's `input` (world x S
+  // elements, shard j = [j S, (j+1) S)), with error feedback under `key`.
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_keyed(at::Tensor output, at::Tensor input,
+                                                      std::optional<int64_t> key, bool average);
   // The exact all-reduce of the inner backend (for warm-up iterations).
   c10::intrusive_ptr<c10d::Work> allreduce_plain(at::Tensor tensor, bool average);
   // Whether allreduce(tensor, op) would compress (else it is forwarded).
@@ -207,6 +212,8 @@ class CompressedBackend : public c10d::Backend {
   // "pycomm rank R of W [(peer: rank P)]: <call> failed: " for errors.
   std::string failure_context(const at::Tensor& tensor, std::optional<int64_t> key,
                               bool average, const std::string& method) const;
+  void run_reduce_scatter(const at::Tensor& output, const at::Tensor& input,
+                          std::optional<int64_t> key, bool average, const std::string& method);
   void run_cast(const at::Tensor& x, bool average, const std::string& method);
   void run_exact(const at::Tensor& x, bool average);
   ErrorFeedback* error_feedback_for(int64_t key, const at::Tensor& x, const std::string& method,
@@ -229,6 +236,9 @@ class CompressedBackend : public c10d::Backend {
   // Keys and keyless (numel, dtype, op) signatures already checked.
   std::set<int64_t> checked_keys_;
   std::set<std::tuple<int64_t, int, bool>> checked_signatures_;
+  // The collective the worker is running (index into kCollectives), for the
+  // call check and error messages.
+  int collective_ = 0;
 };
 
 }  // namespace dist

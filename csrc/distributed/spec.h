@@ -36,10 +36,18 @@ inline int64_t plugin_code(const std::string& name, const std::string& options) 
 }
 
 // The descriptor of a compressed call that ranks compare (spec.CALL_FIELDS).
-enum Field { kNumel, kDtype, kOp, kKey, kMethod, kChunk, kBlock, kDensity, kApprox, kDevice, kFields };
+enum Field {
+  kNumel, kDtype, kOp, kKey, kMethod, kChunk, kBlock, kDensity, kApprox, kDevice, kCollective, kFields
+};
 inline constexpr const char* kFieldNames[kFields] = {"numel", "dtype", "op", "key", "compressor",
                                                      "chunk_numel", "block_size", "density",
-                                                     "approx", "device type"};
+                                                     "approx", "device type", "collective"};
+// Index = the collective's code in call descriptors (spec.COLLECTIVES).
+inline constexpr const char* kCollectives[] = {"all_reduce", "reduce_scatter"};
+// Error-feedback residuals of a compressed reduce-scatter are kept under the
+// method's name with this suffix (no server residual; never mixed with an
+// all-reduce's under the same key).
+inline constexpr const char* kReduceScatterSuffix = "/reduce_scatter";
 
 // Length of the chunks an n-element tensor is cut into (spec.chunk_length):
 // round(n / chunk_numel) chunks, at least one, all of this length but the

@@ -405,9 +405,16 @@ class CompressionState:
 
 
 def _failed(exc: BaseException) -> torch.futures.Future:
-    fut: torch.futures.Future = torch.futures.Future()
-    fut.set_exception(exc)
-    return fut
+    """A future that fails with ``exc``. Raised from a callback rather than
+    set with ``set_exception``: DDP then reports "ValueError: <message>"
+    instead of "Unable to cast <message> to Tensor"."""
+    done: torch.futures.Future = torch.futures.Future()
+    done.set_result(None)
+
+    def fail(_):
+        raise exc
+
+    return done.then(fail)
 
 
 def compressed_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

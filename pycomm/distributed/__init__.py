@@ -368,6 +368,44 @@ def all_reduce(
     return None
 
 
+def reduce_scatter(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    key: Optional[int] = None,
+    group: Optional[dist.ProcessGroup] = None,
+    op: str = "sum",
+    async_op: bool = False,
+):
+    """Compressed reduce-scatter: ``output`` receives this rank's shard of
+    the sum (or average) of every rank's ``input``, as
+    ``dist.reduce_scatter_tensor`` (``input`` holds world size x
+    ``output.numel()`` elements; shard ``j`` goes to rank ``j``).
+
+    Each rank compresses the part of its input that goes to each other rank
+    with the group's compressor (error feedback under ``key``, kept apart
+    from the all-reduce's), and decodes what it receives in rank order
+    (docs/allreduce.md, "Reduce-scatter"). Returns a Work when ``async_op``.
+
+    Example::
+
+        shard = torch.empty(grad.numel() // dist.get_world_size())
+        pd.reduce_scatter(shard, grad, key=7, op="avg")
+    """
+    if op not in ("sum", "avg"):
+        raise ValueError(f"op must be 'sum' or 'avg', got {op!r}")
+    _check_key(key)
+    for name, t in (("output", output), ("input", input)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if not isinstance(async_op, bool):
+        raise TypeError(f"async_op must be a bool, got {async_op!r}")
+    work = _pycomm_backend(group, input.device).reduce_scatter_keyed(output, input, key, op == "avg")
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
 def error_feedback_state(group: Optional[dist.ProcessGroup] = None, device: str = "cpu") -> Dict[int, dict]:
     """The backend's error-feedback residuals, per key (copies), to save."""
     return dict(_pycomm_backend(group, _device(device)).error_feedback_state())
@@ -424,6 +462,7 @@ __all__ = [
     "is_pycomm_group",
     "load_error_feedback_state",
     "options_of",
+    "reduce_scatter",
     "register_backend",
     "reset_error_feedback",
     "wrap",

@@ -43,9 +43,16 @@ import torch
 from .. import get_compressor
 from ..compressors.plugin import _instance as _plugin_instance
 from ..compressors.plugin import is_plugin, options_json
-from .spec import DEFAULT_CHUNK_NUMEL, EF_METHODS, chunk_bounds, normalize_op, onebit_segments
+from .spec import (
+    DEFAULT_CHUNK_NUMEL,
+    EF_METHODS,
+    REDUCE_SCATTER_SUFFIX,
+    chunk_bounds,
+    normalize_op,
+    onebit_segments,
+)
 
-__all__ = ["ErrorFeedback", "simulate_allreduce", "simulate_hierarchical_allreduce"]
+__all__ = ["ErrorFeedback", "simulate_allreduce", "simulate_hierarchical_allreduce", "simulate_reduce_scatter"]
 
 
 # ----------------------------------------------------------- error feedback ---
@@ -94,7 +101,8 @@ class ErrorFeedback:
         block_size: Optional[int] = None,
     ) -> Dict[str, Any]:
         """The layout dict that :meth:`bind` checks (block_size only for onebit)."""
-        if method not in EF_METHODS and not is_plugin(method):
+        base = method[: -len(REDUCE_SCATTER_SUFFIX)] if method.endswith(REDUCE_SCATTER_SUFFIX) else method
+        if base not in EF_METHODS and not is_plugin(base):
             raise ValueError(f"error feedback exists for onebit and topk only, not {method!r}")
         return {
             "method": method,
@@ -458,3 +466,102 @@ def simulate_hierarchical_allreduce(
         for ef in kept:
             ef.rollback()
     return [out.view(shape).to(dtype).clone() for _ in range(world)]
+
+
+def simulate_reduce_scatter(
+    inputs: Sequence[torch.Tensor],
+    method: str,
+    op: Any = "sum",
+    chunk_numel: Optional[int] = None,
+    efs: Optional[Sequence[ErrorFeedback]] = None,
+    **compressor_kwargs: Any,
+) -> List[torch.Tensor]:
+    """Every rank's output of a compressed reduce-scatter of ``inputs[r]``
+    (docs/allreduce.md, "Reduce-scatter"): rank ``j`` gets shard ``j`` (the
+    ``j``-th of ``len(inputs)`` equal parts) of the sum or average.
+
+    Per chunk of the shard, each rank compresses its part of every shard
+    (error feedback: ``efs[r]``, laid out over the whole input), and rank
+    ``j`` decodes the parts of shard ``j`` in rank order (the first written,
+    the others added; top-k's scattered onto zeros). A non-finite output on
+    any rank leaves every residual as it was. Other arguments as
+    :func:`simulate_allreduce`.
+
+    >>> xs = [torch.ones(8) * (r + 1) for r in range(2)]
+    >>> [o.tolist() for o in simulate_reduce_scatter(xs, "none")]
+    [[3.0, 3.0, 3.0, 3.0], [3.0, 3.0, 3.0, 3.0]]
+    """
+    world = len(inputs)
+    if world < 1:
+        raise ValueError("inputs must hold one tensor per rank (at least one)")
+    dtype, n = inputs[0].dtype, inputs[0].numel()
+    if any(x.numel() != n or x.dtype != dtype for x in inputs):
+        raise ValueError("inputs must all have the same number of elements and dtype")
+    if n % world or n == 0:
+        raise ValueError(f"inputs must hold world size ({world}) x shard elements, got {n}")
+    shard = n // world
+    avg = normalize_op(op) == "avg"
+    chunk_numel = DEFAULT_CHUNK_NUMEL if chunk_numel is None else chunk_numel
+    xs = [x.detach().reshape(-1).to(torch.float32) for x in inputs]
+    outs = [torch.empty(shard, dtype=torch.float32, device=xs[0].device) for _ in range(world)]
+
+    if method in ("none", "fp16", "bf16"):
+        if efs is not None:
+            raise ValueError(f"method {method!r} has no error feedback: pass efs=None")
+        cast = {"none": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[method]
+        ys = [((x / world) if avg and method != "none" else x).to(cast) for x in xs]
+        for j in range(world):
+            acc = ys[0][j * shard:(j + 1) * shard].clone()
+            for y in ys[1:]:
+                acc = acc + y[j * shard:(j + 1) * shard]
+            outs[j] = acc.to(torch.float32)
+            if avg and method == "none":
+                outs[j].div_(world)
+        return [o.to(dtype) for o in outs]
+
+    if is_plugin(method):
+        comp = _plugin_instance(method, options_json(method, compressor_kwargs))
+
+        def encode(seg, r):
+            return comp.compress(seg, r)
+
+        def decode(p, dst, accumulate):
+            comp.decompress(p, dst, accumulate)
+    elif method in EF_METHODS:
+        compressor_kwargs.setdefault("impl", "reference")
+        comp = get_compressor(method, **compressor_kwargs)
+
+        def encode(seg, r):
+            return comp.compress(seg, r)
+
+        def decode(p, dst, accumulate):
+            if method == "topk":  # scattered onto zeros, as the engine does
+                if not accumulate:
+                    dst.zero_()
+                accumulate = True
+            comp.decompress(p, out=dst, accumulate=accumulate)
+    else:
+        raise ValueError(f"unknown method {method!r}; choose one of ['onebit', 'topk', 'fp16', 'bf16', "
+                         f"'none'] or a registered compressor")
+
+    if efs is not None:
+        if len(efs) != world:
+            raise ValueError(f"efs must hold one ErrorFeedback per rank ({world}), got {len(efs)}")
+        for r, ef in enumerate(efs):
+            ef.bind(method=method + REDUCE_SCATTER_SUFFIX, numel=n, world_size=world, rank=r,
+                    chunk_numel=chunk_numel, block_size=getattr(comp, "block_size", None), device=xs[r].device)
+            ef.snapshot()
+    for c0, c1 in chunk_bounds(shard, chunk_numel):
+        for j in range(world):
+            lo, hi = j * shard + c0, j * shard + c1
+            payloads = [encode(xs[r][lo:hi], efs[r].worker[lo:hi] if efs is not None else None)
+                        for r in range(world)]
+            dst = outs[j][c0:c1]
+            for r, p in enumerate(payloads):  # rank order
+                decode(p, dst, r > 0)
+            if avg:
+                dst.div_(world)
+    if efs is not None and not all(bool(torch.isfinite(o.to(dtype)).all()) for o in outs):
+        for ef in efs:
+            ef.rollback()
+    return [o.to(dtype) for o in outs]

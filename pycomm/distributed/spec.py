@@ -44,7 +44,12 @@ DEFAULT_CHUNK_NUMEL = 1 << 20
 CHECK_MODES = ("off", "first", "every")
 #: The fields of the call descriptor the ranks compare, in wire order.
 CALL_FIELDS = ("numel", "dtype", "op", "key", "compressor", "chunk_numel", "block_size", "density",
-               "approx", "device type")
+               "approx", "device type", "collective")
+#: The compressed collectives; the index is the code in the call check.
+COLLECTIVES = ("all_reduce", "reduce_scatter")
+#: A reduce-scatter's residuals are kept under the method's name with this
+#: suffix (worker residual only), never mixed with an all-reduce's.
+REDUCE_SCATTER_SUFFIX = "/reduce_scatter"
 
 
 def method_code(method: str) -> int:
