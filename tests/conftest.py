@@ -1,14 +1,8 @@
-"""Shared test setup: the one GPU marker, and the Triton interpreter on CPU."""
-
-import os
+"""Shared test setup: the one GPU marker (the Triton interpreter on CPU is
+set up by the repository's root conftest.py, for the doctests too)."""
 
 import pytest
 import torch
-
-# Triton decides at import time whether to interpret: without a GPU, run its
-# kernels on CPU tensors (small sizes only; it is slow).
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):
