@@ -46,12 +46,21 @@ py::dict spec_dict() {
   for (const char* c : kCollectives) collectives.append(c);
   d["collectives"] = py::tuple(collectives);
   d["reduce_scatter_suffix"] = kReduceScatterSuffix;
+  d["all_gather_suffix"] = kAllGatherSuffix;
   d["methods"] = py::tuple(methods);
   d["call_fields"] = py::tuple(fields);
   d["default_chunk_numel"] = kDefaultChunkNumel;
+  py::dict blocks, bits;
+  for (const char* m : kMethods) {
+    if (!is_block_method(m)) continue;
+    blocks[m] = default_block_size(m);
+    bits[m] = block_bits(m);
+  }
+  d["default_block_size"] = blocks;
+  d["block_bits"] = bits;
   d["chunk_length"] = py::cpp_function([](int64_t n, int64_t c) { return chunk_length(n, c); });
-  d["onebit_segments"] = py::cpp_function([](int64_t m, int world, int64_t block) {
-    const OnebitLayout lay(m, world, block);
+  d["block_segments"] = py::cpp_function([](int64_t m, int world, int64_t block, int bits) {
+    const BlockLayout lay(m, world, block, bits);
     py::list bounds;
     for (int j = 0; j < world; ++j) {
       const int64_t b = std::min(m, j * lay.seg);
@@ -102,6 +111,8 @@ PYBIND11_MODULE(_C, m) {
       .def("reduce_scatter_keyed", &CompressedBackend::reduce_scatter_keyed, py::arg("output"),
            py::arg("input"), py::arg("key"), py::arg("average"),
            py::call_guard<py::gil_scoped_release>())
+      .def("all_gather_keyed", &CompressedBackend::all_gather_keyed, py::arg("output"),
+           py::arg("input"), py::arg("key"), py::call_guard<py::gil_scoped_release>())
       .def("method_for", &CompressedBackend::method_for, py::arg("numel"))
       .def("set_size_methods", &CompressedBackend::set_size_methods, py::arg("table"),
            py::arg("calibration") = "", py::call_guard<py::gil_scoped_release>())

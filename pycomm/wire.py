@@ -51,3 +51,33 @@ def retry_rank(rank: int, k: int, count: int, s: int) -> int:
 
 def accept(count: int, k: int) -> bool:
     return k <= count <= topk_capacity(k)
+
+
+# int8 / int4 block quantization (rules: kernels/include/pycomm/compress_math.h).
+#: Largest block_size of every block codec (onebit, int8, int4).
+MAX_BLOCK_SIZE = 1 << 30
+MASK32 = 0xFFFFFFFF
+
+
+def quant_qmax(bits: int) -> int:
+    """Largest level: 127 for int8, 7 for int4 (symmetric, -qmax..qmax)."""
+    return 127 if bits == 8 else 7
+
+
+def quant_num_bytes(n: int, bits: int) -> int:
+    """Data bytes of ``n`` quantized elements (int4: two per byte)."""
+    return n if bits == 8 else (n + 1) // 2
+
+
+def quant_hash(x: int) -> int:
+    """lowbias32 on a Python int in [0, 2^32) (the kernels' ``quant_hash``).
+
+    >>> hex(quant_hash(1))
+    '0x688990c0'
+    """
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & MASK32
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & MASK32
+    x ^= x >> 16
+    return x

@@ -108,7 +108,7 @@ def test_loaded_calibration_decides_per_size(tmp_path):
     # each size runs its method, every rank alike, nothing measured.
     path = tmp_path / "cal.json"
     _saved(path, 2, {"none": [0.001, 0.016], "fp16": [0.002, 0.03], "onebit": [0.004, 0.005],
-                     "topk": [0.003, 0.02]})
+                     "topk": [0.003, 0.02], "int8": [0.003, 0.012], "int4": [0.003, 0.008]})
     sizes = [500, 5000, 1 << 20]
     res = run_ranks(_auto, 2, str(path), sizes, timeout=TIMEOUT, init_process_group=False)
     assert res[0][1] == res[1][1] and res[0][3] == str(path)

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CUDA_DIR = ROOT / "kernels" / "cuda"
 INCLUDE_DIR = ROOT / "kernels" / "include"
 CUDA_SOURCES = sorted(CUDA_DIR.glob("*.cu"))
-EXPECTED_SOURCES = {"onebit.cu", "topk.cu"}
+EXPECTED_SOURCES = {"onebit.cu", "quant.cu", "topk.cu"}
 COMPILE_TIMEOUT_S = 600
 
 
@@ -67,7 +67,7 @@ def test_cuda_source_compiles(source: Path, tmp_path: Path):
 
 
 @pytest.mark.skipif(NVCC is None, reason="no CUDA toolkit (nvcc) on this machine")
-@pytest.mark.parametrize("source", ["onebit.cpp", "topk.cpp"])
+@pytest.mark.parametrize("source", ["onebit.cpp", "quant.cpp", "topk.cpp"])
 def test_cuda_op_registration_compiles(source: str, tmp_path: Path):
     """The CUDA half of csrc/ops (built only against a CUDA torch) type-checks
     against torch's headers and the CUDA launcher API, so the glue between

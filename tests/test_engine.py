@@ -21,7 +21,7 @@ from _dist import run_ranks
 
 import pycomm
 from pycomm.distributed.simulate import ErrorFeedback, simulate_allreduce
-from pycomm.distributed.spec import DEFAULT_CHUNK_NUMEL, chunk_bounds, onebit_segments
+from pycomm.distributed.spec import BLOCK_METHODS, DEFAULT_CHUNK_NUMEL, block_segments, block_size_for, chunk_bounds
 
 WORLD_SIZES = [2, 4]
 SIZES = [1, 33, 5000, 70001]
@@ -32,6 +32,8 @@ CHUNKS = {1: [1, 4096], 33: [32, 4096], 5000: [1664, sys.maxsize], 70001: [7000,
 METHODS = [
     ("onebit", {"block_size": 64}),
     ("onebit", {"block_size": 2048}),
+    ("int8", {"block_size": 64}),
+    ("int4", {}),
     ("topk", {"density": 0.01, "approx": True}),
     ("topk", {"density": 0.05, "approx": False}),
     ("fp16", {}),
@@ -65,9 +67,9 @@ def _cases():
 
 CASES = _cases()
 CASE_IDS = [c[0] for c in CASES]
-# onebit and topk: the simulation with the engine's own kernels (impl="cpu")
-# must be bit-exact, whatever the dtype, shape or layout.
-EXACT_CASES = [c for c in CASES if c[1] in ("onebit", "topk")]
+# onebit, int8, int4 and topk: the simulation with the engine's own kernels
+# (impl="cpu") must be bit-exact, whatever the dtype, shape or layout.
+EXACT_CASES = [c for c in CASES if c[1] in ("onebit", "topk", "int8", "int4")]
 
 # Error-feedback runs: several steps, residuals kept across them.
 EF_STEPS = 4
@@ -75,6 +77,9 @@ EF_CASES = [
     ("onebit-b64-n5000-c1664-avg", "onebit", {"block_size": 64}, 5000, 1664, "avg"),
     ("onebit-b2048-n70001-c7000-sum", "onebit", {"block_size": 2048}, 70001, 7000, "sum"),
     ("onebit-b32-n33-c32-avg", "onebit", {"block_size": 32}, 33, 32, "avg"),
+    ("int8-b64-n5000-c1664-avg", "int8", {"block_size": 64}, 5000, 1664, "avg"),
+    ("int4-default-n70001-c7000-sum", "int4", {}, 70001, 7000, "sum"),
+    ("int4-b32-n33-c32-avg", "int4", {"block_size": 32}, 33, 32, "avg"),
     ("topk-approx-n70001-c7000-avg", "topk", {"density": 0.01, "approx": True}, 70001, 7000, "avg"),
     ("topk-exact-n5000-c1664-sum", "topk", {"density": 0.05, "approx": False}, 5000, 1664, "sum"),
 ]
@@ -166,9 +171,10 @@ def _onebit_worker_mag(cs, chunk, block_size, world, op):
 def _assert_close_to_sim(got, want, method, world, inputs, op, dtype, chunk=None, block_size=None):
     got32, want32 = got.float().reshape(-1), want.float().reshape(-1)
     out_eps = torch.finfo(dtype).eps if dtype != torch.float32 else 0.0
-    if method == "topk":
-        # Selection is exact and values are copies; the scatter-add runs in
-        # rank order in both: equal, bit for bit.
+    if method in ("topk", "int8", "int4"):
+        # topk: selection is exact and values are copies; int8/int4: absmax,
+        # levels and products are elementwise, in any order alike. Decoding
+        # adds in rank order in both: equal, bit for bit.
         assert torch.equal(got32, want32)
         return
     if method == "onebit":
@@ -233,7 +239,7 @@ def _server_full(efs, n, chunk, block_size):
     world = len(efs)
     full = torch.zeros(n)
     for ci, (b, e) in enumerate(chunk_bounds(n, chunk)):
-        _, segs = onebit_segments(e - b, world, block_size)
+        _, segs = block_segments(e - b, world, block_size)
         for j, (sb, se) in enumerate(segs):
             full[b + sb : b + se] = efs[j].server_segment(ci)
     return full
@@ -246,8 +252,8 @@ def _efs_from(states, kwargs):
     for rank, st in enumerate(states):
         layout = ErrorFeedback.make_layout(method=st["method"], numel=st["numel"], world_size=st["world_size"],
                                            rank=rank, chunk_numel=st["chunk_numel"],
-                                           block_size=kwargs.get("block_size"))
-        server = torch.cat(st["server"]) if st["method"] == "onebit" else None
+                                           block_size=block_size_for(st["method"], kwargs.get("block_size")))
+        server = torch.cat(st["server"]) if st["method"] in BLOCK_METHODS else None
         ef = ErrorFeedback()
         ef.load_state_dict({"layout": layout, "worker": st["worker"], "server": server})
         efs.append(ef)
@@ -261,7 +267,7 @@ def test_error_feedback_invariant(dist_results, world, case):
 
     worker (every rank i): c_i = x_i + e_i, e_i' = c_i - D(p_i), so
         D(p_i) = x_i + e_i - e_i'.
-    onebit server (segment of rank j): c = acc + s, s' = c - D(q), the result is
+    block codecs' server (segment of rank j): c = acc + s, s' = c - D(q), the result is
         D(q) = acc + s - s', acc = sum_i D(p_i) (/ W for AVG).
     topk: result = sum_i D(p_i) (/ W for AVG), no server residual.
 
@@ -288,7 +294,8 @@ def test_error_feedback_invariant(dist_results, world, case):
         result = results[0]
         efs = _efs_from([res[r]["ef"][cid][step][1] for r in range(world)], kwargs)
         e = [ef.worker for ef in efs]
-        s = _server_full(efs, n, chunk, kwargs["block_size"]) if method == "onebit" else torch.zeros(n)
+        block = block_size_for(method, kwargs.get("block_size"))
+        s = _server_full(efs, n, chunk, block) if method in BLOCK_METHODS else torch.zeros(n)
 
         lhs = torch.stack(xs).sum(0) - w * result
         rhs = torch.stack(e).sum(0) - torch.stack(prev_e).sum(0) + w * (s - prev_s)
@@ -309,7 +316,7 @@ def test_error_feedback_invariant(dist_results, world, case):
         assert torch.equal(result, want[0])
         for ef_sim, ef_dist in zip(sim_efs, efs):
             assert torch.equal(ef_sim.worker, ef_dist.worker)
-            if method == "onebit":
+            if method in BLOCK_METHODS:
                 assert torch.equal(ef_sim.server, ef_dist.server)
 
 
@@ -335,7 +342,7 @@ def test_error_feedback_layout_checks():
             ef.bind(**{**layout, key: value})
     # Server residual: this rank's segment of every chunk.
     assert ef.server.numel() == 1024 + 136
-    with pytest.raises(ValueError, match="onebit and topk only"):
+    with pytest.raises(ValueError, match="error feedback exists for"):
         ErrorFeedback().bind(method="fp16", numel=1, world_size=1, rank=0, chunk_numel=1)
 
     # state_dict round trip, and a state whose buffers do not fit is refused.

@@ -25,11 +25,14 @@ CASES = [
     ("topk-approx", "topk", {"density": 0.01, "approx": True}, 5003, 2000, "avg", torch.float32),
     ("topk-exact", "topk", {"density": 0.05, "approx": False}, 333, 100, "sum", torch.float32),
     ("int8-absmax", "int8-absmax", {}, 5003, 2000, "avg", torch.float32),
+    ("int8", "int8", {"block_size": 64}, 5003, 2000, "avg", torch.float32),
+    ("int4", "int4", {}, 5003, 2000, "sum", torch.float32),
+    ("int4-bf16", "int4", {"block_size": 32}, 333, 100, "avg", torch.bfloat16),
     ("fp16", "fp16", {}, 333, 100, "avg", torch.float32),
     ("bf16", "bf16", {}, 333, 100, "sum", torch.float32),
     ("none", "none", {}, 333, 100, "avg", torch.float32),
 ]
-KEYED = ("onebit", "topk", "int8-absmax")
+KEYED = ("onebit", "topk", "int8-absmax", "int8", "int4")
 
 
 def _input(case, step, rank, world, poison=False):
@@ -88,7 +91,7 @@ def results():
 def _simulate(case, world, efs):
     name, method, settings, shard, chunk, op, dtype = case
     kw = dict(settings)
-    if method in ("onebit", "topk"):
+    if method in ("onebit", "topk", "int8", "int4"):
         kw["impl"] = "cpu"  # the engine's kernels: bit for bit
     return [simulate_reduce_scatter([_input(case, step, r, world) for r in range(world)], method, op,
                                     chunk, efs, **kw) for step in range(STEPS)]
@@ -103,7 +106,7 @@ def test_equals_simulation(results, world, case):
     want = []
     for step in range(STEPS):
         kw = dict(case[2])
-        if method in ("onebit", "topk"):
+        if method in ("onebit", "topk", "int8", "int4"):
             kw["impl"] = "cpu"
         want.append(simulate_reduce_scatter([_input(case, step, r, world) for r in range(world)], method,
                                             case[5], case[4], efs, **kw))
@@ -125,7 +128,7 @@ def test_equals_simulation(results, world, case):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("name", ["onebit", "topk-approx", "int8-absmax"])
+@pytest.mark.parametrize("name", ["onebit", "topk-approx", "int8-absmax", "int8", "int4"])
 def test_nonfinite_step_leaves_residuals(results, world, name):
     for r in range(world):
         before, after = results[world][r][name + "/nonfinite"]

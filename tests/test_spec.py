@@ -25,6 +25,9 @@ def test_names_and_codes_match(cpp):
     assert cpp["methods"] == spec.METHODS
     assert cpp["call_fields"] == spec.CALL_FIELDS
     assert cpp["default_chunk_numel"] == spec.DEFAULT_CHUNK_NUMEL
+    assert cpp["collectives"] == spec.COLLECTIVES
+    assert cpp["reduce_scatter_suffix"] == spec.REDUCE_SCATTER_SUFFIX
+    assert cpp["all_gather_suffix"] == spec.ALL_GATHER_SUFFIX
     assert [spec.method_code(m) for m in spec.METHODS] == list(range(len(spec.METHODS)))
     with pytest.raises(ValueError, match="unknown method 'int3'"):
         spec.method_code("int3")
@@ -43,12 +46,23 @@ def test_never_chunk_does_not_overflow(cpp, n):
 
 
 @settings(max_examples=200, deadline=None)
-@given(m=st.integers(1, 1 << 22), world=st.integers(1, 16), words=st.integers(1, 64))
-def test_onebit_segments_match(cpp, m, world, words):
-    block = 32 * words
-    seg, bounds, sizes = cpp["onebit_segments"](m, world, block)
-    assert (seg, bounds) == spec.onebit_segments(m, world, block)
-    assert sizes == [spec.onebit_wire_numel(e - b, block) for b, e in bounds]
+@given(m=st.integers(1, 1 << 22), world=st.integers(1, 16), words=st.integers(1, 64),
+       method=st.sampled_from(spec.BLOCK_METHODS))
+def test_block_segments_match(cpp, m, world, words, method):
+    block, bits = 32 * words, spec.BLOCK_BITS[method]
+    seg, bounds, sizes = cpp["block_segments"](m, world, block, bits)
+    assert (seg, bounds) == spec.block_segments(m, world, block)
+    assert sizes == [spec.block_wire_numel(e - b, block, bits) for b, e in bounds]
+
+
+def test_block_defaults_match(cpp):
+    assert cpp["default_block_size"] == spec.DEFAULT_BLOCK_SIZE
+    assert cpp["block_bits"] == spec.BLOCK_BITS
+    for m in spec.BLOCK_METHODS:
+        # Each compressor's own default is the engine's.
+        import pycomm
+
+        assert pycomm.get_compressor(m).block_size == spec.DEFAULT_BLOCK_SIZE[m]
 
 
 @settings(max_examples=200, deadline=None)

@@ -10,6 +10,8 @@
 #include "pycomm/compress_math.h"
 #include "spec.h"
 
+#include <pybind11/pybind11.h>
+
 #include <sstream>
 #include <string.h>
 
@@ -50,6 +52,96 @@ void onebit_decompress(const at::Tensor& out, const at::Tensor& bits, const at::
                                    int64_t, bool)>();
   op.call(out, bits, scales, block_size, accumulate);
 }
+
+std::tuple<at::Tensor, at::Tensor> quant_compress(const at::Tensor& g,
+                                                  const std::optional<at::Tensor>& r, int64_t bits,
+                                                  int64_t block_size) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("pycomm::quant_compress", "")
+                       .typed<std::tuple<at::Tensor, at::Tensor>(
+                           const at::Tensor&, const std::optional<at::Tensor>&, int64_t, int64_t,
+                           int64_t)>();
+  return op.call(g, r, bits, block_size, /*seed=*/-1);
+}
+
+std::tuple<at::Tensor, at::Tensor> quant_compress_into(const at::Tensor& g, const at::Tensor& r,
+                                                       const at::Tensor& r_out, int64_t bits,
+                                                       int64_t block_size) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("pycomm::quant_compress_into", "")
+                       .typed<std::tuple<at::Tensor, at::Tensor>(
+                           const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
+                           int64_t, int64_t)>();
+  return op.call(g, r, r_out, bits, block_size, /*seed=*/-1);
+}
+
+void quant_decompress(const at::Tensor& out, const at::Tensor& data, const at::Tensor& scales,
+                      int64_t bits, int64_t block_size, bool accumulate) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("pycomm::quant_decompress", "")
+                       .typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                   int64_t, int64_t, bool)>();
+  op.call(out, data, scales, bits, block_size, accumulate);
+}
+
+// A block codec (onebit, int8, int4) as the engine uses it: compress a
+// whole chunk, cut a segment's wire words out of its payload, decode a
+// segment's wire words. Segments start at whole blocks (BlockLayout), and
+// blocks at multiples of 32 elements, so a segment's data starts at a whole
+// word or byte of the chunk's.
+struct BlockCodec {
+  int bits;  // 0: onebit
+  int64_t block;
+
+  std::tuple<at::Tensor, at::Tensor> compress(const at::Tensor& g,
+                                              const std::optional<at::Tensor>& r) const {
+    return bits ? quant_compress(g, r, bits, block) : onebit_compress(g, r, block);
+  }
+  // The new residual into r_out, r left as it was (CPU only).
+  std::tuple<at::Tensor, at::Tensor> compress_into(const at::Tensor& g, const at::Tensor& r,
+                                                   const at::Tensor& r_out) const {
+    return bits ? quant_compress_into(g, r, r_out, bits, block)
+                : onebit_compress_into(g, r, r_out, block);
+  }
+  // Wire words (int32: data, then scales) of elements [lo, lo + len) of a payload.
+  std::vector<at::Tensor> segment(const at::Tensor& data, const at::Tensor& scales, int64_t lo,
+                                  int64_t len) const {
+    const int64_t words = BlockLayout::data_words(len, bits);
+    at::Tensor d;
+    if (bits == 0) {
+      d = data.narrow(0, lo / kOnebitWordBits, words);
+    } else {
+      d = data.narrow(0, lo * bits / 8, quant_num_bytes(len, bits));
+      if (const int64_t pad = 4 * words - d.numel(); pad > 0) d = at::cat({d, at::zeros({pad}, d.options())});
+      d = d.view(at::kInt);
+    }
+    return {d, scales.narrow(0, lo / block, ceil_div(len, block)).view(at::kInt)};
+  }
+  // The scales of the len-element segment at `offset` of an int32 buffer.
+  at::Tensor scales_at(const at::Tensor& buf, int64_t offset, int64_t len) const {
+    return buf.narrow(0, offset + BlockLayout::data_words(len, bits), ceil_div(len, block))
+        .view(at::kFloat);
+  }
+  // Whether that segment decodes to finite values only: its largest value
+  // is +-scale (onebit) or qmax * scale (int8/int4; the product can
+  // overflow even where the scale does not).
+  at::Tensor finite_at(const at::Tensor& buf, int64_t offset, int64_t len) const {
+    const at::Tensor s = scales_at(buf, offset, len);
+    return at::isfinite(bits ? s * float(quant_qmax(bits)) : s).all();
+  }
+  // Decodes the len-element segment at `offset` of an int32 buffer into out.
+  void decompress(const at::Tensor& out, const at::Tensor& buf, int64_t offset,
+                  bool accumulate) const {
+    const int64_t len = out.numel(), words = BlockLayout::data_words(len, bits);
+    const at::Tensor d = buf.narrow(0, offset, words), s = scales_at(buf, offset, len);
+    if (bits == 0) {
+      onebit_decompress(out, d, s, block, accumulate);
+    } else {
+      quant_decompress(out, d.view(at::kByte).narrow(0, 0, quant_num_bytes(len, bits)), s, bits,
+                       block, accumulate);
+    }
+  }
+};
 
 std::tuple<at::Tensor, at::Tensor> topk_compress(const at::Tensor& g,
                                                  const std::optional<at::Tensor>& r, int64_t k,
@@ -96,11 +188,71 @@ void plugin_decompress(const std::string& name, const std::string& options,
   op.callBoxed(&stack);
 }
 
-// Payload (words, then scales as float bits) at `offset` of an int32 buffer.
-std::pair<at::Tensor, at::Tensor> split_onebit(const at::Tensor& buf, int64_t offset,
-                                               int64_t words, int64_t blocks) {
-  return {buf.narrow(0, offset, words), buf.narrow(0, offset + words, blocks).view(at::kFloat)};
-}
+// One segment's payload as bytes, a fixed size for a given length (every
+// method and registered compressor), and its decoding: what the compressed
+// reduce-scatter and all-gather send.
+struct PayloadCodec {
+  const std::string& m;
+  const Config& cfg;
+  BlockCodec block;
+  at::TensorOptions byte_opts;
+  // A registered compressor's payload layout (dtypes and shapes), learned
+  // from this rank's first payload of each chunk (its segments are alike).
+  std::vector<at::Tensor> plugin_layout;
+
+  at::Tensor encode(const at::Tensor& seg, const std::optional<at::Tensor>& r) {
+    const int64_t len = seg.numel();
+    if (is_block_method(m)) {
+      auto [data, scales] = block.compress(seg, r);
+      return at::cat(block.segment(data, scales, 0, len)).view(at::kByte);
+    }
+    if (m == "topk") {
+      const int64_t k = topk_k(len, cfg.density);
+      const int64_t cap = cfg.approx ? topk_capacity(k) : k;
+      auto [idx, vals] = topk_compress(seg, r, k, cfg.approx);
+      at::Tensor buf = at::zeros({1 + 2 * cap}, seg.options().dtype(at::kInt));
+      buf.narrow(0, 0, 1).fill_(idx.numel());
+      buf.narrow(0, 1, idx.numel()).copy_(idx);
+      buf.narrow(0, 1 + idx.numel(), idx.numel()).copy_(vals.view(at::kInt));
+      return buf.view(at::kByte);
+    }
+    std::vector<at::Tensor> parts;
+    const bool learn = plugin_layout.empty();
+    for (auto& p : plugin_compress(m, cfg.plugin_options, seg, r)) {
+      if (learn) plugin_layout.push_back(p);
+      const at::Tensor b = p.contiguous().reshape({-1}).view(at::kByte);
+      parts.push_back(b);
+      if (const int64_t pad = padded_nbytes(b.numel()) - b.numel(); pad > 0)
+        parts.push_back(at::zeros({pad}, byte_opts));
+    }
+    return parts.empty() ? at::empty({0}, byte_opts) : at::cat(parts);
+  }
+
+  // Decodes into `dst`: written, or added when `accumulate`.
+  void decode(const at::Tensor& bytes, const at::Tensor& dst, bool accumulate,
+              const std::vector<at::Tensor>& layout) const {
+    if (is_block_method(m)) {
+      block.decompress(dst, bytes.view(at::kInt), 0, accumulate);
+    } else if (m == "topk") {
+      const at::Tensor w = bytes.view(at::kInt);
+      const int64_t count = w[0].item<int32_t>(), cap = (w.numel() - 1) / 2;
+      TORCH_CHECK(count >= 0 && count <= cap, "a top-k payload of ", count,
+                  " entries, capacity ", cap, ": ranks disagree on the tensor or density");
+      if (!accumulate) dst.zero_();
+      topk_decompress(dst, w.narrow(0, 1, count), w.narrow(0, 1 + count, count).view(at::kFloat),
+                      true);
+    } else {
+      std::vector<at::Tensor> payload;
+      int64_t off = 0;
+      for (const auto& p : layout) {
+        const int64_t nb = p.numel() * p.element_size();
+        payload.push_back(bytes.narrow(0, off, nb).view(p.scalar_type()).view(p.sizes()));
+        off += padded_nbytes(nb);
+      }
+      plugin_decompress(m, cfg.plugin_options, payload, dst, accumulate);
+    }
+  }
+};
 
 }  // namespace
 
@@ -154,8 +306,11 @@ CompressedBackend::CompressedBackend(c10::intrusive_ptr<c10d::Backend> inner, Co
   TORCH_CHECK(config_.min_compress_numel >= 1, "min_compress_numel must be >= 1, got ",
               config_.min_compress_numel);
   TORCH_CHECK(config_.chunk_numel >= 1, "chunk_numel must be >= 1, got ", config_.chunk_numel);
-  TORCH_CHECK(config_.block_size > 0 && config_.block_size % 32 == 0,
-              "block_size must be a positive multiple of 32, got ", config_.block_size);
+  TORCH_CHECK(config_.block_size == 0 ||
+                  (config_.block_size > 0 && config_.block_size % 32 == 0 &&
+                   config_.block_size <= kMaxBlockSize),
+              "block_size must be a positive multiple of 32 up to 2^30 (or 0: each method's "
+              "default), got ", config_.block_size);
   TORCH_CHECK(config_.density > 0.0 && config_.density <= 1.0, "density must be in (0, 1], got ",
               config_.density);
   TORCH_CHECK(config_.check_calls >= 0 && config_.check_calls <= 2,
@@ -167,15 +322,27 @@ CompressedBackend::CompressedBackend(c10::intrusive_ptr<c10d::Backend> inner, Co
 }
 
 CompressedBackend::~CompressedBackend() {
+  // Python may drop the last reference with the GIL held. Joining the
+  // worker (which may be running a compressor registered in Python) and the
+  // inner backends' threads (which may release Python objects) then needs
+  // the GIL elsewhere: release it while shutting down.
+  std::optional<pybind11::gil_scoped_release> no_gil;
+  if (Py_IsInitialized() && PyGILState_Check()) no_gil.emplace();
   {
     std::lock_guard<std::mutex> lock(queue_mutex_);
     stopping_ = true;
   }
   queue_cv_.notify_all();
   if (worker_.joinable()) worker_.join();
+  intra_.reset();
+  inter_.reset();
+  inner_.reset();
 }
 
 void CompressedBackend::run_worker() {
+  // Collectives never record autograd history (as on the caller's side of
+  // dist.all_reduce): the tensors may be Parameters that require grad.
+  const c10::AutoGradMode no_grad(false);
   for (;;) {
     std::function<void()> task;
     {
@@ -239,14 +406,41 @@ bool CompressedBackend::compresses(const at::Tensor& t, const c10d::ReduceOp& op
   return t.numel() >= config_.min_compress_numel;
 }
 
+// A call this rank cannot run still takes part in the call check, so that a
+// peer calling with a valid tensor raises too instead of waiting for the
+// group timeout (at the first use of the key or signature, or on every call
+// with check_calls="every"); then it raises `why` here.
+WorkPtr CompressedBackend::refuse(const at::Tensor& tensor, std::optional<int64_t> key,
+                                  bool average, const std::string& m, int collective,
+                                  std::string why) {
+  return submit(c10d::OpType::UNKNOWN, {}, [this, tensor, key, average, m, collective, why] {
+    collective_ = collective;
+    struct Restore {
+      int& c;
+      ~Restore() { c = 0; }
+    } restore{collective_};
+    try {
+      check_call(tensor, key, average, m, /*refused=*/true);
+    } catch (const c10::Error& e) {
+      TORCH_CHECK(false, why, "; ", e.what_without_backtrace());
+    }
+    TORCH_CHECK(false, why);
+  });
+}
+
 WorkPtr CompressedBackend::allreduce_keyed(at::Tensor tensor, std::optional<int64_t> key,
                                            bool average, std::optional<std::string> method) {
   TORCH_CHECK(!method || known_method(*method), "unknown method '", *method, "'");
   const std::string m = method ? *method : method_for(tensor.numel());
   const auto dt = tensor.scalar_type();
-  TORCH_CHECK(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16,
-              "compressed all_reduce needs a float32, float16 or bfloat16 tensor, got ", dt);
-  TORCH_CHECK(tensor.numel() > 0, "compressed all_reduce of an empty tensor");
+  std::string bad;
+  if (dt != at::kFloat && dt != at::kHalf && dt != at::kBFloat16) {
+    bad = std::string("compressed all_reduce needs a float32, float16 or bfloat16 tensor, got ") +
+          c10::toString(dt);
+  } else if (tensor.numel() == 0) {
+    bad = "compressed all_reduce of an empty tensor";
+  }
+  if (!bad.empty()) return refuse(tensor, key, average, m, 0, bad);
   // On an accelerator the worker runs the kernels on the caller's current
   // stream, so they are ordered after the work that produced the tensor.
   std::optional<c10::Stream> stream;
@@ -263,6 +457,14 @@ WorkPtr CompressedBackend::allreduce_keyed(at::Tensor tensor, std::optional<int6
 WorkPtr CompressedBackend::allreduce(std::vector<at::Tensor>& tensors,
                                      const c10d::AllreduceOptions& opts) {
   if (tensors.size() == 1 && compresses(tensors[0], opts.reduceOp)) {
+    // Plain DDP and dist.all_reduce over a pycomm group land here, without a
+    // key: nothing keeps the compression error, and the model pays for it.
+    TORCH_WARN_ONCE(
+        "pycomm: compressing an all-reduce without error feedback (dist.all_reduce, or DDP "
+        "without a comm hook, over a \"pycomm\" group): each step's compression error is lost, "
+        "which can cost final loss. With DDP, register pycomm.ddp.compressed_hook with a "
+        "CompressionState (error feedback per bucket); elsewhere call "
+        "pycomm.distributed.all_reduce(tensor, key=...).");
     return allreduce_keyed(tensors[0], std::nullopt, opts.reduceOp == c10d::ReduceOp::AVG);
   }
   return forward_allreduce(tensors, opts);
@@ -308,10 +510,11 @@ ErrorFeedback* CompressedBackend::error_feedback_for(int64_t key, const at::Tens
     ef.method = method;
     auto opts = x.options().dtype(at::kFloat);
     ef.worker = at::zeros({x.numel()}, opts);
-    if (method == "onebit") {
+    if (is_block_method(method)) {
       const int64_t C = chunk_length(x.numel(), config_.chunk_numel);
       for (int64_t c0 = 0; c0 < x.numel(); c0 += C) {
-        const OnebitLayout lay(std::min(C, x.numel() - c0), g.world, config_.block_size);
+        const BlockLayout lay(std::min(C, x.numel() - c0), g.world, block_for(method),
+                              block_bits(method));
         ef.server.push_back(at::zeros({lay.len[g.rank]}, opts));
       }
     }
@@ -347,6 +550,7 @@ std::string field_value(int field, int64_t v) {
     case kDtype: return dtype_name(static_cast<at::ScalarType>(v));
     case kOp: return v ? "avg" : "sum";
     case kKey: return v < 0 ? "None" : std::to_string(v);
+    case kNumel: return v == kRefusedNumel ? "a call it refused" : std::to_string(v);
     case kMethod:
       if (v >= kPluginCode) return "registered compressor #" + std::to_string(v - kPluginCode);
       return v >= 0 && v < kNumMethods ? kMethods[v] : "?";
@@ -358,7 +562,7 @@ std::string field_value(int field, int64_t v) {
       return o.str();
     }
     case kApprox: return v ? "True" : "False";
-    case kCollective: return v == 0 || v == 1 ? kCollectives[v] : "?";
+    case kCollective: return v >= 0 && v < kNumCollectives ? kCollectives[v] : "?";
     case kDevice: return c10::DeviceTypeName(static_cast<c10::DeviceType>(v), true);
     default: return std::to_string(v);
   }
@@ -388,10 +592,27 @@ void swap_residuals(ErrorFeedback& ef) {
   for (size_t i = 0; i < ef.server.size(); ++i) std::swap(ef.server[i], ef.server_backup[i]);
 }
 
+// A call whose compressors update the residuals in place: they are copied to
+// the second buffers first, and put back (a swap) if the call fails part-way,
+// so that a failed call leaves them as they were, as a non-finite one does.
+struct ResidualGuard {
+  ErrorFeedback* ef = nullptr;
+  explicit ResidualGuard(ErrorFeedback* e) : ef(e) {
+    if (!ef) return;
+    ef->worker_backup.copy_(ef->worker);
+    for (size_t i = 0; i < ef->server.size(); ++i) ef->server_backup[i].copy_(ef->server[i]);
+  }
+  // Success: the caller decides what to keep.
+  void release() { ef = nullptr; }
+  ~ResidualGuard() {
+    if (ef) swap_residuals(*ef);
+  }
+};
+
 }  // namespace
 
 bool CompressedBackend::double_buffered(const at::Tensor& x, const std::string& method) const {
-  return method == "onebit" && x.is_cpu();
+  return is_block_method(method) && x.is_cpu();
 }
 
 std::string CompressedBackend::describe_call(const at::Tensor& tensor, std::optional<int64_t> key,
@@ -405,7 +626,7 @@ std::string CompressedBackend::describe_call(const at::Tensor& tensor, std::opti
 }
 
 void CompressedBackend::check_call(const at::Tensor& tensor, std::optional<int64_t> key,
-                                   bool average, const std::string& method) {
+                                   bool average, const std::string& method, bool refused) {
   if (config_.check_calls == 0) return;
   const int64_t numel = tensor.numel();
   const int dtype = static_cast<int>(tensor.scalar_type());
@@ -416,13 +637,13 @@ void CompressedBackend::check_call(const at::Tensor& tensor, std::optional<int64
   int64_t density_bits;
   memcpy(&density_bits, &config_.density, sizeof(density_bits));
   std::vector<int64_t> mine(kFields);
-  mine[kNumel] = numel;
+  mine[kNumel] = refused ? kRefusedNumel : numel;  // never equal to a peer's valid call
   mine[kDtype] = dtype;
   mine[kOp] = average;
   mine[kKey] = key ? *key : -1;
   mine[kMethod] = is_plugin(method) ? plugin_code(method, config_.plugin_options) : method_code(method);
   mine[kChunk] = config_.chunk_numel;
-  mine[kBlock] = config_.block_size;
+  mine[kBlock] = block_for(method);
   mine[kDensity] = density_bits;
   mine[kApprox] = config_.approx;
   mine[kDevice] = static_cast<int64_t>(tensor.device().type());
@@ -512,9 +733,11 @@ void CompressedBackend::run_compressed(const at::Tensor& tensor, std::optional<i
     // so do its peers on the other nodes, which hold the same shard.
     ErrorFeedback* ef = key.has_value() && y.numel() > 0 ? error_feedback_for(*key, y, m, g) : nullptr;
     if (ef) prepare_backup(*ef);
+    // Double-buffered compressors never touch the residuals they read.
+    ResidualGuard guard(ef && !double_buffered(y, m) ? ef : nullptr);
     bool finite = true;
     if (y.numel() > 0) {
-      finite = m == "onebit" ? run_onebit(y, ef, average, g)
+      finite = is_block_method(m) ? run_blocks(y, ef, average, g, m)
                : m == "topk" ? run_topk(y, ef, average, g)
                              : run_plugin(y, ef, average, g, m);
     }
@@ -543,6 +766,7 @@ void CompressedBackend::run_compressed(const at::Tensor& tensor, std::optional<i
     // a step that GradScaler will skip leaves the residuals as they were.
     // Double-buffered: the new residuals are in the second buffers, commit
     // them if finite; copied: the old ones are, restore them if not.
+    guard.release();
     if (ef && finite == double_buffered(x, m)) swap_residuals(*ef);
   } catch (const c10::DistBackendError& e) {
     C10_THROW_ERROR(DistBackendError, failure_context(tensor, key, average, m) + e.what_without_backtrace());
@@ -583,49 +807,54 @@ void CompressedBackend::run_exact(const at::Tensor& x, bool average) {
   if (average) x.div_(getSize());
 }
 
-bool CompressedBackend::run_onebit(const at::Tensor& x, ErrorFeedback* ef, bool average,
-                                   const Group& g) {
+// The two-phase all-reduce of a block codec (docs/allreduce.md): segment j
+// of each chunk is reduced by rank j (an all_to_all of the workers'
+// payloads, decoded and summed in float32, then compressed again: the
+// compressed reduce-scatter), and the reduced segments are all-gathered.
+bool CompressedBackend::run_blocks(const at::Tensor& x, ErrorFeedback* ef, bool average,
+                                   const Group& g, const std::string& method) {
   const int world = g.world, rank = g.rank;
-  const int64_t n = x.numel(), C = chunk_length(n, config_.chunk_numel), B = config_.block_size;
+  const BlockCodec codec{block_bits(method), block_for(method)};
+  const int64_t n = x.numel(), C = chunk_length(n, config_.chunk_numel), B = codec.block;
   const int64_t chunks = ceil_div(n, C);
   const auto int_opts = x.options().dtype(at::kInt);
+  const bool spare_out = double_buffered(x, method);
 
   struct Chunk {
     int64_t begin;
-    OnebitLayout lay;
+    BlockLayout lay;
     at::Tensor recv, gathered;
     WorkPtr a2a, ag;
   };
   std::vector<Chunk> st;
   st.reserve(chunks);
-  // Compress with error feedback, the old residual kept in `spare` or the
-  // new one written there (see double_buffered).
-  auto onebit_ef = [&](const at::Tensor& grad, const at::Tensor& r, const at::Tensor& spare) {
-    if (double_buffered(x, "onebit")) return onebit_compress_into(grad, r, spare, B);
-    spare.copy_(r);
-    return onebit_compress(grad, r, B);
+  // Compress with error feedback: the new residual written to `spare`, or
+  // in place (the old one copied to `spare` before the call).
+  auto compress_ef = [&](const at::Tensor& grad, const at::Tensor& r, const at::Tensor& spare) {
+    if (spare_out) return codec.compress_into(grad, r, spare);
+    return codec.compress(grad, r);  // the old residual is in `spare` already
   };
-  // The result is +-scale of the server payloads: it is finite exactly when
-  // every gathered server scale is (a read of n / B floats). Only error
-  // feedback needs to know; the flags stay on the device until the end.
+  // The result is the decoded server payloads: it is finite exactly when
+  // every gathered server scale is (a read of n / B floats; a non-finite
+  // block decodes to NaN or +-Inf in every codec). Only error feedback
+  // needs to know; the flags stay on the device until the end.
   std::vector<at::Tensor> finite;
 
   // Stage 1: worker compress, all_to_all of segment payloads.
   auto stage1 = [&](int64_t i) {
     const int64_t begin = i * C, m = std::min(C, n - begin);
-    st.push_back(Chunk{begin, OnebitLayout(m, world, B), {}, {}, {}, {}});
+    st.push_back(Chunk{begin, BlockLayout(m, world, B, codec.bits), {}, {}, {}, {}});
     Chunk& ch = st.back();
-    const OnebitLayout& lay = ch.lay;
-    auto [bits, scales] = ef ? onebit_ef(x.narrow(0, begin, m), ef->worker.narrow(0, begin, m),
-                                         ef->worker_backup.narrow(0, begin, m))
-                             : onebit_compress(x.narrow(0, begin, m), std::nullopt, B);
+    const BlockLayout& lay = ch.lay;
+    auto [data, scales] = ef ? compress_ef(x.narrow(0, begin, m), ef->worker.narrow(0, begin, m),
+                                           ef->worker_backup.narrow(0, begin, m))
+                             : codec.compress(x.narrow(0, begin, m), std::nullopt);
     std::vector<at::Tensor> parts;
     std::vector<int64_t> in_splits, out_splits(world, lay.size[rank]);
     for (int j = 0; j < world; ++j) {
       in_splits.push_back(lay.size[j]);
       if (lay.len[j] == 0) continue;
-      parts.push_back(bits.narrow(0, j * lay.seg / 32, lay.words[j]));
-      parts.push_back(scales.narrow(0, j * lay.seg / B, lay.blocks[j]).view(at::kInt));
+      for (auto& p : codec.segment(data, scales, j * lay.seg, lay.len[j])) parts.push_back(p);
     }
     at::Tensor send = at::cat(parts);
     ch.recv = at::empty({world * lay.size[rank]}, int_opts);
@@ -636,7 +865,7 @@ bool CompressedBackend::run_onebit(const at::Tensor& x, ErrorFeedback* ef, bool 
   // compress, all_gather of the server payloads.
   auto stage2 = [&](int64_t i) {
     Chunk& ch = st[i];
-    const OnebitLayout& lay = ch.lay;
+    const BlockLayout& lay = ch.lay;
     ch.a2a->wait();
     at::Tensor mine = at::zeros({lay.size[0]}, int_opts);
     const int64_t len = lay.len[rank];
@@ -645,14 +874,12 @@ bool CompressedBackend::run_onebit(const at::Tensor& x, ErrorFeedback* ef, bool 
       // buffer to fault in per chunk. (Starting from +0 instead would only
       // change the sign of zero sums, which encode alike.)
       at::Tensor acc = at::empty({len}, x.options().dtype(at::kFloat));
-      for (int src = 0; src < world; ++src) {
-        auto [b, s] = split_onebit(ch.recv, src * lay.size[rank], lay.words[rank], lay.blocks[rank]);
-        onebit_decompress(acc, b, s, B, /*accumulate=*/src > 0);
-      }
+      for (int src = 0; src < world; ++src)
+        codec.decompress(acc, ch.recv, src * lay.size[rank], /*accumulate=*/src > 0);
       if (average) acc.div_(world);
-      auto [sb, ss] = ef ? onebit_ef(acc, ef->server[i], ef->server_backup[i])
-                         : onebit_compress(acc, std::nullopt, B);
-      mine.narrow(0, 0, lay.size[rank]).copy_(at::cat({sb, ss.view(at::kInt)}));
+      auto [sd, ss] = ef ? compress_ef(acc, ef->server[i], ef->server_backup[i])
+                         : codec.compress(acc, std::nullopt);
+      mine.narrow(0, 0, lay.size[rank]).copy_(at::cat(codec.segment(sd, ss, 0, len)));
     }
     ch.gathered = at::empty({world * lay.size[0]}, int_opts);
     ch.ag = g.pg->_allgather_base(ch.gathered, mine, c10d::AllgatherOptions());
@@ -661,13 +888,13 @@ bool CompressedBackend::run_onebit(const at::Tensor& x, ErrorFeedback* ef, bool 
   // Stage 3: every rank decodes every segment: identical results everywhere.
   auto stage3 = [&](int64_t i) {
     Chunk& ch = st[i];
-    const OnebitLayout& lay = ch.lay;
+    const BlockLayout& lay = ch.lay;
     ch.ag->wait();
     for (int j = 0; j < world; ++j) {
       if (lay.len[j] == 0) continue;
-      auto [b, s] = split_onebit(ch.gathered, j * lay.size[0], lay.words[j], lay.blocks[j]);
-      onebit_decompress(x.narrow(0, ch.begin + j * lay.seg, lay.len[j]), b, s, B, false);
-      if (ef) finite.push_back(at::isfinite(s).all());
+      codec.decompress(x.narrow(0, ch.begin + j * lay.seg, lay.len[j]), ch.gathered,
+                       j * lay.size[0], false);
+      if (ef) finite.push_back(codec.finite_at(ch.gathered, j * lay.size[0], lay.len[j]));
     }
     ch.recv = at::Tensor();
     ch.gathered = at::Tensor();
@@ -709,10 +936,7 @@ bool CompressedBackend::run_topk(const at::Tensor& x, ErrorFeedback* ef, bool av
     const int64_t k = topk_k(m, config_.density);
     const int64_t cap = config_.approx ? topk_capacity(k) : k;
     std::optional<at::Tensor> residual;
-    if (ef) {
-      residual = ef->worker.narrow(0, begin, m);
-      ef->worker_backup.narrow(0, begin, m).copy_(*residual);
-    }
+    if (ef) residual = ef->worker.narrow(0, begin, m);
     auto [idx, vals] = topk_compress(x.narrow(0, begin, m), residual, k, config_.approx);
     const int64_t count = idx.numel();
     // [count, indices, values as float bits], zero-padded to 1 + 2 cap.
@@ -776,10 +1000,7 @@ bool CompressedBackend::run_plugin(const at::Tensor& x, ErrorFeedback* ef, bool 
   auto stage1 = [&](int64_t i) {
     const int64_t begin = i * C, m = std::min(C, n - begin);
     std::optional<at::Tensor> residual;
-    if (ef) {
-      residual = ef->worker.narrow(0, begin, m);
-      ef->worker_backup.narrow(0, begin, m).copy_(*residual);
-    }
+    if (ef) residual = ef->worker.narrow(0, begin, m);
     std::vector<at::Tensor> payload = plugin_compress(method, options, x.narrow(0, begin, m), residual);
     std::vector<at::Tensor> bytes;
     int64_t nbytes = 0;
@@ -831,21 +1052,39 @@ bool CompressedBackend::run_plugin(const at::Tensor& x, ErrorFeedback* ef, bool 
 }
 
 // ------------------------------------------- compressed reduce-scatter ---
+// Why a compressed reduce-scatter / all-gather cannot run these tensors
+// (empty when it can): `whole` holds world size x `part`'s elements.
+std::string CompressedBackend::bad_pair(const char* what, const at::Tensor& whole,
+                                        const at::Tensor& part, const char* whole_name,
+                                        const char* part_name) const {
+  std::ostringstream o;
+  for (const auto* t : {&whole, &part}) {
+    const auto dt = t->scalar_type();
+    if (dt != at::kFloat && dt != at::kHalf && dt != at::kBFloat16) {
+      o << "compressed " << what << " needs float32, float16 or bfloat16 tensors, got " << dt;
+      return o.str();
+    }
+  }
+  if (whole.scalar_type() != part.scalar_type()) {
+    o << whole_name << " is " << whole.scalar_type() << " but " << part_name << " is "
+      << part.scalar_type();
+  } else if (whole.device() != part.device()) {
+    o << whole_name << " is on " << whole.device() << " but " << part_name << " is on "
+      << part.device();
+  } else if (part.numel() == 0) {
+    o << "compressed " << what << " of an empty tensor";
+  } else if (whole.numel() != part.numel() * getSize()) {
+    o << whole_name << " must hold world size (" << getSize() << ") x " << part_name << "'s "
+      << part.numel() << " elements, got " << whole.numel();
+  }
+  return o.str();
+}
+
 WorkPtr CompressedBackend::reduce_scatter_keyed(at::Tensor output, at::Tensor input,
                                                 std::optional<int64_t> key, bool average) {
-  for (const auto* t : {&output, &input}) {
-    const auto dt = t->scalar_type();
-    TORCH_CHECK(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16,
-                "compressed reduce_scatter needs float32, float16 or bfloat16 tensors, got ", dt);
-  }
-  TORCH_CHECK(output.scalar_type() == input.scalar_type(), "output is ", output.scalar_type(),
-              " but input is ", input.scalar_type());
-  TORCH_CHECK(output.device() == input.device(), "output is on ", output.device(),
-              " but input is on ", input.device());
-  TORCH_CHECK(output.numel() > 0, "compressed reduce_scatter of an empty tensor");
-  TORCH_CHECK(input.numel() == output.numel() * getSize(), "input must hold world size (",
-              getSize(), ") x output's ", output.numel(), " elements, got ", input.numel());
   const std::string m = method_for(input.numel());
+  if (auto bad = bad_pair("reduce_scatter", input, output, "input", "output"); !bad.empty())
+    return refuse(input, key, average, m, 1, bad);
   std::optional<c10::Stream> stream;
   if (!input.is_cpu()) {
     stream = c10::impl::VirtualGuardImpl(input.device().type()).getStream(input.device());
@@ -896,69 +1135,10 @@ void CompressedBackend::run_reduce_scatter(const at::Tensor& output, const at::T
     Group g{inner_.get(), getRank(), world};
     ErrorFeedback* ef = key ? error_feedback_for(*key, in, m + kReduceScatterSuffix, g) : nullptr;
     if (ef) prepare_backup(*ef);
+    ResidualGuard guard(ef);
     const int64_t C = chunk_length(S, config_.chunk_numel), chunks = ceil_div(S, C);
-    const int64_t B = config_.block_size;
-    const auto byte_opts = in.options().dtype(at::kByte);
-
-    // A registered compressor's payload layout (dtypes and shapes), learned
-    // from this rank's first payload of each chunk (its segments are alike).
-    std::vector<at::Tensor> plugin_layout;
-    // One segment's payload as bytes, a fixed size for a given length; and
-    // its decoding, added into `dst` (written when !accumulate).
-    auto encode = [&](const at::Tensor& seg, const std::optional<at::Tensor>& r) -> at::Tensor {
-      const int64_t len = seg.numel();
-      if (m == "onebit") {
-        auto [bits, scales] = onebit_compress(seg, r, B);
-        return at::cat({bits.view(at::kByte), scales.view(at::kByte)});
-      }
-      if (m == "topk") {
-        const int64_t k = topk_k(len, config_.density);
-        const int64_t cap = config_.approx ? topk_capacity(k) : k;
-        auto [idx, vals] = topk_compress(seg, r, k, config_.approx);
-        at::Tensor buf = at::zeros({1 + 2 * cap}, seg.options().dtype(at::kInt));
-        buf.narrow(0, 0, 1).fill_(idx.numel());
-        buf.narrow(0, 1, idx.numel()).copy_(idx);
-        buf.narrow(0, 1 + idx.numel(), idx.numel()).copy_(vals.view(at::kInt));
-        return buf.view(at::kByte);
-      }
-      std::vector<at::Tensor> parts;
-      const bool learn = plugin_layout.empty();
-      for (auto& p : plugin_compress(m, config_.plugin_options, seg, r)) {
-        if (learn) plugin_layout.push_back(p);
-        const at::Tensor b = p.contiguous().reshape({-1}).view(at::kByte);
-        parts.push_back(b);
-        if (const int64_t pad = padded_nbytes(b.numel()) - b.numel(); pad > 0)
-          parts.push_back(at::zeros({pad}, byte_opts));
-      }
-      return parts.empty() ? at::empty({0}, byte_opts) : at::cat(parts);
-    };
-    auto decode = [&](const at::Tensor& bytes, const at::Tensor& dst, bool accumulate,
-                      const std::vector<at::Tensor>& layout) {
-      const int64_t len = dst.numel();
-      if (m == "onebit") {
-        const int64_t words = onebit_num_words(len), blocks = onebit_num_blocks(len, B);
-        const at::Tensor w = bytes.view(at::kInt);
-        onebit_decompress(dst, w.narrow(0, 0, words), w.narrow(0, words, blocks).view(at::kFloat),
-                          B, accumulate);
-      } else if (m == "topk") {
-        const at::Tensor w = bytes.view(at::kInt);
-        const int64_t count = w[0].item<int32_t>(), cap = (w.numel() - 1) / 2;
-        TORCH_CHECK(count >= 0 && count <= cap, "a top-k payload of ", count,
-                    " entries, capacity ", cap, ": ranks disagree on the tensor or density");
-        if (!accumulate) dst.zero_();
-        topk_decompress(dst, w.narrow(0, 1, count), w.narrow(0, 1 + count, count).view(at::kFloat),
-                        true);
-      } else {
-        std::vector<at::Tensor> payload;
-        int64_t off = 0;
-        for (const auto& p : layout) {
-          const int64_t nb = p.numel() * p.element_size();
-          payload.push_back(bytes.narrow(0, off, nb).view(p.scalar_type()).view(p.sizes()));
-          off += padded_nbytes(nb);
-        }
-        plugin_decompress(m, config_.plugin_options, payload, dst, accumulate);
-      }
-    };
+    PayloadCodec codec{m, config_, BlockCodec{block_bits(m), block_for(m)}, in.options().dtype(at::kByte), {}};
+    const auto byte_opts = codec.byte_opts;
 
     struct Chunk {
       int64_t begin, len, nbytes;
@@ -971,16 +1151,13 @@ void CompressedBackend::run_reduce_scatter(const at::Tensor& output, const at::T
     std::vector<at::Tensor> sums;
     auto stage1 = [&](int64_t i) {
       const int64_t c0 = i * C, len = std::min(C, S - c0);
-      plugin_layout.clear();  // the last chunk may be shorter: learned per chunk
+      codec.plugin_layout.clear();  // the last chunk may be shorter: learned per chunk
       std::vector<at::Tensor> sends;
       for (int j = 0; j < world; ++j) {
         const int64_t at0 = j * S + c0;
         std::optional<at::Tensor> r;
-        if (ef) {
-          r = ef->worker.narrow(0, at0, len);
-          ef->worker_backup.narrow(0, at0, len).copy_(*r);
-        }
-        sends.push_back(encode(in.narrow(0, at0, len), r));
+        if (ef) r = ef->worker.narrow(0, at0, len);
+        sends.push_back(codec.encode(in.narrow(0, at0, len), r));
       }
       const int64_t nbytes = sends[0].numel();
       for (const auto& b : sends)
@@ -988,7 +1165,7 @@ void CompressedBackend::run_reduce_scatter(const at::Tensor& output, const at::T
                     b.numel(), " bytes for segments of ", len, " elements: payload sizes must "
                     "depend on the element count alone");
       at::Tensor send = at::cat(sends);
-      st.push_back(Chunk{c0, len, nbytes, at::empty({world * nbytes}, byte_opts), {}, plugin_layout});
+      st.push_back(Chunk{c0, len, nbytes, at::empty({world * nbytes}, byte_opts), {}, codec.plugin_layout});
       std::vector<int64_t> splits(world, nbytes);
       st.back().a2a = g.pg->alltoall_base(st.back().recv, send, splits, splits, c10d::AllToAllOptions());
     };
@@ -997,7 +1174,7 @@ void CompressedBackend::run_reduce_scatter(const at::Tensor& output, const at::T
       ch.a2a->wait();
       at::Tensor dst = out.narrow(0, ch.begin, ch.len);
       for (int src = 0; src < world; ++src)
-        decode(ch.recv.narrow(0, src * ch.nbytes, ch.nbytes), dst, src > 0, ch.layout);
+        codec.decode(ch.recv.narrow(0, src * ch.nbytes, ch.nbytes), dst, src > 0, ch.layout);
       if (average) dst.div_(world);
       if (ef) sums.push_back(dst.sum());
       ch.recv = at::Tensor();
@@ -1018,7 +1195,7 @@ void CompressedBackend::run_reduce_scatter(const at::Tensor& output, const at::T
       c10d::AllreduceOptions mn;
       mn.reduceOp = c10d::ReduceOp::MIN;
       inner_->allreduce(ts, mn)->wait();
-      if (flag.item<int32_t>() == 0) swap_residuals(*ef);
+      if (flag.item<int32_t>() == 1) guard.release();  // else the guard restores them
     }
   } catch (const c10::DistBackendError& e) {
     C10_THROW_ERROR(DistBackendError, failure_context(input, key, average, m) + e.what_without_backtrace());
@@ -1026,6 +1203,108 @@ void CompressedBackend::run_reduce_scatter(const at::Tensor& output, const at::T
     TORCH_CHECK(false, failure_context(input, key, average, m), e.what_without_backtrace());
   } catch (const std::exception& e) {
     TORCH_CHECK(false, failure_context(input, key, average, m), e.what());
+  }
+}
+
+// ------------------------------------------------ compressed all-gather ---
+WorkPtr CompressedBackend::all_gather_keyed(at::Tensor output, at::Tensor input,
+                                            std::optional<int64_t> key) {
+  const std::string m = method_for(output.numel());
+  if (auto bad = bad_pair("all_gather", output, input, "output", "input"); !bad.empty())
+    return refuse(input, key, false, m, 2, bad);
+  std::optional<c10::Stream> stream;
+  if (!input.is_cpu()) {
+    stream = c10::impl::VirtualGuardImpl(input.device().type()).getStream(input.device());
+  }
+  return submit(c10d::OpType::_ALLGATHER_BASE, {output}, [this, output, input, key, stream, m] {
+    std::optional<c10::StreamGuard> guard;
+    if (stream) guard.emplace(*stream);
+    run_all_gather(output, input, key, m);
+  });
+}
+
+// Every rank receives every rank's input, compressed (docs/allreduce.md,
+// "All-gather"): per chunk, each rank compresses its part (error feedback
+// under the key, method name + "/all_gather"), the payloads are
+// all-gathered, and every rank decodes rank j's into block j of the output.
+// Every rank decodes the same bytes: the outputs are identical everywhere.
+void CompressedBackend::run_all_gather(const at::Tensor& output, const at::Tensor& input,
+                                       std::optional<int64_t> key, const std::string& m) {
+  collective_ = 2;
+  struct Restore {
+    int& c;
+    ~Restore() { c = 0; }
+  } restore{collective_};
+  try {
+    check_call(input, key, false, m);
+    const int world = getSize();
+    const bool direct = input.scalar_type() == at::kFloat && input.is_contiguous() &&
+                        output.is_contiguous();
+    at::Tensor in = direct ? input.view({-1}) : input.reshape({-1}).to(at::kFloat).contiguous();
+    at::Tensor out = direct ? output.view({-1}) : at::empty({output.numel()}, in.options());
+    const int64_t S = in.numel();
+    if (m == "none" || m == "fp16" || m == "bf16") {
+      const auto dt = m == "none" ? at::kFloat : m == "fp16" ? at::kHalf : at::kBFloat16;
+      at::Tensor x = in.to(dt), y = at::empty({world * S}, x.options());
+      inner_->_allgather_base(y, x, c10d::AllgatherOptions())->wait();
+      out.copy_(y);
+      if (!direct) output.copy_(out.view(output.sizes()));
+      return;
+    }
+    Group g{inner_.get(), getRank(), world};
+    ErrorFeedback* ef = key ? error_feedback_for(*key, in, m + kAllGatherSuffix, g) : nullptr;
+    if (ef) prepare_backup(*ef);
+    ResidualGuard guard(ef);
+    PayloadCodec codec{m, config_, BlockCodec{block_bits(m), block_for(m)},
+                       in.options().dtype(at::kByte), {}};
+    const int64_t C = chunk_length(S, config_.chunk_numel), chunks = ceil_div(S, C);
+
+    struct Chunk {
+      int64_t begin, len, nbytes;
+      at::Tensor gathered;
+      WorkPtr ag;
+      std::vector<at::Tensor> layout;
+    };
+    std::vector<Chunk> st;
+    st.reserve(chunks);
+    auto stage1 = [&](int64_t i) {
+      const int64_t c0 = i * C, len = std::min(C, S - c0);
+      codec.plugin_layout.clear();
+      std::optional<at::Tensor> r;
+      if (ef) r = ef->worker.narrow(0, c0, len);
+      at::Tensor send = codec.encode(in.narrow(0, c0, len), r);
+      const int64_t nbytes = send.numel();
+      st.push_back(Chunk{c0, len, nbytes, at::empty({world * nbytes}, codec.byte_opts), {},
+                         codec.plugin_layout});
+      st.back().ag = g.pg->_allgather_base(st.back().gathered, send, c10d::AllgatherOptions());
+    };
+    auto stage2 = [&](int64_t i) {
+      Chunk& ch = st[i];
+      ch.ag->wait();
+      for (int j = 0; j < world; ++j)
+        codec.decode(ch.gathered.narrow(0, j * ch.nbytes, ch.nbytes),
+                     out.narrow(0, j * S + ch.begin, ch.len), false, ch.layout);
+      ch.gathered = at::Tensor();
+    };
+    for (int64_t i = 0; i < chunks; ++i) {
+      stage1(i);
+      if (i >= 1) stage2(i - 1);
+    }
+    stage2(chunks - 1);
+    if (!direct) output.copy_(out.view(output.sizes()));
+    // The output is the same on every rank, so every rank decides alike: a
+    // non-finite one leaves the residuals as they were.
+    if (ef) {
+      bool finite = all_finite({out.sum()}, out);
+      if (finite && !direct) finite = all_finite({output.sum(at::kFloat)}, output);
+      if (finite) guard.release();  // else the guard restores them
+    }
+  } catch (const c10::DistBackendError& e) {
+    C10_THROW_ERROR(DistBackendError, failure_context(input, key, false, m) + e.what_without_backtrace());
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, failure_context(input, key, false, m), e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, failure_context(input, key, false, m), e.what());
   }
 }
 
@@ -1044,22 +1323,59 @@ std::map<int64_t, ErrorFeedback> CompressedBackend::error_feedback_state() {
 }
 
 void CompressedBackend::load_error_feedback_state(std::map<int64_t, ErrorFeedback> state) {
-  for (const auto& [key, ef] : state) {
+  // Everything is checked before anything is replaced, and the tensors are
+  // copied: the caller's stay theirs (the engine swaps its buffers in place).
+  for (auto& [key, ef] : state) {
     // Hierarchical: residuals are per shard, over the inter-node group.
     const int world = inter_ ? inter_->getSize() : getSize();
+    const int rank = inter_ ? inter_->getRank() : getRank();
     TORCH_CHECK(ef.world_size == world, "error-feedback state of key ", key,
                 " was saved with world size ", ef.world_size, ", this group has ", world,
                 ": it cannot be reused (reset it instead)");
-    const std::string base = ef.method.substr(0, ef.method.find(kReduceScatterSuffix));
-    const bool method_ok = config_.method == "auto" ? (base == "onebit" || base == "topk")
-                                                    : base == config_.method;
+    // A reduce-scatter's or all-gather's residuals: method + "/collective".
+    const bool scattered = ef.method.find('/') != std::string::npos;
+    const std::string base = ef.method.substr(0, ef.method.find('/'));
+    const bool method_ok = config_.method == "auto"
+                               ? (known_method(base) && base != "fp16" && base != "bf16" && base != "none")
+                               : base == config_.method;
     TORCH_CHECK(method_ok && ef.chunk_numel == config_.chunk_numel,
                 "error-feedback state of key ", key, " was saved for ", ef.method,
                 " with chunk_numel ", ef.chunk_numel, "; this group runs ", config_.method,
                 " with chunk_numel ", config_.chunk_numel);
-    TORCH_CHECK(ef.worker.numel() == ef.numel, "error-feedback state of key ", key,
-                " is inconsistent: worker residual has ", ef.worker.numel(), " elements, numel ",
-                ef.numel);
+    TORCH_CHECK(ef.numel > 0 && ef.worker.dim() == 1 && ef.worker.numel() == ef.numel &&
+                    ef.worker.scalar_type() == at::kFloat,
+                "error-feedback state of key ", key, " is inconsistent: worker residual is ",
+                ef.worker.sizes(), " ", ef.worker.scalar_type(), ", numel ", ef.numel,
+                " (expected a 1-D float32 tensor of numel elements)");
+    // The server residuals: this rank's segment of every chunk (block
+    // methods' all-reduce), none otherwise.
+    std::vector<int64_t> want;
+    if (is_block_method(base) && !scattered) {
+      const int64_t C = chunk_length(ef.numel, ef.chunk_numel);
+      for (int64_t c0 = 0; c0 < ef.numel; c0 += C)
+        want.push_back(BlockLayout(std::min(C, ef.numel - c0), world, block_for(base),
+                                   block_bits(base)).len[rank]);
+    }
+    TORCH_CHECK(ef.server.size() == want.size(), "error-feedback state of key ", key, " has ",
+                ef.server.size(), " server residuals; ", ef.method, " on ", ef.numel,
+                " elements in chunks of ", ef.chunk_numel, " has ", want.size());
+    for (size_t i = 0; i < want.size(); ++i) {
+      const at::Tensor& t = ef.server[i];
+      TORCH_CHECK(t.dim() == 1 && t.numel() == want[i] && t.scalar_type() == at::kFloat,
+                  "error-feedback state of key ", key, ": server residual ", i, " is ", t.sizes(),
+                  " ", t.scalar_type(), ", expected ", want[i], " float32 elements");
+      TORCH_CHECK(t.device() == ef.worker.device(), "error-feedback state of key ", key,
+                  ": server residual ", i, " is on ", t.device(), ", the worker residual on ",
+                  ef.worker.device());
+    }
+    bool finite = at::isfinite(ef.worker).all().item<bool>();
+    for (const auto& t : ef.server) finite = finite && at::isfinite(t).all().item<bool>();
+    TORCH_CHECK(finite, "error-feedback state of key ", key, " holds NaN or Inf residuals: every "
+                "later step would be non-finite (reset it instead)");
+    ef.worker = ef.worker.clone(at::MemoryFormat::Contiguous);
+    for (auto& t : ef.server) t = t.clone(at::MemoryFormat::Contiguous);
+    ef.worker_backup = at::Tensor();
+    ef.server_backup.clear();
   }
   submit(c10d::OpType::UNKNOWN, {}, [this, state = std::move(state)]() mutable {
     error_feedback_ = std::move(state);

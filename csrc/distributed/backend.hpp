@@ -34,7 +34,7 @@ struct Config {
   std::string method = "onebit";  // one of kMethods, or "auto"
   int64_t min_compress_numel = 65536;
   int64_t chunk_numel = kDefaultChunkNumel;
-  int64_t block_size = 2048;
+  int64_t block_size = 0;  // 0: each block method's default (default_block_size)
   double density = 0.01;
   bool approx = true;
   // Cross-rank check of compressed calls (docs/reliability.md): 0 never,
@@ -114,6 +114,11 @@ class CompressedBackend : public c10d::Backend {
   // elements, shard j = [j S, (j+1) S)), with error feedback under `key`.
   c10::intrusive_ptr<c10d::Work> reduce_scatter_keyed(at::Tensor output, at::Tensor input,
                                                       std::optional<int64_t> key, bool average);
+  // Compressed all-gather: `output` (world x S elements) receives every
+  // rank's `input` (S elements), rank j's at [j S, (j+1) S), each decoded
+  // from its compressed payload; error feedback under `key`.
+  c10::intrusive_ptr<c10d::Work> all_gather_keyed(at::Tensor output, at::Tensor input,
+                                                  std::optional<int64_t> key);
   // The exact all-reduce of the inner backend (for warm-up iterations).
   c10::intrusive_ptr<c10d::Work> allreduce_plain(at::Tensor tensor, bool average);
   // Whether allreduce(tensor, op) would compress (else it is forwarded).
@@ -197,7 +202,12 @@ class CompressedBackend : public c10d::Backend {
   bool double_buffered(const at::Tensor& x, const std::string& method) const;
   // Both return whether the reduced result is finite (the same on every
   // rank of `g`).
-  bool run_onebit(const at::Tensor& x, ErrorFeedback* ef, bool average, const Group& g);
+  bool run_blocks(const at::Tensor& x, ErrorFeedback* ef, bool average, const Group& g,
+                  const std::string& method);
+  // The block length `method` runs with: the configured one, or its default.
+  int64_t block_for(const std::string& method) const {
+    return config_.block_size > 0 ? config_.block_size : default_block_size(method);
+  }
   bool run_topk(const at::Tensor& x, ErrorFeedback* ef, bool average, const Group& g);
   // A registered compressor: each rank's payload of a chunk is gathered by
   // every rank, which decodes and adds them in rank order (docs/allreduce.md).
@@ -205,8 +215,10 @@ class CompressedBackend : public c10d::Backend {
                   const std::string& method);
   // Exchanges a descriptor of this call with every rank and throws, on every
   // rank, when they differ (Config::check_calls decides when).
+  // `refused`: this rank will raise instead of running the call; its
+  // descriptor then matches no valid call, so every rank raises.
   void check_call(const at::Tensor& tensor, std::optional<int64_t> key, bool average,
-                  const std::string& method);
+                  const std::string& method, bool refused = false);
   std::string describe_call(const at::Tensor& tensor, std::optional<int64_t> key, bool average,
                             const std::string& method) const;
   // "pycomm rank R of W [(peer: rank P)]: <call> failed: " for errors.
@@ -214,6 +226,13 @@ class CompressedBackend : public c10d::Backend {
                               bool average, const std::string& method) const;
   void run_reduce_scatter(const at::Tensor& output, const at::Tensor& input,
                           std::optional<int64_t> key, bool average, const std::string& method);
+  std::string bad_pair(const char* what, const at::Tensor& whole, const at::Tensor& part,
+                       const char* whole_name, const char* part_name) const;
+  c10::intrusive_ptr<c10d::Work> refuse(const at::Tensor& tensor, std::optional<int64_t> key,
+                                        bool average, const std::string& m, int collective,
+                                        std::string why);
+  void run_all_gather(const at::Tensor& output, const at::Tensor& input,
+                      std::optional<int64_t> key, const std::string& method);
   void run_cast(const at::Tensor& x, bool average, const std::string& method);
   void run_exact(const at::Tensor& x, bool average);
   ErrorFeedback* error_feedback_for(int64_t key, const at::Tensor& x, const std::string& method,

@@ -15,7 +15,7 @@ namespace pycomm {
 namespace dist {
 
 // Index = the method's code in call descriptors (spec.METHODS).
-inline constexpr const char* kMethods[] = {"onebit", "topk", "fp16", "bf16", "none"};
+inline constexpr const char* kMethods[] = {"onebit", "topk", "fp16", "bf16", "none", "int8", "int4"};
 inline constexpr int kNumMethods = sizeof(kMethods) / sizeof(kMethods[0]);
 inline constexpr int64_t kDefaultChunkNumel = int64_t(1) << 20;
 
@@ -25,6 +25,20 @@ inline int64_t method_code(const std::string& m) {
   return -1;
 }
 inline bool known_method(const std::string& m) { return method_code(m) >= 0; }
+
+// The block codecs (spec.BLOCK_METHODS): a scale per block, all-reduced in
+// two phases (segment j reduced by rank j, then gathered). `bits` 0 is
+// onebit's sign bits, 8 / 4 int8 / int4 levels.
+inline int block_bits(const std::string& m) { return m == "int8" ? 8 : m == "int4" ? 4 : 0; }
+inline bool is_block_method(const std::string& m) {
+  return m == "onebit" || m == "int8" || m == "int4";
+}
+// block_size when none is given (spec.DEFAULT_BLOCK_SIZE): onebit's scale
+// is a mean, int8/int4's an absmax, which needs smaller blocks to keep the
+// levels fine.
+inline int64_t default_block_size(const std::string& m) {
+  return m == "onebit" ? 2048 : (m == "int8" || m == "int4") ? 256 : 0;
+}
 
 // The code of a compressor registered in Python: kPluginCode plus a hash of
 // its name and options, so that ranks running different ones disagree.
@@ -42,12 +56,17 @@ enum Field {
 inline constexpr const char* kFieldNames[kFields] = {"numel", "dtype", "op", "key", "compressor",
                                                      "chunk_numel", "block_size", "density",
                                                      "approx", "device type", "collective"};
+// The numel a rank sends in the call check for a call it refuses (a bad
+// dtype, an empty tensor): no valid call has it, so every rank raises.
+inline constexpr int64_t kRefusedNumel = -1;
 // Index = the collective's code in call descriptors (spec.COLLECTIVES).
-inline constexpr const char* kCollectives[] = {"all_reduce", "reduce_scatter"};
+inline constexpr const char* kCollectives[] = {"all_reduce", "reduce_scatter", "all_gather"};
+inline constexpr int kNumCollectives = sizeof(kCollectives) / sizeof(kCollectives[0]);
 // Error-feedback residuals of a compressed reduce-scatter are kept under the
 // method's name with this suffix (no server residual; never mixed with an
 // all-reduce's under the same key).
 inline constexpr const char* kReduceScatterSuffix = "/reduce_scatter";
+inline constexpr const char* kAllGatherSuffix = "/all_gather";
 
 // Length of the chunks an n-element tensor is cut into (spec.chunk_length):
 // round(n / chunk_numel) chunks, at least one, all of this length but the
@@ -60,19 +79,27 @@ inline int64_t chunk_length(int64_t n, int64_t chunk_numel) {
   return std::max<int64_t>(1, ceil_div(n, count));
 }
 
-// Segment layout of one onebit chunk (spec.onebit_segments): segment j, a
-// whole number of blocks, is reduced by rank j.
-struct OnebitLayout {
+// Segment layout of one chunk of a block codec (spec.block_segments):
+// segment j, a whole number of blocks, is reduced by rank j. Its payload is
+// `words` int32s of data (onebit: sign words; int8/int4: the level bytes,
+// zero-padded to 4) followed by one float32 scale per block.
+struct BlockLayout {
   int64_t m, seg, block;
+  int bits;
   std::vector<int64_t> len, words, blocks, size;  // per segment; size in int32s
 
-  OnebitLayout(int64_t m_, int world, int64_t block_size) : m(m_), block(block_size) {
+  static int64_t data_words(int64_t len, int bits) {
+    return bits == 0 ? onebit_num_words(len) : ceil_div(quant_num_bytes(len, bits), 4);
+  }
+
+  BlockLayout(int64_t m_, int world, int64_t block_size, int bits_)
+      : m(m_), block(block_size), bits(bits_) {
     seg = ceil_div(ceil_div(m, world), block) * block;
     for (int j = 0; j < world; ++j) {
       const int64_t b = std::min(m, j * seg), e = std::min(m, (j + 1) * seg);
       len.push_back(e - b);
-      words.push_back(onebit_num_words(e - b));
-      blocks.push_back(onebit_num_blocks(e - b, block));
+      words.push_back(data_words(e - b, bits));
+      blocks.push_back(ceil_div(e - b, block));
       size.push_back(words.back() + blocks.back());
     }
   }

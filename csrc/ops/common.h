@@ -41,6 +41,13 @@ inline void check_compress_inputs(const at::Tensor& grad,
   TORCH_CHECK(r.device() == grad.device(), "residual is on ", r.device(), " but grad is on ",
               grad.device());
   TORCH_CHECK(r.is_contiguous(), "residual must be contiguous: it is updated in place");
+  // The kernels read grad while they write the residual: no shared bytes.
+  const auto* g0 = static_cast<const char*>(grad.const_data_ptr());
+  const auto* r0 = static_cast<const char*>(r.const_data_ptr());
+  const char* g1 = g0 + grad.numel() * grad.element_size();
+  const char* r1 = r0 + r.numel() * r.element_size();
+  TORCH_CHECK(g1 <= r0 || r1 <= g0, "grad and residual overlap in memory: the residual is "
+              "written while grad is read, so they must be separate tensors");
 }
 
 inline void check_out(const at::Tensor& out, const at::Device& device) {

@@ -17,8 +17,8 @@ namespace ops {
 namespace {
 
 void check_block_size(int64_t block_size) {
-  TORCH_CHECK(block_size > 0 && block_size % kOnebitWordBits == 0,
-              "block_size must be a positive multiple of 32, got ", block_size);
+  TORCH_CHECK(block_size > 0 && block_size % kOnebitWordBits == 0 && block_size <= kMaxBlockSize,
+              "block_size must be a positive multiple of 32 up to 2^30, got ", block_size);
 }
 
 std::tuple<at::Tensor, at::Tensor> alloc_payload(const at::Tensor& grad, int64_t block_size) {

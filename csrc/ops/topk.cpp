@@ -63,7 +63,7 @@ void topk_decompress_cpu(const at::Tensor& out, const at::Tensor& indices,
                                        values.const_data_ptr<float>(), indices.numel(),
                                        out.data_ptr<float>(), out.numel(), accumulate,
                                        torch_parallel_for());
-  TORCH_CHECK(ok, "indices must lie in [0, ", out.numel(), ")");
+  TORCH_CHECK(ok, "indices must be strictly ascending and lie in [0, ", out.numel(), ")");
 }
 
 #ifdef PYCOMM_WITH_CUDA

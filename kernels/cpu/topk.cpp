@@ -286,8 +286,11 @@ int64_t topk_compress(const void* grad, DType dtype, float* residual, float* scr
 
 bool topk_decompress(const int32_t* indices, const float* values, int64_t count, float* out,
                      int64_t n, bool accumulate, const ParallelFor& pf) {
+  // Every payload's indices are strictly ascending (the compressor writes
+  // them so); anything else is forged or corrupt, and a duplicate would make
+  // two threads below add to one element at once.
   for (int64_t j = 0; j < count; ++j)
-    if (indices[j] < 0 || indices[j] >= n) return false;
+    if (indices[j] < 0 || indices[j] >= n || (j > 0 && indices[j] <= indices[j - 1])) return false;
   if (!accumulate) {
     pf(0, ceil_div(n, kChunk), [&](int64_t cb, int64_t ce) {
       const int64_t b = cb * kChunk, e = std::min(n, ce * kChunk);

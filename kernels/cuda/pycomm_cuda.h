@@ -62,5 +62,19 @@ int64_t topk_compress(const void* grad, DType dtype, float* residual, int64_t n,
 void topk_decompress(const int32_t* indices, const float* values, int64_t count, float* out, int64_t n,
                      bool accumulate, cudaStream_t stream);
 
+// ----------------------------------------------------------------- quant ---
+// int8 (bits = 8) / int4 (bits = 4) block quantization, the rules of
+// compress_math.h: c = grad + residual (residual may be nullptr), per block
+// scales[b] = amax / qmax, data[quant_num_bytes(n, bits)] the levels (int4
+// packed two per byte), residual = c - q * scale. seed < 0: round to
+// nearest; seed >= 0: stochastic rounding with quant_uniform(seed, i).
+// block_size in [1, kMaxBlockSize], even for int4. n == 0 is a no-op.
+void quant_compress(const void* grad, DType dtype, float* residual, uint8_t* data, float* scales,
+                    int64_t n, int bits, int64_t block_size, int64_t seed, cudaStream_t stream);
+
+// out[i] = (or +=, if accumulate) q_i * scales[i / block_size] for i < n.
+void quant_decompress(const uint8_t* data, const float* scales, int64_t n, int bits,
+                      int64_t block_size, float* out, bool accumulate, cudaStream_t stream);
+
 }  // namespace cuda
 }  // namespace pycomm

@@ -173,9 +173,16 @@ class Compressor:
             raise ValueError("out must be contiguous: it is written in place")
 
 
-def check_positive_int(name: str, value: object) -> int:
+#: Largest value a C++ int64 argument can hold.
+INT64_MAX = 2**63 - 1
+
+
+def check_positive_int(name: str, value: object, maximum: Optional[int] = None) -> int:
+    """``value`` if it is an int in [1, maximum], else a ValueError naming ``name``."""
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be at most {maximum}, got {value!r}")
     return value
 
 

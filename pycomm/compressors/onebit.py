@@ -17,7 +17,7 @@ from typing import Optional, Tuple
 import torch
 
 from .. import _ext
-from ..wire import WORD_BITS
+from ..wire import MAX_BLOCK_SIZE, WORD_BITS
 from .base import Compressor, Impl, check_positive_int, register
 
 
@@ -151,7 +151,7 @@ class OneBitCompressor(Compressor):
     impls = IMPLS
 
     def __init__(self, block_size: int = 2048, impl: str = "auto") -> None:
-        check_positive_int("block_size", block_size)
+        check_positive_int("block_size", block_size, MAX_BLOCK_SIZE)  # the kernels' limit
         if block_size % WORD_BITS:
             raise ValueError(
                 f"block_size must be a multiple of {WORD_BITS} (a packed word may not "
@@ -191,6 +191,12 @@ class OneBitCompressor(Compressor):
             raise ValueError(
                 f"payload has block_size={payload.block_size}, this compressor {self.block_size}"
             )
+        # Every impl decodes only a payload of the right layout.
+        for name, t, dtype, size in (("bits", payload.bits, torch.int32, -(-payload.numel // WORD_BITS)),
+                                     ("scales", payload.scales, torch.float32, -(-payload.numel // self.block_size))):
+            if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.dim() != 1 or t.numel() != size:
+                raise ValueError(f"payload.{name} must be a 1-D {dtype} tensor of {size} elements for "
+                                 f"{payload.numel} elements")
         device = payload.bits.device
         if out is None:
             out = torch.empty(payload.shape, dtype=torch.float32, device=device)

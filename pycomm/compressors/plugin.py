@@ -61,7 +61,7 @@ import torch
 from .base import compressor_class
 
 #: pycomm's own methods: the engine runs them natively, never through the ops.
-BUILTIN = ("onebit", "topk", "fp16", "bf16", "none", "auto")
+BUILTIN = ("onebit", "topk", "fp16", "bf16", "none", "auto", "int8", "int4")
 
 
 def is_plugin(name: str) -> bool:

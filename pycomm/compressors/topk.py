@@ -213,6 +213,7 @@ class TopKCompressor(Compressor):
         write in place (zeros elsewhere) or, with ``accumulate``, add."""
         if not isinstance(payload, TopKPayload):
             raise TypeError(f"payload must be a TopKPayload, got {type(payload).__name__}")
+        _check_payload(payload)
         device = payload.values.device
         if out is None:
             out = torch.empty(payload.shape, dtype=torch.float32, device=device)
@@ -222,6 +223,24 @@ class TopKCompressor(Compressor):
         impl = self.resolve_impl(device)
         impl.decompress(payload.indices, payload.values, out.view(-1), accumulate)
         return out
+
+
+def _check_payload(p: TopKPayload) -> None:
+    """Every impl decodes only what a compressor could have made: int32
+    indices, strictly ascending in [0, numel), one float32 value each (a
+    forged or corrupt payload is refused, never wrapped or added twice)."""
+    idx, vals = p.indices, p.values
+    if not isinstance(idx, torch.Tensor) or idx.dtype != torch.int32 or idx.dim() != 1:
+        raise ValueError("payload.indices must be a 1-D int32 tensor")
+    if not isinstance(vals, torch.Tensor) or vals.dtype != torch.float32 or vals.dim() != 1:
+        raise ValueError("payload.values must be a 1-D float32 tensor")
+    if idx.numel() != vals.numel() or idx.device != vals.device:
+        raise ValueError(f"payload has {idx.numel()} indices on {idx.device} but {vals.numel()} values "
+                         f"on {vals.device}")
+    if idx.numel() > p.numel:
+        raise ValueError(f"payload has {idx.numel()} entries for {p.numel} elements")
+    if idx.numel() and not (bool(idx[0] >= 0) and bool(idx[-1] < p.numel) and bool((idx[1:] > idx[:-1]).all())):
+        raise ValueError(f"payload.indices must be strictly ascending and lie in [0, {p.numel})")
 
 
 # Shapes of the op outputs without running the kernel (torch.compile, meta

@@ -30,8 +30,9 @@ import torch
 import torch.distributed as dist
 
 from .. import _ext
-from ..compressors.base import check_density, check_positive_int
+from ..compressors.base import INT64_MAX, check_density, check_positive_int
 from ..compressors.plugin import is_plugin, options_json
+from ..wire import MAX_BLOCK_SIZE
 from .spec import CHECK_MODES, GROUP_METHODS, check_mode
 
 BACKEND_NAME = "pycomm"
@@ -42,12 +43,15 @@ log = logging.getLogger(__name__)
 class PycommOptions:
     """Configuration of a ``"pycomm"`` process group.
 
-    ``compressor``: "onebit", "topk", "fp16", "bf16", "none" (forward all),
-    "auto", or the name of a compressor registered with
+    ``compressor``: "onebit", "int8", "int4", "topk", "fp16", "bf16", "none"
+    (forward all), "auto", or the name of a compressor registered with
     :func:`pycomm.register_compressor`, built with ``compressor_options``.
     ``inner``: the wrapped backend, "gloo" or "nccl" (default: nccl when CUDA
     is available, else gloo). ``chunk_numel``: pipelining granularity (a
     chunk is compressed while the previous one is on the wire).
+    ``block_size``: elements per scale of the block codecs (onebit, int8,
+    int4), a multiple of 32; None: each one's default
+    (``spec.DEFAULT_BLOCK_SIZE``: 2048 for onebit, 256 for int8/int4).
     ``check_calls``: when the ranks compare their compressed calls (numel,
     dtype, op, key, settings), so that a mismatch raises on every rank
     instead of hanging: "first" (first use of each key and of each keyless
@@ -65,7 +69,7 @@ class PycommOptions:
     inner: Optional[str] = None
     min_compress_numel: int = 65536
     chunk_numel: int = 1 << 20
-    block_size: int = 2048
+    block_size: Optional[int] = None
     density: float = 0.01
     approx: bool = True
     check_calls: str = "first"
@@ -84,11 +88,13 @@ class PycommOptions:
                              f"takes its settings as arguments (block_size, density, approx)")
         if self.inner not in (None, "gloo", "nccl"):
             raise ValueError(f"inner must be 'gloo', 'nccl' or None, got {self.inner!r}")
-        check_positive_int("min_compress_numel", self.min_compress_numel)
-        check_positive_int("chunk_numel", self.chunk_numel)
-        check_positive_int("block_size", self.block_size)
-        if self.block_size % 32:
-            raise ValueError(f"block_size must be a multiple of 32, got {self.block_size}")
+        # The engine holds these in int64: larger values would wrap.
+        check_positive_int("min_compress_numel", self.min_compress_numel, INT64_MAX)
+        check_positive_int("chunk_numel", self.chunk_numel, INT64_MAX)
+        if self.block_size is not None:
+            check_positive_int("block_size", self.block_size, MAX_BLOCK_SIZE)
+            if self.block_size % 32:
+                raise ValueError(f"block_size must be a multiple of 32, got {self.block_size}")
         self.density = check_density(self.density)
         if not isinstance(self.approx, bool):
             raise TypeError(f"approx must be a bool, got {self.approx!r}")
@@ -168,7 +174,7 @@ def _create_backend(dist_opts: Any, options: Optional[PycommOptions]) -> Any:
         options.compressor,
         options.min_compress_numel,
         options.chunk_numel,
-        options.block_size,
+        options.block_size or 0,  # 0: each method's default
         options.density,
         options.approx,
         CHECK_MODES.index(check_mode(options.check_calls)),
@@ -224,7 +230,7 @@ def init_process_group(
     *,
     min_compress_numel: int = 65536,
     chunk_numel: int = 1 << 20,
-    block_size: int = 2048,
+    block_size: Optional[int] = None,
     density: float = 0.01,
     approx: bool = True,
     check_calls: str = "first",
@@ -406,6 +412,42 @@ def reduce_scatter(
     return None
 
 
+def all_gather(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    key: Optional[int] = None,
+    group: Optional[dist.ProcessGroup] = None,
+    async_op: bool = False,
+):
+    """Compressed all-gather: ``output`` (world size x ``input.numel()``
+    elements) receives every rank's ``input``, rank ``j``'s at block ``j``,
+    as ``dist.all_gather_into_tensor`` does, but each input crosses the
+    wire compressed with the group's compressor and is decoded on arrival
+    (docs/allreduce.md, "All-gather"): what an int8 weight all-gather
+    (sharded training) sends. Every rank gets the same output. With ``key``,
+    each rank's compression error is kept and added to its next input of
+    that key (error feedback; kept apart from other collectives'). Returns a
+    Work when ``async_op``.
+
+    Example::
+
+        pg = pd.wrap(compressor="int8")
+        full = torch.empty(dist.get_world_size() * shard.numel())
+        pd.all_gather(full, shard, group=pg)
+    """
+    _check_key(key)
+    for name, t in (("output", output), ("input", input)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if not isinstance(async_op, bool):
+        raise TypeError(f"async_op must be a bool, got {async_op!r}")
+    work = _pycomm_backend(group, input.device).all_gather_keyed(output, input, key)
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
 def error_feedback_state(group: Optional[dist.ProcessGroup] = None, device: str = "cpu") -> Dict[int, dict]:
     """The backend's error-feedback residuals, per key (copies), to save."""
     return dict(_pycomm_backend(group, _device(device)).error_feedback_state())
@@ -419,6 +461,22 @@ def load_error_feedback_state(state: Dict[int, dict], group: Optional[dist.Proce
         _check_key(key)
         if not isinstance(value, dict):
             raise TypeError(f"state[{key!r}] must be a dict of residuals, got {type(value).__name__}")
+        missing = sorted({"numel", "world_size", "chunk_numel", "method", "worker", "server"} - set(value))
+        if missing:
+            raise ValueError(f"state[{key!r}] lacks {missing}: not a state error_feedback_state() returned")
+        for field in ("numel", "world_size", "chunk_numel"):
+            v = value[field]
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= INT64_MAX:
+                raise ValueError(f"state[{key!r}][{field!r}] must be a positive integer, got {v!r}")
+        if not isinstance(value["method"], str):
+            raise TypeError(f"state[{key!r}]['method'] must be a str, got {value['method']!r}")
+        if not isinstance(value["worker"], torch.Tensor):
+            raise TypeError(f"state[{key!r}]['worker'] must be a tensor, got {type(value['worker']).__name__}")
+        server = value["server"]
+        if not isinstance(server, (list, tuple)) or not all(isinstance(t, torch.Tensor) for t in server):
+            raise TypeError(f"state[{key!r}]['server'] must be a list of tensors")
+    # The engine checks sizes against its layout, refuses non-finite
+    # residuals and copies the tensors: nothing is replaced unless all is well.
     _pycomm_backend(group, _device(device)).load_error_feedback_state(dict(state))
 
 
@@ -455,6 +513,7 @@ def calibration(group: Optional[dist.ProcessGroup] = None, device: str = "cpu") 
 
 __all__ = [
     "PycommOptions",
+    "all_gather",
     "all_reduce",
     "calibration",
     "error_feedback_state",

@@ -5,7 +5,7 @@ which one is slower depends on the link, the device, the world size and the
 tensor size. So a group created with ``compressor="auto"`` measures, once,
 what every candidate costs *through the group itself* (same link, same
 kernels, same CPU contention, the hierarchy if there is one): the exact
-all-reduce ("none"), fp16, onebit and topk, each at two tensor sizes, the
+all-reduce ("none"), fp16, int8, int4, onebit and topk, each at two tensor sizes, the
 median of a few runs, then the maximum over ranks. Each method gets an
 alpha-beta line ``t(n) = alpha + n / throughput`` through its two points, and
 a tensor of ``n`` elements runs the method whose line is lowest at ``n``. A
@@ -46,7 +46,7 @@ import torch.distributed as dist
 log = logging.getLogger(__name__)
 
 #: The methods "auto" chooses from ("none": the exact all-reduce).
-CANDIDATES = ("none", "fp16", "onebit", "topk")
+CANDIDATES = ("none", "fp16", "int8", "int4", "onebit", "topk")
 #: Tensor sizes (elements) measured: a small DDP bucket and one chunk.
 SIZES = (1 << 16, 1 << 20)
 REPEATS = 3
@@ -54,7 +54,8 @@ REPEATS = 3
 MIN_GAIN = 0.10
 #: Exclusive upper bound of the last size range (any tensor).
 NO_BOUND = 1 << 62
-VERSION = 1
+#: 2: int8 and int4 measured too (a version-1 file is measured again).
+VERSION = 2
 
 @dataclass
 class Calibration:
@@ -241,8 +242,26 @@ def _load(path: Optional[str], want: Dict[str, Any]) -> Optional[Calibration]:
     if cal.key() != want:
         log.info("calibration %s was made for another setup: measuring again", path)
         return None
+    bad = _bad_measurements(cal)
+    if bad:
+        log.warning("calibration %s has corrupt measurements (%s): measuring again", path, bad)
+        return None
     cal.loaded_from = str(path)
     return cal
+
+
+def _bad_measurements(cal: Calibration) -> Optional[str]:
+    """What is wrong with a loaded calibration's measurements, or None."""
+    if not isinstance(cal.seconds, dict):
+        return "seconds is not a mapping"
+    for m in CANDIDATES:
+        ts = cal.seconds.get(m)
+        if not isinstance(ts, list) or len(ts) != len(cal.sizes):
+            return f"seconds[{m!r}] is not a list of {len(cal.sizes)} times"
+        if not all(isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t > 0
+                   for t in ts):
+            return f"seconds[{m!r}] holds a time that is not a positive number"
+    return None
 
 
 def _allreduce_max(backend: Any, values: List[float], device: str) -> List[float]:
@@ -302,10 +321,19 @@ def calibrate(backend: Any, options: Any, device: str) -> Calibration:
         seconds = measure(backend, device)
         cal = Calibration(backend.size(), backend.ranks_per_node, device, settings, list(SIZES), seconds,
                           measured_at=datetime.datetime.now().isoformat(timespec="seconds"))
+        failed = ""
         if rank == 0:
             log.info("compressor=auto calibrated in %.1f s", time.perf_counter() - t0)
             if options.calibration:
-                cal.save(str(options.calibration))
+                try:
+                    cal.save(str(options.calibration))
+                except OSError as exc:
+                    failed = f"{type(exc).__name__}: {exc}"
+        # Every rank learns whether rank 0 could save, and all raise alike:
+        # no rank is left waiting in a collective its peers never join.
+        if _allreduce_max(backend, [1.0 if failed else 0.0], device)[0] > 0:
+            raise ValueError(f"calibration={str(options.calibration)!r} cannot be written on rank 0"
+                             + (f" ({failed})" if failed else "") + ": pass a writable file path, or None")
     digest = float(cal.digest())
     lo_hi = _allreduce_max(backend, [digest, -digest], device)
     if lo_hi[0] != -lo_hi[1]:

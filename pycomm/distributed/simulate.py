@@ -11,7 +11,7 @@ this rank's segment of each chunk), so they can be compared after each step.
 
 Where an implementation differs from the simulation:
 
-* onebit / topk over ``impl="reference"``: never; the results and the
+* onebit / int8 / int4 / topk over ``impl="reference"``: never; the results and the
   residuals are equal bit for bit.
 * onebit with a compiled compressor (``impl="auto"``): block scales are sums
   in another order, so results and residuals agree to float32 rounding
@@ -46,29 +46,34 @@ from ..compressors.plugin import is_plugin, options_json
 from .spec import (
     DEFAULT_CHUNK_NUMEL,
     EF_METHODS,
+    METHODS,
+    ALL_GATHER_SUFFIX,
     REDUCE_SCATTER_SUFFIX,
     chunk_bounds,
     normalize_op,
-    onebit_segments,
+    BLOCK_METHODS,
+    block_segments,
 )
 
-__all__ = ["ErrorFeedback", "simulate_allreduce", "simulate_hierarchical_allreduce", "simulate_reduce_scatter"]
+__all__ = ["ErrorFeedback", "simulate_all_gather", "simulate_allreduce", "simulate_hierarchical_allreduce",
+           "simulate_reduce_scatter"]
 
 
 # ----------------------------------------------------------- error feedback ---
 class ErrorFeedback:
     """Error-feedback residuals of one tensor on one rank, kept across steps.
 
-    * ``worker``: float32, one element per tensor element (onebit and topk);
+    * ``worker``: float32, one element per tensor element (every method with
+      error feedback);
       ``c = x + worker`` is what gets compressed, and ``worker`` keeps what
       was not sent.
-    * ``server`` (onebit only): float32, the concatenation over chunks, in
+    * ``server`` (block codecs: onebit, int8, int4): float32, the concatenation over chunks, in
       chunk order, of this rank's segment of each chunk (spec step 1), i.e.
       ``sum over chunks of L_rank``; :meth:`server_segment` gives chunk
       ``i``'s part. ``None`` for topk.
 
     The buffers are created (zeros) on first use and bound to a layout:
-    method, numel, world size, rank, chunk_numel and (onebit) block_size.
+    method, numel, world size, rank, chunk_numel and (block codecs) block_size.
     Using the object with any other layout raises ``ValueError`` (a residual
     of another tensor or world size would silently corrupt the gradient);
     :meth:`reset` starts over.
@@ -100,25 +105,26 @@ class ErrorFeedback:
         *, method: str, numel: int, world_size: int, rank: int, chunk_numel: int,
         block_size: Optional[int] = None,
     ) -> Dict[str, Any]:
-        """The layout dict that :meth:`bind` checks (block_size only for onebit)."""
-        base = method[: -len(REDUCE_SCATTER_SUFFIX)] if method.endswith(REDUCE_SCATTER_SUFFIX) else method
+        """The layout dict that :meth:`bind` checks (block_size only for block codecs)."""
+        base = method.split("/")[0]  # a reduce-scatter's or all-gather's: method + "/collective"
         if base not in EF_METHODS and not is_plugin(base):
-            raise ValueError(f"error feedback exists for onebit and topk only, not {method!r}")
+            raise ValueError(f"error feedback exists for {list(EF_METHODS)} and registered compressors, "
+                             f"not {method!r}")
         return {
             "method": method,
             "numel": int(numel),
             "world_size": int(world_size),
             "rank": int(rank),
             "chunk_numel": int(chunk_numel),
-            "block_size": int(block_size) if method == "onebit" else None,
+            "block_size": int(block_size) if method in BLOCK_METHODS else None,
         }
 
     @staticmethod
     def _server_offsets_for(layout: Dict[str, Any]) -> List[int]:
         offsets = [0]
-        if layout["method"] == "onebit":
+        if layout["method"] in BLOCK_METHODS:
             for b, e in chunk_bounds(layout["numel"], layout["chunk_numel"]):
-                _, segs = onebit_segments(e - b, layout["world_size"], layout["block_size"])
+                _, segs = block_segments(e - b, layout["world_size"], layout["block_size"])
                 sb, se = segs[layout["rank"]]
                 offsets.append(offsets[-1] + se - sb)
         return offsets
@@ -135,7 +141,7 @@ class ErrorFeedback:
             self.worker = torch.zeros(layout["numel"], dtype=torch.float32, device=device)
             self.server = (
                 torch.zeros(self._server_offsets[-1], dtype=torch.float32, device=device)
-                if layout["method"] == "onebit" else None
+                if layout["method"] in BLOCK_METHODS else None
             )
             return
         if layout != self.layout:
@@ -172,7 +178,7 @@ class ErrorFeedback:
     def server_segment(self, chunk_index: int) -> torch.Tensor:
         """View of the server residual of chunk ``chunk_index`` (this rank's segment)."""
         if self.server is None:
-            raise ValueError("no server residual: onebit error feedback that has been bound has one")
+            raise ValueError("no server residual: only a block codec's bound error feedback has one")
         a, b = self._server_offsets[chunk_index], self._server_offsets[chunk_index + 1]
         return self.server[a:b]
 
@@ -205,7 +211,7 @@ class ErrorFeedback:
         worker, server = state["worker"], state["server"]
         if worker is None or worker.numel() != layout["numel"]:
             raise ValueError("error feedback state: the worker residual does not match its layout")
-        want_server = offsets[-1] if layout["method"] == "onebit" else None
+        want_server = offsets[-1] if layout["method"] in BLOCK_METHODS else None
         if (server is None) != (want_server is None) or (
             server is not None and server.numel() != want_server
         ):
@@ -303,7 +309,7 @@ def simulate_allreduce(
         if compressor_kwargs:
             raise TypeError(f"method {method!r} takes no compressor arguments")
         out = _simulate_cast(xs, torch.float16 if method == "fp16" else torch.bfloat16, avg)
-    elif method in ("onebit", "topk"):
+    elif method in EF_METHODS:
         compressor_kwargs.setdefault("impl", "reference")
         comp = get_compressor(method, **compressor_kwargs)
         if efs is not None:
@@ -319,9 +325,9 @@ def simulate_allreduce(
         for ci, (start, end) in enumerate(chunk_bounds(n, chunk_numel)):
             chunk = [x[start:end] for x in xs]
             workers = [efs[r].worker[start:end] for r in range(world)] if efs is not None else None
-            if method == "onebit":
+            if method in BLOCK_METHODS:
                 servers = [efs[r].server_segment(ci) for r in range(world)] if efs is not None else None
-                out[start:end] = _simulate_onebit_chunk(chunk, comp, avg, workers, servers)
+                out[start:end] = _simulate_block_chunk(chunk, comp, avg, workers, servers)
             else:
                 out[start:end] = _simulate_topk_chunk(chunk, comp, avg, workers)
         # A non-finite result (in the inputs' dtype) leaves every residual
@@ -349,13 +355,13 @@ def simulate_allreduce(
             for ef in efs:
                 ef.rollback()
     else:
-        raise ValueError(f"unknown method {method!r}; choose one of ['onebit', 'topk', 'fp16', 'bf16'] "
+        raise ValueError(f"unknown method {method!r}; choose one of {[m for m in METHODS if m != 'none']} "
                          f"or a registered compressor")
 
     return [out.view(shape).to(dtype).clone() for _ in range(world)]
 
 
-def _simulate_onebit_chunk(chunk, comp, avg, workers, servers) -> torch.Tensor:
+def _simulate_block_chunk(chunk, comp, avg, workers, servers) -> torch.Tensor:
     world, m, bsz = len(chunk), chunk[0].numel(), comp.block_size
     # Segments: a whole number of blocks each, the last ones possibly short or empty.
     seg = math.ceil(math.ceil(m / world) / bsz) * bsz
@@ -519,31 +525,7 @@ def simulate_reduce_scatter(
                 outs[j].div_(world)
         return [o.to(dtype) for o in outs]
 
-    if is_plugin(method):
-        comp = _plugin_instance(method, options_json(method, compressor_kwargs))
-
-        def encode(seg, r):
-            return comp.compress(seg, r)
-
-        def decode(p, dst, accumulate):
-            comp.decompress(p, dst, accumulate)
-    elif method in EF_METHODS:
-        compressor_kwargs.setdefault("impl", "reference")
-        comp = get_compressor(method, **compressor_kwargs)
-
-        def encode(seg, r):
-            return comp.compress(seg, r)
-
-        def decode(p, dst, accumulate):
-            if method == "topk":  # scattered onto zeros, as the engine does
-                if not accumulate:
-                    dst.zero_()
-                accumulate = True
-            comp.decompress(p, out=dst, accumulate=accumulate)
-    else:
-        raise ValueError(f"unknown method {method!r}; choose one of ['onebit', 'topk', 'fp16', 'bf16', "
-                         f"'none'] or a registered compressor")
-
+    comp, encode, decode = _payload_codec(method, compressor_kwargs)
     if efs is not None:
         if len(efs) != world:
             raise ValueError(f"efs must hold one ErrorFeedback per rank ({world}), got {len(efs)}")
@@ -565,3 +547,80 @@ def simulate_reduce_scatter(
         for ef in efs:
             ef.rollback()
     return [o.to(dtype) for o in outs]
+
+
+def _payload_codec(method: str, compressor_kwargs: Dict[str, Any]):
+    """``(compressor, encode(seg, residual), decode(payload, dst, accumulate))``
+    of what the engine's reduce-scatter and all-gather send for ``method``."""
+    if is_plugin(method):
+        comp = _plugin_instance(method, options_json(method, compressor_kwargs))
+
+        def decode(p, dst, accumulate):
+            comp.decompress(p, dst, accumulate)
+    elif method in EF_METHODS:
+        compressor_kwargs.setdefault("impl", "reference")
+        comp = get_compressor(method, **compressor_kwargs)
+
+        def decode(p, dst, accumulate):
+            if method == "topk":  # scattered onto zeros, as the engine does
+                if not accumulate:
+                    dst.zero_()
+                accumulate = True
+            comp.decompress(p, out=dst, accumulate=accumulate)
+    else:
+        raise ValueError(f"unknown method {method!r}; choose one of {list(METHODS)} or a registered "
+                         f"compressor")
+    return comp, comp.compress, decode
+
+
+def simulate_all_gather(
+    inputs: Sequence[torch.Tensor],
+    method: str,
+    chunk_numel: Optional[int] = None,
+    efs: Optional[Sequence[ErrorFeedback]] = None,
+    **compressor_kwargs: Any,
+) -> List[torch.Tensor]:
+    """Every rank's output of a compressed all-gather of ``inputs[r]``
+    (docs/allreduce.md, "All-gather"): the concatenation, in rank order, of
+    every rank's input as decoded from its compressed payload, chunk by
+    chunk (error feedback: ``efs[r]``, over rank ``r``'s input). Identical on
+    every rank; a non-finite output leaves every residual as it was. Other
+    arguments as :func:`simulate_allreduce`.
+
+    >>> xs = [torch.full((3,), float(r)) for r in range(2)]
+    >>> simulate_all_gather(xs, "int8")[0].tolist()
+    [0.0, 0.0, 0.0, 1.0, 1.0, 1.0]
+    """
+    world = len(inputs)
+    if world < 1:
+        raise ValueError("inputs must hold one tensor per rank (at least one)")
+    dtype, n = inputs[0].dtype, inputs[0].numel()
+    if any(x.numel() != n or x.dtype != dtype for x in inputs):
+        raise ValueError("inputs must all have the same number of elements and dtype")
+    if n == 0:
+        raise ValueError("inputs are empty")
+    chunk_numel = DEFAULT_CHUNK_NUMEL if chunk_numel is None else chunk_numel
+    xs = [x.detach().reshape(-1).to(torch.float32) for x in inputs]
+    if method in ("none", "fp16", "bf16"):
+        if efs is not None:
+            raise ValueError(f"method {method!r} has no error feedback: pass efs=None")
+        cast = {"none": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[method]
+        out = torch.cat([x.to(cast).to(torch.float32) for x in xs])
+        return [out.to(dtype) for _ in range(world)]
+    comp, encode, decode = _payload_codec(method, compressor_kwargs)
+    if efs is not None:
+        if len(efs) != world:
+            raise ValueError(f"efs must hold one ErrorFeedback per rank ({world}), got {len(efs)}")
+        for r, ef in enumerate(efs):
+            ef.bind(method=method + ALL_GATHER_SUFFIX, numel=n, world_size=world, rank=r,
+                    chunk_numel=chunk_numel, block_size=getattr(comp, "block_size", None), device=xs[r].device)
+            ef.snapshot()
+    out = torch.empty(world * n, dtype=torch.float32, device=xs[0].device)
+    for c0, c1 in chunk_bounds(n, chunk_numel):
+        for r in range(world):
+            p = encode(xs[r][c0:c1], efs[r].worker[c0:c1] if efs is not None else None)
+            decode(p, out[r * n + c0:r * n + c1], False)
+    if efs is not None and not bool(torch.isfinite(out.to(dtype)).all()):
+        for ef in efs:
+            ef.rollback()
+    return [out.to(dtype) for _ in range(world)]

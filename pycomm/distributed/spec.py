@@ -9,10 +9,10 @@ Example::
 
     >>> from pycomm.distributed import spec
     >>> spec.METHODS
-    ('onebit', 'topk', 'fp16', 'bf16', 'none')
+    ('onebit', 'topk', 'fp16', 'bf16', 'none', 'int8', 'int4')
     >>> spec.chunk_bounds(2_500_000, 1 << 20)   # round(2.38) = 2 chunks
     [(0, 1250000), (1250000, 2500000)]
-    >>> spec.onebit_segments(1000, 4, 64)       # 4 segments of 256 (4 blocks)
+    >>> spec.block_segments(1000, 4, 64)        # 4 segments of 256 (4 blocks)
     (256, [(0, 256), (256, 512), (512, 768), (768, 1000)])
 """
 
@@ -23,17 +23,24 @@ from typing import Any, List, Tuple
 
 import torch.distributed as dist
 
-from ..compressors.onebit import WORD_BITS
-from ..compressors.topk import topk_capacity, topk_k
+from ..wire import WORD_BITS, quant_num_bytes, topk_capacity, topk_k
 
 #: What a compressed call can run; the index is the method's code on the wire
 #: of the call check. "none" is the exact all-reduce of the inner backend.
-METHODS = ("onebit", "topk", "fp16", "bf16", "none")
+METHODS = ("onebit", "topk", "fp16", "bf16", "none", "int8", "int4")
 #: What a group can be configured with: a method, or "auto" (one per size,
 #: from a calibration: docs/auto.md).
 GROUP_METHODS = METHODS + ("auto",)
+#: The block codecs: a scale per block, all-reduced in two phases (segment
+#: ``j`` of each chunk reduced by rank ``j``, then all-gathered); the value is
+#: the bits per element of the codec's data (0: onebit's sign bits).
+BLOCK_BITS = {"onebit": 0, "int8": 8, "int4": 4}
+BLOCK_METHODS = tuple(BLOCK_BITS)
+#: block_size when none is given: onebit's scale is a mean; int8/int4's an
+#: absmax, which needs shorter blocks to keep its levels fine.
+DEFAULT_BLOCK_SIZE = {"onebit": 2048, "int8": 256, "int4": 256}
 #: The methods that keep error-feedback residuals.
-EF_METHODS = ("onebit", "topk")
+EF_METHODS = ("onebit", "topk", "int8", "int4")
 #: Chunk length (elements) of the engine's pipeline when none is given: 1 Mi
 #: elements (4 MiB of float32). Results depend on it (segment and block
 #: starts), so every party that must agree uses the same value.
@@ -46,10 +53,12 @@ CHECK_MODES = ("off", "first", "every")
 CALL_FIELDS = ("numel", "dtype", "op", "key", "compressor", "chunk_numel", "block_size", "density",
                "approx", "device type", "collective")
 #: The compressed collectives; the index is the code in the call check.
-COLLECTIVES = ("all_reduce", "reduce_scatter")
-#: A reduce-scatter's residuals are kept under the method's name with this
-#: suffix (worker residual only), never mixed with an all-reduce's.
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
+#: A reduce-scatter's and an all-gather's residuals are kept under the
+#: method's name with these suffixes (worker residual only), never mixed
+#: with an all-reduce's.
 REDUCE_SCATTER_SUFFIX = "/reduce_scatter"
+ALL_GATHER_SUFFIX = "/all_gather"
 
 
 def method_code(method: str) -> int:
@@ -99,22 +108,42 @@ def chunk_bounds(numel: int, chunk_numel: int) -> List[Tuple[int, int]]:
     return [(s, min(numel, s + c)) for s in range(0, numel, c)]
 
 
-def onebit_segments(m: int, world_size: int, block_size: int) -> Tuple[int, List[Tuple[int, int]]]:
+def block_size_for(method: str, block_size: "int | None") -> int:
+    """The block length ``method`` runs with: ``block_size``, or the method's
+    default when it is None (0 for a method without blocks).
+
+    >>> block_size_for("int4", None), block_size_for("onebit", None), block_size_for("int8", 64)
+    (256, 2048, 64)
+    """
+    if block_size:
+        return int(block_size)
+    return DEFAULT_BLOCK_SIZE.get(method, 0)
+
+
+def block_segments(m: int, world_size: int, block_size: int) -> Tuple[int, List[Tuple[int, int]]]:
     """``(seg, [(start, end) of segment j for j in 0..W-1])`` for a chunk of
-    ``m`` elements: ``seg`` is a whole number of blocks; segment ``j`` is
-    ``[j*seg, min(m, (j+1)*seg))`` clipped to ``m`` (possibly empty). Rank
-    ``j`` reduces segment ``j`` (the reduce-scatter stage)."""
+    ``m`` elements of a block codec: ``seg`` is a whole number of blocks;
+    segment ``j`` is ``[j*seg, min(m, (j+1)*seg))`` clipped to ``m``
+    (possibly empty). Rank ``j`` reduces segment ``j`` (the reduce-scatter
+    phase)."""
     seg = _cdiv(_cdiv(m, world_size), block_size) * block_size
     bounds = [(min(m, j * seg), min(m, (j + 1) * seg)) for j in range(world_size)]
     return seg, bounds
 
 
-def onebit_wire_numel(length: int, block_size: int) -> int:
-    """int32 elements of a onebit segment payload of ``length`` elements
-    (``ceil(L/32)`` words, then ``ceil(L/B)`` scales; 0 for an empty one)."""
+def block_wire_numel(length: int, block_size: int, bits: int = 0) -> int:
+    """int32 elements of a block codec's segment payload of ``length``
+    elements: the data (onebit: ``ceil(L/32)`` sign words; int8/int4: the
+    level bytes zero-padded to a multiple of 4), then ``ceil(L/B)`` scales;
+    0 for an empty segment.
+
+    >>> block_wire_numel(100, 64), block_wire_numel(100, 64, 8), block_wire_numel(99, 64, 4)
+    (6, 27, 15)
+    """
     if length == 0:
         return 0
-    return _cdiv(length, WORD_BITS) + _cdiv(length, block_size)
+    data = _cdiv(length, WORD_BITS) if bits == 0 else _cdiv(quant_num_bytes(length, bits), 4)
+    return data + _cdiv(length, block_size)
 
 
 def topk_wire_numel(m: int, density: float, approx: bool) -> int:

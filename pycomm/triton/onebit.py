@@ -28,7 +28,7 @@ from torch.library import wrap_triton
 from ._common import check, check_compress_inputs, check_out, device_guard, load_c, register_op
 
 # Bits per packed word: one 32-lane row packs into one uint32 (tl.arange(0, 32)).
-from ..wire import WORD_BITS  # noqa: E402
+from ..wire import MAX_BLOCK_SIZE, WORD_BITS  # noqa: E402
 
 # Largest tile one program holds at once ([MAX_TILE // 32, 32] floats). Larger
 # blocks loop over tiles inside the program instead of growing the tile, so
@@ -141,8 +141,8 @@ def _decompress_kernel(
 # ------------------------------------------------------------------- ops ---
 def _check_block_size(block_size: int) -> None:
     check(
-        block_size > 0 and block_size % WORD_BITS == 0,
-        f"block_size must be a positive multiple of 32, got {block_size}",
+        0 < block_size <= MAX_BLOCK_SIZE and block_size % WORD_BITS == 0,
+        f"block_size must be a positive multiple of 32 up to 2^30, got {block_size}",
     )
 
 

@@ -21,6 +21,29 @@ namespace pycomm {
 
 PYCOMM_HD int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// The largest block_size of every block codec (onebit, int8, int4): block
+// counts and offsets then never overflow, for any tensor size.
+constexpr int64_t kMaxBlockSize = int64_t(1) << 30;
+
+// A product and a sum rounded on their own, never fused into one fma (which
+// rounds once): the references compute them apart, and so must every layer
+// to agree bit for bit. nvcc fuses by default; the CPU kernels are built with
+// -ffp-contract=off.
+PYCOMM_HD float mul_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+PYCOMM_HD float add_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+
 // ---------------------------------------------------------------- onebit ---
 // Payload: sign bits packed 32 per 32-bit word (bit i of word w is element
 // 32*w + i; 1 = non-negative, so -0.0 -> 1 and NaN -> 0; bits past numel are
@@ -116,6 +139,60 @@ PYCOMM_HD int64_t topk_retry_rank(int64_t rank, int64_t k, int64_t count, int64_
 
 PYCOMM_HD bool topk_accept(int64_t count, int64_t k) {
   return count >= k && count <= topk_capacity(k);
+}
+
+// ----------------------------------------------------------------- quant ---
+// int8 / int4 block quantization (compressors "int8" and "int4"). Per block
+// of block_size elements of c = grad + residual (the last one partial):
+//   amax  = max |c|, NaN if any c is NaN
+//   scale = amax / qmax                         (qmax = 127 or 7; sent)
+//   inv   = qmax / amax if amax > 0 and that quotient is finite, else 0
+//           (0 for NaN or Inf blocks, and for blocks so tiny, amax below
+//           qmax / FLT_MAX, that the quotient overflows: they send zeros
+//           and keep everything in the residual)
+//   q     = inv == 0 ? 0 : clamp(round(c * inv), -qmax, qmax)
+//   decoded = q * scale, residual = c - decoded
+// round is round-half-to-even, or with a seed (stochastic rounding)
+// floor(c * inv + u) with u = quant_uniform(seed, i) in [0, 1), i the
+// element's index in the tensor. A block holding NaN or Inf sends q = 0 and
+// a non-finite scale, so it decodes to NaN: never a silently finite result.
+// Wire: `data` bytes, int8 one two's-complement byte per element; int4 two
+// per byte, element 2j in the low nibble, 2j+1 in the high one (a missing
+// last high nibble is 0); then one float32 scale per block. int4 needs an
+// even block_size so that no byte straddles two blocks.
+
+PYCOMM_HD int quant_qmax(int bits) { return bits == 8 ? 127 : 7; }
+PYCOMM_HD int64_t quant_num_bytes(int64_t n, int bits) { return bits == 8 ? n : (n + 1) / 2; }
+PYCOMM_HD int64_t quant_payload_nbytes(int64_t n, int bits, int64_t block_size) {
+  return quant_num_bytes(n, bits) + 4 * ceil_div(n, block_size);
+}
+
+// A 32-bit integer hash with good avalanche (Chris Wellons' lowbias32),
+// written with wrapping 32-bit products so every layer computes the same.
+PYCOMM_HD uint32_t quant_hash(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352du;
+  x ^= x >> 15;
+  x *= 0x846ca68bu;
+  x ^= x >> 16;
+  return x;
+}
+// Stochastic rounding's uniform number for element i: 24 random bits, an
+// exact float in [0, 1).
+PYCOMM_HD float quant_uniform(uint32_t seed, uint32_t i) {
+  return (float)(quant_hash(i ^ quant_hash(seed)) >> 8) * 5.9604644775390625e-08f;  // 2^-24
+}
+PYCOMM_HD float quant_inv(float amax, int qmax) {
+  if (!(amax > 0.0f)) return 0.0f;  // zero or NaN
+  const float inv = (float)qmax / amax;
+  return inv <= 3.402823466e+38f ? inv : 0.0f;  // amax Inf gives 0 already
+}
+// The quantized value of c (inv from quant_inv; seed < 0: round to nearest).
+PYCOMM_HD int quant_level(float c, float inv, int qmax, int64_t seed, uint32_t i) {
+  if (inv == 0.0f) return 0;
+  const float x = mul_rn(c, inv);
+  const float v = seed < 0 ? rintf(x) : floorf(add_rn(x, quant_uniform((uint32_t)seed, i)));
+  return v > (float)qmax ? qmax : (v < (float)-qmax ? -qmax : (int)v);
 }
 
 // ------------------------------------------------------- half precision ---

@@ -51,9 +51,24 @@ int64_t topk_compress(const void* grad, DType dtype, float* residual, float* scr
                       const ParallelFor& parallel_for);
 
 // out = 0 then out[idx] = values (accumulate: out[idx] += values). Returns
-// false, writing nothing, if an index is outside [0, n).
+// false, writing nothing, unless the indices are strictly ascending in [0, n).
 bool topk_decompress(const int32_t* indices, const float* values, int64_t count, float* out,
                      int64_t n, bool accumulate, const ParallelFor& parallel_for);
+
+// ---- quant (kernels/cpu/quant.cpp) ----
+// int8 (bits 8) / int4 (bits 4) block quantization of c = grad + residual_in
+// for the blocks in [block_begin, block_end) (rules: compress_math.h).
+// residual_in/out: both null (no error feedback), or both non-null, equal
+// or not overlapping; c and then the new residual are written to
+// residual_out. seed < 0: round to nearest, else stochastic rounding.
+void quant_compress_blocks(const void* grad, DType dtype, const float* residual_in,
+                           float* residual_out, uint8_t* data, float* scales, int64_t n, int bits,
+                           int64_t block_size, int64_t seed, int64_t block_begin,
+                           int64_t block_end);
+// out[i] = (or += when accumulate) q_i * scale for the blocks in [block_begin, block_end).
+void quant_decompress_blocks(const uint8_t* data, const float* scales, int64_t n, int bits,
+                             int64_t block_size, float* out, bool accumulate, int64_t block_begin,
+                             int64_t block_end);
 
 }  // namespace cpu
 }  // namespace pycomm

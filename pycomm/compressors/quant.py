@@ -1,0 +1,388 @@
+"""int8 / int4: symmetric block quantization with fused error feedback.
+
+Per block of ``block_size`` elements of ``c = grad + residual`` (the last
+block partial):
+
+* ``amax = max |c|`` (NaN if any element is NaN);
+* ``scale = amax / qmax`` with ``qmax`` 127 (int8) or 7 (int4), sent as float32;
+* ``inv = qmax / amax`` if ``amax > 0`` and that quotient is finite, else 0
+  (NaN or Inf blocks, and blocks so tiny that the quotient overflows: they
+  send zeros and keep everything in the residual);
+* ``q = 0`` if ``inv == 0``, else ``clamp(round(c * inv), -qmax, qmax)``, where
+  ``round`` is round-half-to-even, or, with a seed (stochastic rounding),
+  ``floor(c * inv + u)`` with ``u = quant_uniform(seed, i)`` in [0, 1) and
+  ``i`` the element's index in the tensor;
+* decoded ``= q * scale``, new residual ``= c - decoded``.
+
+A block holding NaN or Inf sends ``q = 0`` with a non-finite scale, so it
+decodes to NaN (never to a silently finite value). Every step is one float32
+operation, rounded once: the impls agree bit for bit.
+
+Wire: ``data`` (uint8) holds one two's-complement byte per element for int8;
+for int4 two levels per byte, element ``2j`` in the low nibble and ``2j + 1``
+in the high one (a missing last high nibble is 0); ``scales`` holds one
+float32 per block. int4 needs an even ``block_size`` so that no byte
+straddles two blocks.
+
+The rules are defined once in ``kernels/include/pycomm/compress_math.h``
+(section "quant") and ``pycomm/wire.py``; the reference functions below
+mirror them line by line and are the oracle of every test.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+
+from .. import _ext
+from ..wire import MASK32, MAX_BLOCK_SIZE, quant_hash, quant_num_bytes, quant_qmax
+from .base import Compressor, Impl, check_positive_int, register
+
+#: Largest finite float32 (FLT_MAX): quant_inv's bound for a finite amax.
+FLOAT32_MAX = 3.4028234663852886e38
+_TWO_POW_M24 = 5.9604644775390625e-08  # 2^-24: 24 random bits -> [0, 1)
+_ROUNDINGS = ("nearest", "stochastic")
+
+
+@dataclass
+class QuantPayload:
+    """Quantized levels and per-block scales of one compressed tensor."""
+
+    data: torch.Tensor  # uint8 [quant_num_bytes(numel, bits)]
+    scales: torch.Tensor  # float32 [ceil(numel / block_size)]
+    numel: int
+    shape: Tuple[int, ...]
+    block_size: int
+    bits: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() + self.scales.numel() * 4
+
+
+def check_block_size(bits: int, block_size: object) -> int:
+    """block_size: a positive int up to MAX_BLOCK_SIZE, even for int4."""
+    check_positive_int("block_size", block_size, MAX_BLOCK_SIZE)
+    if bits == 4 and block_size % 2:
+        raise ValueError(
+            f"block_size must be even for int4 (a byte holds two elements), got {block_size}"
+        )
+    return block_size
+
+
+# --------------------------------------------------------------- reference ---
+def _mul32(x: torch.Tensor, k: int) -> torch.Tensor:
+    """(x * k) mod 2^32 for int64 x in [0, 2^32), without int64 overflow:
+    k's high and low 16 bits are multiplied separately (each product < 2^48)."""
+    hi = ((x * (k >> 16)) & 0xFFFF) << 16
+    return (hi + x * (k & 0xFFFF)) & MASK32
+
+
+def hash_reference(x: torch.Tensor) -> torch.Tensor:
+    """quant_hash (lowbias32) elementwise on int64 values in [0, 2^32)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def uniform_reference(seed: int, n: int, device=None) -> torch.Tensor:
+    """quant_uniform(seed, i) for i in [0, n): float32 in [0, 1), 24 random bits.
+
+    The element index is taken mod 2^32 (the kernels' uint32_t i)."""
+    i = torch.arange(n, dtype=torch.int64, device=device) & MASK32
+    h = hash_reference(i ^ quant_hash(seed & MASK32))
+    # (h >> 8) < 2^24 converts exactly; the product by 2^-24 is exact too.
+    return (h >> 8).to(torch.float32) * _TWO_POW_M24
+
+
+def _block_index(n: int, block_size: int, device) -> torch.Tensor:
+    return torch.arange(n, dtype=torch.int64, device=device) // block_size
+
+
+def levels_reference(
+    c: torch.Tensor, bits: int, block_size: int, seed: int
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(q, scales): the level of every element of flat float32 ``c`` (int32)
+    and the float32 scale of every block (quant_inv / quant_level)."""
+    n = c.numel()
+    qmax = quant_qmax(bits)
+    blocks = -(-n // block_size)
+    idx = _block_index(n, block_size, c.device)
+    # amax by scatter (not by padding to blocks * block_size: a block may be
+    # far longer than the tensor). max is exact in any order; NaN is tracked
+    # apart because a max reduction may drop it.
+    nan = c.isnan()
+    mag = torch.where(nan, torch.zeros_like(c), c.abs())
+    amax = torch.zeros(blocks, dtype=torch.float32, device=c.device).scatter_reduce_(
+        0, idx, mag, "amax", include_self=True
+    )
+    block_nan = torch.zeros(blocks, dtype=torch.float32, device=c.device).scatter_reduce_(
+        0, idx, nan.float(), "amax", include_self=True
+    )
+    amax = torch.where(block_nan > 0, torch.full_like(amax, math.nan), amax)
+    # Tensor / tensor: a true float32 division (a Python-scalar divisor may be
+    # turned into a multiplication by its reciprocal, on CUDA).
+    qmax_t = torch.full_like(amax, float(qmax))
+    scales = amax / qmax_t
+    pos = amax > 0  # False for NaN
+    inv = qmax_t / torch.where(pos, amax, qmax_t)
+    inv = torch.where(pos & (inv <= FLOAT32_MAX), inv, torch.zeros_like(amax))  # Inf amax: 0 already
+
+    inv_e = inv[idx]
+    x = c * inv_e
+    if seed < 0:
+        v = torch.round(x)  # half to even, like rintf
+    else:
+        v = torch.floor(x + uniform_reference(seed, n, c.device))
+    v = torch.clamp(v, -qmax, qmax)  # NaN stays NaN
+    # inv == 0: q = 0 (x is NaN there for a NaN or Inf element).
+    v = torch.where(inv_e == 0, torch.zeros_like(v), v)
+    return v.to(torch.int32), scales
+
+
+def pack_reference(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 levels -> the wire bytes (uint8)."""
+    if bits == 8:
+        return q.to(torch.int8).view(torch.uint8)
+    nib = (q & 0xF).to(torch.uint8)
+    if nib.numel() % 2:
+        nib = torch.cat([nib, nib.new_zeros(1)])  # the missing last high nibble is 0
+    return nib[0::2] | (nib[1::2] << 4)
+
+
+def unpack_reference(data: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """The wire bytes -> int32 levels of n elements (sign-extended)."""
+    if bits == 8:
+        return data.view(torch.int8)[:n].to(torch.int32)
+    d = data.to(torch.int32)
+    nib = torch.stack([d & 0xF, d >> 4], dim=1).reshape(-1)[:n]
+    return torch.where(nib >= 8, nib - 16, nib)
+
+
+def compress_reference(
+    grad: torch.Tensor, residual: Optional[torch.Tensor], bits: int, block_size: int, seed: int
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Pure-torch int8/int4 compress of a flat contiguous tensor -> (data, scales).
+
+    ``seed < 0`` rounds to nearest; ``seed >= 0`` rounds stochastically with
+    ``quant_uniform(seed mod 2^32, i)``. Updates ``residual`` in place."""
+    c = grad.float() + residual if residual is not None else grad.float()
+    q, scales = levels_reference(c, bits, block_size, seed)
+    if residual is not None:
+        decoded = q.to(torch.float32) * scales[_block_index(c.numel(), block_size, c.device)]
+        residual.copy_(c - decoded)
+    return pack_reference(q, bits), scales
+
+
+def decompress_reference(
+    data: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int, out: torch.Tensor, accumulate: bool
+) -> None:
+    """out = (or +=, if accumulate) q * scale, element by element."""
+    n = out.numel()
+    q = unpack_reference(data, bits, n)
+    decoded = q.to(torch.float32) * scales[_block_index(n, block_size, data.device)]
+    if accumulate:
+        out.add_(decoded)
+    else:
+        out.copy_(decoded)
+
+
+# ------------------------------------------------------- other impls -------
+def _compress_op(grad, residual, bits, block_size, seed):
+    return torch.ops.pycomm.quant_compress(grad, residual, bits, block_size, seed)
+
+
+def _decompress_op(data, scales, bits, block_size, out, accumulate):
+    torch.ops.pycomm.quant_decompress(out, data, scales, bits, block_size, accumulate)
+
+
+# The Triton kernels are ops too (pycomm/triton/quant.py). Imported here only
+# to register them, and only when used: pycomm imports without Triton.
+def _compress_triton(grad, residual, bits, block_size, seed):
+    from ..triton import quant  # noqa: F401
+
+    return torch.ops.pycomm.quant_compress_triton(grad, residual, bits, block_size, seed)
+
+
+def _decompress_triton(data, scales, bits, block_size, out, accumulate):
+    from ..triton import quant  # noqa: F401
+
+    torch.ops.pycomm.quant_decompress_triton(out, data, scales, bits, block_size, accumulate)
+
+
+def _why_no_quant_ops(why_no_ops):
+    # An extension built before the quant ops existed loads, but lacks them.
+    def why() -> Optional[str]:
+        reason = why_no_ops()
+        if reason is None and not hasattr(torch.ops.pycomm, "quant_compress"):
+            return "the C++ extension pycomm._C was built without the quant ops; rebuild it"
+        return reason
+
+    return why
+
+
+IMPLS = {
+    "reference": Impl("reference", compress_reference, decompress_reference, lambda: None, ("cpu", "cuda")),
+    "cpu": Impl("cpu", _compress_op, _decompress_op, _why_no_quant_ops(_ext.why_no_cpu_ops), ("cpu",)),
+    "cuda": Impl("cuda", _compress_op, _decompress_op, _why_no_quant_ops(_ext.why_no_cuda_ops), ("cuda",)),
+    "triton": Impl("triton", _compress_triton, _decompress_triton, _ext.why_no_triton, _ext.triton_devices()),
+}
+
+
+class QuantCompressor(Compressor):
+    """Block quantization to ``bits``-bit levels (int8 or int4) with a
+    float32 absmax scale per block; subclasses set ``bits``.
+
+    ``rounding="nearest"`` rounds half to even (deterministic).
+    ``rounding="stochastic"`` rounds up with probability equal to the
+    fraction (unbiased): call number k of :meth:`compress` on this object
+    (counting from 0) draws its random numbers from seed
+    ``(seed + k) mod 2**32``, element i from ``quant_uniform(that seed, i)``.
+    Two compressors built with the same seed and called in the same order
+    therefore produce the same payloads.
+    """
+
+    bits: int  # 8 or 4, set by each subclass
+    impls = IMPLS
+
+    def __init__(
+        self, block_size: int = 256, rounding: str = "nearest", seed: int = 0, impl: str = "auto"
+    ) -> None:
+        check_block_size(self.bits, block_size)
+        if rounding not in _ROUNDINGS:
+            raise ValueError(f"rounding must be one of {list(_ROUNDINGS)}, got {rounding!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MASK32:
+            raise ValueError(f"seed must be an integer in [0, 2**32), got {seed!r}")
+        super().__init__(impl)
+        self.block_size = block_size
+        self.rounding = rounding
+        self.seed = seed
+        self.calls = 0  # compress() calls so far: the stochastic seed's offset
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(block_size={self.block_size}, rounding={self.rounding!r}, "
+            f"seed={self.seed}, impl={self.impl!r})"
+        )
+
+    def payload_nbytes(self, numel: int) -> int:
+        """Exact bytes the payload of a ``numel``-element tensor puts on the wire."""
+        check_positive_int("numel", numel)
+        return quant_num_bytes(numel, self.bits) + 4 * (-(-numel // self.block_size))
+
+    def next_seed(self) -> int:
+        """The seed the next :meth:`compress` call passes to the kernel (-1: round to nearest)."""
+        return (self.seed + self.calls) & MASK32 if self.rounding == "stochastic" else -1
+
+    def compress(self, grad: torch.Tensor, residual: Optional[torch.Tensor] = None) -> QuantPayload:
+        """Compress ``grad + residual``; ``residual`` (if given) becomes the new error."""
+        self._check_inputs(grad, residual)
+        impl = self.resolve_impl(grad.device)
+        flat = grad.reshape(-1)
+        if not flat.is_contiguous():
+            flat = flat.contiguous()
+        res = residual.view(-1) if residual is not None else None
+        seed = self.next_seed()
+        data, scales = impl.compress(flat, res, self.bits, self.block_size, seed)
+        self.calls += 1
+        return QuantPayload(data, scales, grad.numel(), tuple(grad.shape), self.block_size, self.bits)
+
+    def decompress(
+        self, payload: QuantPayload, out: Optional[torch.Tensor] = None, accumulate: bool = False
+    ) -> torch.Tensor:
+        """Decode to float32 (``payload.shape``); with ``out``, write (or add) in place."""
+        if not isinstance(payload, QuantPayload):
+            raise TypeError(f"payload must be a QuantPayload, got {type(payload).__name__}")
+        if payload.bits != self.bits:
+            raise ValueError(f"payload has bits={payload.bits}, this compressor {self.bits}")
+        if payload.block_size != self.block_size:
+            raise ValueError(
+                f"payload has block_size={payload.block_size}, this compressor {self.block_size}"
+            )
+        device = payload.data.device
+        if out is None:
+            out = torch.empty(payload.shape, dtype=torch.float32, device=device)
+            accumulate = False
+        else:
+            self._check_out(out, payload.numel, device)
+        impl = self.resolve_impl(device)
+        impl.decompress(payload.data, payload.scales, self.bits, self.block_size, out.view(-1), accumulate)
+        return out
+
+
+@register("int8")
+class Int8Compressor(QuantCompressor):
+    """int8 block quantization: levels -127..127, one float32 scale per block.
+
+    About ``n + 4 n / block_size`` bytes on the wire (a quarter of float32).
+
+    Example::
+
+        >>> import torch, pycomm
+        >>> c = pycomm.get_compressor("int8", block_size=4)
+        >>> g = torch.tensor([1.0, -2.0, 0.5, 254.0, 3.0])
+        >>> r = torch.zeros(5)
+        >>> p = c.compress(g, r)            # r now holds what was not sent
+        >>> p.data.view(torch.int8).tolist(), p.scales.tolist()
+        ([0, -1, 0, 127, 127], [2.0, 0.023622047156095505])
+        >>> out = c.decompress(p)
+        >>> torch.equal(out + r, g)         # exact here: nothing lost, only deferred
+        True
+        >>> c.payload_nbytes(5)             # 5 levels + 2 scales
+        13
+    """
+
+    bits = 8
+
+
+@register("int4")
+class Int4Compressor(QuantCompressor):
+    """int4 block quantization: levels -7..7 packed two per byte, one float32
+    scale per (even-sized) block.
+
+    About ``n / 2 + 4 n / block_size`` bytes on the wire (an eighth of float32).
+
+    Example::
+
+        >>> import torch, pycomm
+        >>> c = pycomm.get_compressor("int4", block_size=4)
+        >>> g = torch.tensor([7.0, -3.0, 1.0, 0.5, 14.0])
+        >>> p = c.compress(g)
+        >>> p.data.tolist()                 # (7, -3) -> 0xd7, (1, 0) -> 0x01, (7, pad 0)
+        [215, 1, 7]
+        >>> c.decompress(p).tolist()
+        [7.0, -3.0, 1.0, 0.0, 14.0]
+        >>> c.payload_nbytes(5)             # 3 bytes + 2 scales
+        11
+    """
+
+    bits = 4
+
+
+# Shapes of the op outputs without running the kernel (torch.compile, meta
+# tensors, opcheck).
+if _ext.has_ops():
+
+    def _quant_payload_fake(grad, bits, block_size):
+        n = grad.numel()
+        return (
+            grad.new_empty((quant_num_bytes(n, bits),), dtype=torch.uint8),
+            grad.new_empty((-(-n // block_size),), dtype=torch.float32),
+        )
+
+    @torch.library.register_fake("pycomm::quant_compress")
+    def _quant_compress_fake(grad, residual, bits, block_size, seed):
+        return _quant_payload_fake(grad, bits, block_size)
+
+    @torch.library.register_fake("pycomm::quant_compress_into")
+    def _quant_compress_into_fake(grad, residual, residual_out, bits, block_size, seed):
+        return _quant_payload_fake(grad, bits, block_size)
+
+    @torch.library.register_fake("pycomm::quant_decompress")
+    def _quant_decompress_fake(out, data, scales, bits, block_size, accumulate):
+        return None

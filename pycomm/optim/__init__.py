@@ -1,0 +1,23 @@
+"""pycomm.optim: optimizers that all-reduce their momentum compressed.
+
+:class:`OneBitAdam` (AdamW) and :class:`OneBitSGD` (momentum SGD) average the
+gradients exactly for ``warmup_steps`` steps, then all-reduce each rank's
+momentum through pycomm's engine, compressed with error feedback (worker and
+server residuals), over any process group and with or without DDP
+(``optimizer.attach(ddp_model)``). docs/optim.md describes the algorithm,
+the state and the guarantees.
+
+Example (on every rank)::
+
+    from pycomm.optim import OneBitAdam
+
+    opt = OneBitAdam(model.parameters(), lr=1e-3, warmup_steps=100, compressor="onebit")
+    for x, y in data:
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+"""
+
+from .onebit import KEY_BASE, OneBitAdam, OneBitSGD
+
+__all__ = ["KEY_BASE", "OneBitAdam", "OneBitSGD"]

@@ -1,0 +1,1024 @@
+"""Compressed-momentum optimizers: :class:`OneBitAdam` and :class:`OneBitSGD`.
+
+The algorithm (1-bit Adam, which DeepSpeed ships as ``OneBitAdam``; the SGD
+counterpart is the same idea with torch's momentum SGD): for the first ``warmup_steps`` steps the
+gradients are averaged over the ranks EXACTLY and the update is torch's own
+(``torch.optim.AdamW`` / ``torch.optim.SGD``, called through their functional
+forms, so the warm-up is theirs bit for bit). Then:
+
+* OneBitAdam freezes the variance ``v`` (and its bias correction,
+  ``1 - beta2^T`` with ``T`` the parameter's step count at the freeze);
+* each rank updates the momentum with its LOCAL gradient (``m = lerp(m, g,
+  1 - beta1)``; SGD: ``buf = momentum * buf + g + weight_decay * p``);
+* the momenta of every parameter, flattened into one buffer, are averaged by
+  the engine's compressed all-reduce (``pycomm.distributed.all_reduce(buf,
+  key=key_base, op="avg")``): every rank compresses its momentum with its
+  worker residual, the server of each segment re-compresses the average
+  with its server residual, and every rank decodes the same bytes, so the
+  averaged momentum, which becomes ``m`` on every rank, is identical
+  everywhere;
+* the update uses that momentum: AdamW's ``p *= 1 - lr * wd; p -= lr / (1 -
+  beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^T) + eps)``; SGD's ``p -= lr *
+  buf`` (Nesterov: ``p -= lr * (buf + momentum * (buf - buf_old))``, which is
+  torch's ``g + momentum * buf`` with the averaged gradient written through
+  the momenta, the only form every rank can compute alike).
+
+Design decisions (docs/optim.md has the long form):
+
+* **Groups.** ``process_group`` is any group: Gloo, NCCL or a ``"pycomm"``
+  one. A plain group is wrapped once, at the first compressed step, into a
+  pycomm group over the same ranks with this optimizer's compressor and
+  settings (``pycomm.distributed.wrap``; every rank of the default group
+  takes part, as in ``dist.new_group``); a pycomm group is used as it is
+  (its settings must name the same compressor). Exact all-reduces (warm-up)
+  always run on the plain group (``compress=False`` on a pycomm group).
+* **DDP.** :meth:`attach` registers a DDP communication hook: the exact
+  average during the warm-up, no communication at all after it (DDP's
+  all-reduce is skipped; the gradients stay local), and the optimizer then
+  does not all-reduce gradients itself. Without DDP, ``step()`` averages the
+  gradients during the warm-up (one flat all-reduce per step).
+* **Keys.** The residuals live in the engine under the key ``key_base``
+  (default :data:`KEY_BASE`, far above the DDP hook's bucket indices).
+* **Zero gradients need no mask.** Elements whose gradient was exactly zero
+  (or absent) during the whole warm-up on every rank are *frozen*: Adam's
+  frozen variance is exactly 0 there (SGD tracks a ``grad_seen`` mask during
+  the warm-up), they are kept out of the communicated buffer, and they move
+  only as torch's optimizer moves an element with a zero gradient (weight
+  decay; a momentum that decays). With a zero variance AdamW would divide by
+  ``eps``; sign compression would give them +-scale of their block: this is
+  what DeepSpeed needs a user mask for. Parameters with no optimizer state
+  (no gradient anywhere during the warm-up) are never updated afterwards.
+  After the warm-up every parameter with state is stepped every step; a
+  missing gradient counts as zero (as DDP counts an unused parameter).
+* **Non-finite steps.** A NaN or Inf in any rank's gradient (or GradScaler's
+  found-inf flag, injected into the buffer as a NaN) makes the all-reduced
+  buffer non-finite on EVERY rank (docs/allreduce.md, "Non-finite
+  results"); the engine then rolls its residuals back, and the step is
+  skipped on every rank: parameters, ``m``, ``v``, step counts and residuals
+  stay as they were. The optimizer sets ``_step_supports_amp_scaling``, so
+  ``GradScaler.step`` always calls ``step()`` (a rank that skipped alone
+  would leave its peers waiting in the collective); ``step()`` unscales the
+  gradients itself and, when called from ``GradScaler.step``, records the
+  agreed skip in the scaler's found-inf record for this optimizer, so
+  ``scaler.update()`` backs off on every rank. Without a GradScaler a
+  non-finite step is skipped the same way, with a RuntimeWarning.
+* **State.** ``state_dict()`` holds torch's per-parameter state (``step``,
+  ``exp_avg``, ``exp_avg_sq`` / ``momentum_buffer``, plus ``variance_step``
+  or ``grad_seen``) and a ``"pycomm"`` entry: the optimizer's step count and
+  THIS rank's residuals (they differ per rank: every rank saves and loads its
+  own). A resumed run continues bit for bit.
+"""
+
+# No `from __future__ import annotations`: DDP compares the hook's
+# annotations with dist.GradBucket and torch.futures.Future[torch.Tensor].
+import dataclasses
+import math
+import sys
+import warnings
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch.optim import Optimizer
+
+from .. import distributed as pd
+from ..compressors.plugin import is_plugin
+from ..distributed import spec
+
+__all__ = ["KEY_BASE", "OneBitAdam", "OneBitSGD"]
+
+#: Default engine key of the momentum buffer's residuals: 2^40, far above
+#: the DDP hook's keys (bucket indices). Two of these optimizers sharing ONE
+#: pycomm group need different ``key_base`` values.
+KEY_BASE = 1 << 40
+_STATE_VERSION = 1
+
+
+# --------------------------------------------------------------- checks ----
+def _check_float(name: str, value: Any, lo: float = 0.0, hi: Optional[float] = None,
+                 hi_open: bool = True) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value) or value < lo or (hi is not None and (value >= hi if hi_open else value > hi)):
+        rng = f"[{lo}, {hi})" if hi is not None and hi_open else f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
+        raise ValueError(f"{name} must be {'in ' if hi is not None else ''}{rng}, got {value!r}")
+    return value
+
+
+def _check_betas(betas: Any) -> Tuple[float, float]:
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"betas must be a pair (beta1, beta2), each in [0, 1), got {betas!r}")
+    for i, b in enumerate(betas):
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0.0 <= float(b) < 1.0:
+            raise ValueError(f"betas[{i}] must be in [0, 1), got {b!r} (betas={tuple(betas)!r})")
+    return float(betas[0]), float(betas[1])
+
+
+def _check_int(name: str, value: Any, lo: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if value < lo:
+        raise ValueError(f"{name} must be >= {lo}, got {value}")
+    return value
+
+
+def _check_compressor(compressor: Any, settings: Dict[str, Any]) -> None:
+    """The engine's own checks, before anything runs: a bad value raises
+    here, naming the argument."""
+    if not isinstance(compressor, str):
+        raise TypeError(f"compressor must be a str, got {compressor!r}")
+    allowed = [f.name for f in dataclasses.fields(pd.PycommOptions) if f.name != "compressor"]
+    unknown = sorted(set(settings) - set(allowed))
+    if unknown:
+        raise TypeError(f"unknown compressor settings {unknown}; allowed: {allowed}")
+    pd.PycommOptions(compressor=compressor, **settings)  # "compressor must be one of ..."
+
+
+# ----------------------------------------------------------- optimizer ----
+class _CompressedMomentum(Optimizer):
+    """What OneBitAdam and OneBitSGD share: the warm-up's exact averaging,
+    the compressed all-reduce of the momenta, frozen elements, non-finite
+    steps, the DDP hook and the state. Subclasses give the update rules."""
+
+    #: GradScaler.step calls step() on every rank, with ``grad_scale`` and
+    #: ``found_inf`` set, instead of skipping it on the ranks that saw an inf.
+    _step_supports_amp_scaling = True
+
+    def __init__(self, params: Any, defaults: Dict[str, Any], *, warmup_steps: int, compressor: str,
+                 process_group: Optional[dist.ProcessGroup], key_base: int,
+                 compressor_settings: Dict[str, Any]) -> None:
+        _check_int("warmup_steps", warmup_steps, 1)
+        _check_compressor(compressor, compressor_settings)
+        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+            raise TypeError(f"process_group must be a torch.distributed.ProcessGroup or None, "
+                            f"got {type(process_group).__name__}")
+        _check_int("key_base", key_base, 0)
+        super().__init__(params, defaults)
+        self.warmup_steps = warmup_steps
+        self.compressor = compressor
+        self.compressor_settings = dict(compressor_settings)
+        self.process_group = process_group
+        self.key_base = key_base
+        if process_group is not None and dist.is_initialized() and pd.is_pycomm_group(process_group, self._device()):
+            self._check_pycomm_group(process_group)
+        #: Steps taken (skipped non-finite steps are not counted). The
+        #: warm-up is ``step_count < warmup_steps``.
+        self.step_count = 0
+        #: Non-finite steps skipped on every rank, in this process.
+        self.skipped_steps = 0
+        self._pending_ef: Optional[Dict[int, Any]] = None  # residuals loaded before the engine exists
+        self._saved_world: Optional[Tuple[int, int]] = None
+        self._init_runtime()
+
+    def _init_runtime(self) -> None:
+        """What belongs to this process (not saved, not pickled)."""
+        self._engine: Optional[dist.ProcessGroup] = None
+        self._layout: Optional[List[Any]] = None
+        self._ddp_param_ids: frozenset = frozenset()
+        self._attached = False
+        self._flat: Optional[torch.Tensor] = None  # the communicated buffer, reused
+
+    _CONFIG = ("warmup_steps", "compressor", "compressor_settings", "key_base", "step_count", "skipped_steps",
+               "_saved_world")
+
+    def __getstate__(self) -> Dict[str, Any]:
+        # torch keeps defaults, state and param_groups; add the configuration
+        # and the residuals. The process group is not kept (the default
+        # group of the process that unpickles), nor the DDP coupling.
+        d = super().__getstate__()
+        d.update({k: getattr(self, k) for k in self._CONFIG})
+        d["_pending_ef"] = self._ef() or None
+        return d
+
+    def __setstate__(self, d: Dict[str, Any]) -> None:
+        super().__setstate__(d)
+        self.process_group = None
+        self._init_runtime()
+
+    # -- hooks for the subclasses -----------------------------------------------
+    def _check_group(self, group: Dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def _has_state(self, state: Dict[str, Any]) -> bool:
+        raise NotImplementedError
+
+    def _active_mask(self, p: torch.Tensor, state: Dict[str, Any]) -> torch.Tensor:
+        """Bool mask of the elements that are communicated (not frozen)."""
+        raise NotImplementedError
+
+    def _warmup_update(self, group: Dict[str, Any], params: List[torch.Tensor],
+                       grads: List[torch.Tensor]) -> None:
+        raise NotImplementedError
+
+    def _freeze(self, p: torch.Tensor, state: Dict[str, Any]) -> None:
+        """Called once per parameter with state when the layout is built."""
+
+    def _local_momentum(self, group: Dict[str, Any], p: torch.Tensor, state: Dict[str, Any],
+                        grad: torch.Tensor, out: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _apply(self, group: Dict[str, Any], p: torch.Tensor, state: Dict[str, Any],
+               momentum: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    # -- parameter groups ------------------------------------------------------
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        if getattr(self, "step_count", 0) >= getattr(self, "warmup_steps", 1):
+            raise ValueError(
+                f"{type(self).__name__}.add_param_group after the warm-up: parameters added now would "
+                f"have no warm-up statistics to freeze; add them before step {self.warmup_steps}"
+            )
+        merged = dict(self.defaults)
+        merged.update({k: v for k, v in param_group.items() if k != "params"})
+        self._check_group(merged)
+        params = param_group["params"]
+        if not isinstance(params, (torch.Tensor, set)):
+            param_group = dict(param_group, params=list(params))  # a generator is read once
+            params = param_group["params"]
+        for p in [params] if isinstance(params, torch.Tensor) else params:
+            if isinstance(p, torch.Tensor) and (not p.is_floating_point() or p.is_complex() or p.is_sparse):
+                raise ValueError(f"{type(self).__name__} takes dense real floating-point parameters, "
+                                 f"got one of dtype {p.dtype}{' (sparse)' if p.is_sparse else ''}")
+        super().add_param_group(param_group)
+        devices = {p.device for g in self.param_groups for p in g["params"]}
+        if len(devices) > 1:
+            raise ValueError(f"all parameters must be on one device, got {sorted(map(str, devices))}")
+        self._layout = None
+
+    def _params(self) -> List[Tuple[Dict[str, Any], torch.Tensor]]:
+        return [(g, p) for g in self.param_groups for p in g["params"] if p.requires_grad]
+
+    def _device(self) -> torch.device:
+        for g in self.param_groups:
+            for p in g["params"]:
+                return p.device
+        return torch.device("cpu")
+
+    # -- groups ------------------------------------------------------------------
+    def _plain_group(self) -> dist.ProcessGroup:
+        if not dist.is_initialized():
+            raise RuntimeError(f"{type(self).__name__}.step needs torch.distributed: call "
+                               f"dist.init_process_group (or pycomm.distributed.init_process_group) first")
+        return self.process_group if self.process_group is not None else dist.group.WORLD
+
+    def _uses_ef(self) -> bool:
+        return self.compressor in (*spec.EF_METHODS, "auto") or is_plugin(self.compressor)
+
+    def _engine_group(self) -> dist.ProcessGroup:
+        """The pycomm group that runs the compressed all-reduce (created at the
+        first compressed step over a plain group, on every rank alike)."""
+        if self._engine is not None:
+            return self._engine
+        base, device = self._plain_group(), self._device()
+        self._check_world()
+        if pd.is_pycomm_group(base, device):
+            self._check_pycomm_group(base)
+            engine = base
+        else:
+            engine = pd.wrap(base, compressor=self.compressor, **self.compressor_settings)
+        self._engine = engine
+        if self._pending_ef is not None:
+            pending, self._pending_ef = self._pending_ef, None
+            self._load_ef(pending)
+        return engine
+
+    def _check_pycomm_group(self, group: dist.ProcessGroup) -> None:
+        method = pd.options_of(group, self._device().type)["method"]
+        if method != self.compressor:
+            raise ValueError(
+                f"{type(self).__name__} asks for compressor={self.compressor!r} but its process_group "
+                f"runs the pycomm backend with {method!r}: the group's settings decide, so make them agree"
+            )
+
+    def _check_world(self) -> None:
+        if self._saved_world is None:
+            return
+        pg = self._plain_group()
+        world, rank = dist.get_world_size(pg), dist.get_rank(pg)
+        saved, self._saved_world = self._saved_world, None
+        if saved != (world, rank):
+            raise ValueError(
+                f"{type(self).__name__} was loaded from the state of rank {saved[1]} of {saved[0]}, but this "
+                f"is rank {rank} of {world}; every rank loads its own state, or load with "
+                f"reset_error_feedback=True to start the residuals over"
+            )
+
+    def _ef(self) -> Dict[int, Any]:
+        """This optimizer's residuals, keyed relative to ``key_base``."""
+        if self._engine is None:
+            return dict(self._pending_ef or {})
+        full = pd.error_feedback_state(self._engine, self._device().type)
+        return {k - self.key_base: v for k, v in full.items() if k == self.key_base}
+
+    def _load_ef(self, mine: Dict[int, Any]) -> None:
+        """Replace this optimizer's residuals in the engine, keeping any other
+        key's (the engine's load replaces its whole store)."""
+        dev = self._device().type
+        full = {k: v for k, v in pd.error_feedback_state(self._engine, dev).items() if k != self.key_base}
+        full.update({self.key_base + int(k): v for k, v in mine.items()})
+        pd.load_error_feedback_state(full, self._engine, dev)
+
+    def _exact_average(self, tensor: torch.Tensor, group: dist.ProcessGroup) -> Any:
+        """Start the exact average of ``tensor`` over ``group`` in place;
+        returns the Work (divide, then sum: torch's default DDP hook)."""
+        if pd.is_pycomm_group(group, tensor.device):
+            return pd.all_reduce(tensor, group=group, op="avg", compress=False, async_op=True)
+        tensor.div_(dist.get_world_size(group))
+        return dist.all_reduce(tensor, group=group, async_op=True)
+
+    # -- the step --------------------------------------------------------------
+    @property
+    def in_warmup(self) -> bool:
+        """True while steps average the gradients exactly."""
+        return self.step_count < self.warmup_steps
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        """One step on every rank (a collective: every rank calls it).
+
+        Under ``torch.amp.GradScaler`` (``scaler.step(optimizer)``) the
+        gradients are unscaled here, and a step with a non-finite gradient
+        on any rank is skipped on every rank."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        found_inf = getattr(self, "found_inf", None)
+        grad_scale = getattr(self, "grad_scale", None)
+        if grad_scale is not None:
+            self._unscale(grad_scale)
+        ok = self._warmup_step(found_inf) if self.in_warmup else self._compressed_step(found_inf)
+        if ok:
+            self.step_count += 1
+        else:
+            self.skipped_steps += 1
+            if not self._tell_scaler() and found_inf is None:
+                warnings.warn(
+                    f"{type(self).__name__}: a gradient was not finite on some rank at step "
+                    f"{self.step_count}; the step was skipped on every rank (nothing changed)",
+                    RuntimeWarning, stacklevel=2,
+                )
+        return loss
+
+    def _unscale(self, grad_scale: torch.Tensor) -> None:
+        # What GradScaler.unscale_ does, with its inverse (computed in float64).
+        inv = grad_scale.double().reciprocal().float()
+        by_key: Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]] = {}
+        for _, p in self._params():
+            if p.grad is not None:
+                by_key.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+        for (device, _), grads in by_key.items():
+            dummy = torch.zeros((), dtype=torch.float32, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, dummy, inv.to(device))
+
+    def _tell_scaler(self) -> bool:
+        """When called from GradScaler.step: mark this optimizer's step as
+        having found an inf in the scaler's record, so that scaler.update()
+        backs off on every rank (a rank whose own gradients were finite
+        would otherwise grow its scale). True when a scaler was told."""
+        try:
+            from torch.amp.grad_scaler import GradScaler
+
+            code = GradScaler.step.__code__
+            frame = sys._getframe(1)
+            for _ in range(8):
+                if frame is None:
+                    return False
+                if frame.f_code is code and frame.f_locals.get("optimizer") is self:
+                    scaler = frame.f_locals.get("self")
+                    record = scaler._per_optimizer_states[id(self)]["found_inf_per_device"]
+                    for t in record.values():
+                        t.fill_(1.0)
+                    return True
+                frame = frame.f_back
+        except Exception:  # noqa: BLE001 - a torch without these internals: the skip still agrees
+            return False
+        return False
+
+    @staticmethod
+    def _poison(buf: torch.Tensor, found_inf: Optional[torch.Tensor]) -> None:
+        """A NaN in the buffer when this rank's GradScaler found an inf, so
+        that the collective's result tells every rank (no extra collective,
+        no host sync)."""
+        if found_inf is not None and buf.numel():
+            nan = torch.full((), float("nan"), dtype=buf.dtype, device=buf.device)
+            buf[:1].copy_(torch.where(found_inf.to(buf.device) > 0, nan, buf[:1]))
+
+    def _buffer(self, numel: int) -> torch.Tensor:
+        if self._flat is None or self._flat.numel() != numel:
+            self._flat = torch.empty(numel, dtype=torch.float32, device=self._device())
+        return self._flat
+
+    def _warmup_step(self, found_inf: Optional[torch.Tensor]) -> bool:
+        entries = self._params()
+        # Parameters DDP averaged (attach) have averaged gradients already.
+        own = [(g, p) for g, p in entries if id(p) not in self._ddp_param_ids]
+        grads: Dict[int, Optional[torch.Tensor]] = {}
+        bad = False
+        if own:
+            # One flat exact all-reduce: the gradients, then one presence flag
+            # per parameter (a parameter with no gradient on any rank is
+            # skipped, as torch's optimizers skip a parameter whose grad is None).
+            total = sum(p.numel() for _, p in own)
+            buf = self._buffer(total + len(own))
+            flags = buf[total:]
+            flags.zero_()
+            offset = 0
+            for i, (_, p) in enumerate(own):
+                n = p.numel()
+                if p.grad is None:
+                    buf[offset:offset + n].zero_()
+                else:
+                    buf[offset:offset + n].copy_(p.grad.reshape(-1))
+                    flags[i] = 1.0
+                offset += n
+            self._poison(buf, found_inf)
+            self._exact_average(buf, self._plain_group()).wait()
+            bad = not bool(torch.isfinite(buf).all())
+            offset = 0
+            present = (flags > 0).tolist()
+            for i, (_, p) in enumerate(own):
+                n = p.numel()
+                grads[id(p)] = buf[offset:offset + n].view_as(p).to(p.dtype) if present[i] else None
+                offset += n
+        ddp_grads = [p.grad for g, p in entries if id(p) in self._ddp_param_ids and p.grad is not None]
+        if ddp_grads and not bad:
+            # Identical on every rank (DDP averaged them): so is this check.
+            # With a GradScaler its flag says it (poisoned into the flat
+            # buffer above when this optimizer has parameters of its own).
+            if found_inf is not None:
+                bad = not own and bool(found_inf > 0)
+            else:
+                bad = not bool(torch.stack([torch.isfinite(t).all() for t in ddp_grads]).all())
+        if bad:
+            return False
+        for group in self.param_groups:
+            params, gs = [], []
+            for p in group["params"]:
+                if not p.requires_grad:
+                    continue
+                gr = grads.get(id(p), p.grad)
+                if gr is not None:
+                    params.append(p)
+                    gs.append(gr)
+            if params:
+                self._warmup_update(group, params, gs)
+        if self.step_count + 1 >= self.warmup_steps:
+            self._flat = None  # the warm-up buffer is not the compressed one
+        return True
+
+    def _build_layout(self) -> List[Any]:
+        """Per parameter with state: (group, p, state, active index or
+        "all"/None, offset into the buffer). The same on every rank: it
+        follows from state that is identical everywhere."""
+        layout, offset = [], 0
+        for group, p in self._params():
+            state = self.state.get(p)
+            if not state or not self._has_state(state):
+                continue
+            self._freeze(p, state)
+            mask = self._active_mask(p, state).reshape(-1)
+            count = int(mask.sum())
+            if count == p.numel() and p.dtype == torch.float32:
+                layout.append((group, p, state, "all", None, offset, count))
+            elif count == 0:
+                layout.append((group, p, state, None, None, offset, 0))
+            else:
+                index = mask.nonzero().reshape(-1) if count < p.numel() else None
+                layout.append((group, p, state, "some", (mask, index), offset, count))
+            offset += count
+        return layout
+
+    def _compressed_step(self, found_inf: Optional[torch.Tensor]) -> bool:
+        if self._layout is None:
+            self._layout = self._build_layout()
+        layout = self._layout
+        total = sum(e[6] for e in layout)
+        buf = self._buffer(total)
+        locals_: List[Optional[torch.Tensor]] = []
+        for group, p, state, kind, masks, offset, count in layout:
+            grad = p.grad
+            if kind == "all":
+                g = grad if grad is not None else torch.zeros_like(p)
+                out = buf[offset:offset + count].view_as(p)
+                self._local_momentum(group, p, state, g, out)
+                locals_.append(out)
+                continue
+            # Frozen elements: a zero gradient, the same on every rank.
+            if grad is None or kind is None:
+                g = torch.zeros_like(p)
+            else:
+                g = grad.masked_fill(~masks[0].view_as(grad), 0)
+            out = torch.empty_like(p, memory_format=torch.contiguous_format)
+            self._local_momentum(group, p, state, g, out)
+            if kind == "some":
+                flat = out.reshape(-1)
+                src = flat if masks[1] is None else flat.index_select(0, masks[1])
+                buf[offset:offset + count].copy_(src)
+            locals_.append(out)
+        if total:
+            self._poison(buf, found_inf)
+            key = self.key_base if self._uses_ef() else None
+            pd.all_reduce(buf, key=key, group=self._engine_group(), op="avg")
+            if not bool(torch.isfinite(buf).all()):
+                return False  # the engine rolled its residuals back on every rank
+        for (group, p, state, kind, masks, offset, count), m in zip(layout, locals_, strict=True):
+            if kind == "some":
+                part = buf[offset:offset + count]
+                if masks[1] is None:
+                    m.reshape(-1).copy_(part)
+                else:
+                    m.view(-1).index_copy_(0, masks[1], part.to(m.dtype))
+            self._apply(group, p, state, m)
+        return True
+
+    # -- DDP ---------------------------------------------------------------------
+    def attach(self, model: Any) -> Any:
+        """Couple this optimizer with a DDP model (call once, on every rank,
+        before the first backward): registers a DDP communication hook that
+        averages the gradients exactly during the warm-up and skips DDP's
+        all-reduce after it (the gradients stay local; this optimizer
+        all-reduces the momenta, compressed). Returns ``model``.
+
+        Every parameter DDP reduces must be in this optimizer (after the
+        warm-up nothing else averages them). Parameters of this optimizer that
+        DDP does not reduce are averaged by ``step()`` during the warm-up.
+        DDP takes one communication hook: this one replaces any other.
+
+        Example::
+
+            model = DDP(net)
+            opt = OneBitAdam(model.parameters(), lr=1e-3, warmup_steps=100)
+            opt.attach(model)
+        """
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        if not isinstance(model, DDP):
+            raise TypeError(f"attach() takes a torch.nn.parallel.DistributedDataParallel model, "
+                            f"got {type(model).__name__}")
+        if self._attached:
+            raise ValueError(f"this {type(self).__name__} is already attached to a DDP model")
+        ddp_params = getattr(model, "_module_parameters", None)
+        if ddp_params is None:
+            ignore = getattr(model, "parameters_to_ignore", set())
+            ddp_params = [p for n, p in model.module.named_parameters() if n not in ignore]
+        ddp_params = [p for p in ddp_params if p.requires_grad]
+        mine = {id(p) for g in self.param_groups for p in g["params"]}
+        names = {id(p): n for n, p in model.module.named_parameters()}
+        missing = [names.get(id(p), "?") for p in ddp_params if id(p) not in mine]
+        if missing:
+            raise ValueError(
+                f"DDP reduces parameters that are not in this {type(self).__name__}: {missing[:5]}"
+                f"{' ...' if len(missing) > 5 else ''}; after the warm-up DDP no longer averages "
+                f"gradients, so every parameter of the model must be updated by this optimizer"
+            )
+        group = self._plain_group()
+        ddp_group = model.process_group
+        if dist.get_process_group_ranks(ddp_group) != dist.get_process_group_ranks(group):
+            raise ValueError(
+                f"the DDP model reduces over ranks {dist.get_process_group_ranks(ddp_group)}, this "
+                f"optimizer over {dist.get_process_group_ranks(group)}: pass process_group=model.process_group"
+            )
+        model.register_comm_hook(_DDPCoupling(self, ddp_group), _onebit_ddp_hook)
+        self._ddp_param_ids = frozenset(id(p) for p in ddp_params)
+        self._attached = True
+        return model
+
+    # -- bytes -------------------------------------------------------------------
+    def bytes_per_step(self, compressed: Optional[bool] = None) -> int:
+        """Bytes this rank sends per step (the most any rank sends), counted
+        from the spec as ``pycomm.bench.allreduce.bytes_sent`` counts them:
+        ``compressed=False``: the exact ring all-reduce of every gradient
+        (the warm-up, or plain DDP); ``True``: the compressed all-reduce of
+        the communicated momentum elements (before the layout is known: every
+        element); None: the current phase. Methods with no count of their
+        own in the spec (registered compressors) are counted as the engine's
+        all-gather of their payload (``payload_nbytes`` or one compress of
+        each chunk length)."""
+        world = dist.get_world_size(self._plain_group())
+        if compressed is None:
+            compressed = not self.in_warmup
+        if not compressed:
+            return _ring_bytes(sum(p.numel() for _, p in self._params()), world, 4)
+        if self._layout is not None:
+            numel = sum(e[6] for e in self._layout)
+        else:
+            numel = sum(p.numel() for _, p in self._params())
+        return _compressed_bytes(self.compressor, self.compressor_settings, numel, world)
+
+    # -- state -------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        """torch's optimizer state plus a ``"pycomm"`` entry: step count,
+        settings, and THIS rank's error-feedback residuals (each rank saves
+        and loads its own)."""
+        sd = super().state_dict()
+        world = rank = None
+        if dist.is_initialized():
+            pg = self._plain_group()
+            world, rank = dist.get_world_size(pg), dist.get_rank(pg)
+        elif self._saved_world is not None:
+            world, rank = self._saved_world
+        sd["pycomm"] = {
+            "version": _STATE_VERSION,
+            "step_count": self.step_count,
+            "warmup_steps": self.warmup_steps,
+            "compressor": self.compressor,
+            "world_size": world,
+            "rank": rank,
+            "error_feedback": self._ef(),
+        }
+        return sd
+
+    def load_state_dict(self, state_dict: Dict[str, Any], reset_error_feedback: bool = False) -> None:
+        """Restore :meth:`state_dict`. A state saved by another rank or world
+        size, or for another compressor, is refused (its residuals belong to
+        that rank) unless ``reset_error_feedback=True``, which keeps
+        everything but the residuals (they start from zero). A plain torch
+        AdamW / SGD state loads too (no residuals; the step count is taken
+        from the parameters' ``step``)."""
+        if not isinstance(reset_error_feedback, bool):
+            raise TypeError(f"reset_error_feedback must be a bool, got {reset_error_feedback!r}")
+        sd = dict(state_dict)
+        extra = sd.pop("pycomm", None)
+        ef: Dict[int, Any] = {}
+        saved_world = None
+        if extra is not None:
+            if not isinstance(extra, dict) or extra.get("version") != _STATE_VERSION:
+                raise ValueError(f"state_dict['pycomm'] is not a {type(self).__name__} state of version "
+                                 f"{_STATE_VERSION}")
+            ef = dict(extra.get("error_feedback") or {})
+            if extra.get("world_size") is not None:
+                saved_world = (int(extra["world_size"]), int(extra["rank"]))
+            problems = []
+            if ef and extra.get("compressor") != self.compressor:
+                problems.append(f"its residuals are {extra.get('compressor')!r}'s, this optimizer runs "
+                                f"{self.compressor!r}")
+            if ef and saved_world is not None and dist.is_initialized():
+                pg = self._plain_group()
+                world, rank = dist.get_world_size(pg), dist.get_rank(pg)
+                if saved_world != (world, rank):
+                    problems.append(f"it holds rank {saved_world[1]} of {saved_world[0]}'s residuals, "
+                                    f"this is rank {rank} of {world}")
+            if problems and not reset_error_feedback:
+                raise ValueError(
+                    f"cannot load this {type(self).__name__} state: " + "; ".join(problems)
+                    + ". Every rank saves and loads its own state, or pass reset_error_feedback=True "
+                    "to keep the rest and start the residuals over."
+                )
+        super().load_state_dict(sd)
+        self._after_load()
+        if extra is not None:
+            self.step_count = int(extra["step_count"])
+        else:
+            steps = [int(s["step"]) for s in self.state.values() if "step" in s]
+            self.step_count = max(steps, default=0)
+        if reset_error_feedback:
+            ef, saved_world = {}, None
+        self._layout = None
+        self._flat = None
+        self._saved_world = saved_world if ef else None
+        if self._engine is not None:
+            self._check_world()
+            self._load_ef(ef)
+        else:
+            self._pending_ef = ef
+
+    def _after_load(self) -> None:
+        """Fix-ups of torch's load (which casts every tensor to the
+        parameter's dtype)."""
+
+
+def _ring_bytes(numel: int, world: int, itemsize: int) -> int:
+    return 0 if world < 2 else 2 * (world - 1) * itemsize * numel // world
+
+
+def _compressed_bytes(method: str, settings: Dict[str, Any], numel: int, world: int) -> int:
+    if world < 2 or numel == 0:
+        return 0
+    if method in ("none", "auto"):
+        return _ring_bytes(numel, world, 4)
+    if method in ("fp16", "bf16"):
+        return _ring_bytes(numel, world, 2)
+    chunk = settings.get("chunk_numel") or spec.DEFAULT_CHUNK_NUMEL
+    block_bits = getattr(spec, "BLOCK_BITS", {"onebit": 0})  # the two-phase block codecs
+    total = [0] * world
+    for begin, end in spec.chunk_bounds(numel, chunk):
+        m = end - begin
+        if method in block_bits:
+            # Per chunk: the all_to_all sends segment j's payload to rank j
+            # (j != r), the all_gather this rank's server payload, padded to
+            # segment 0's, to each of the W-1 peers.
+            block = _block_size(method, settings.get("block_size"))
+            segments = getattr(spec, "block_segments", None) or spec.onebit_segments
+            _, segs = segments(m, world, block)
+            sizes = [_block_wire_numel(e - b, block, block_bits[method]) for b, e in segs]
+            for r in range(world):
+                total[r] += 4 * (sum(sizes[j] for j in range(world) if j != r) + (world - 1) * sizes[0])
+        elif method == "topk":
+            wire = spec.topk_wire_numel(m, settings.get("density", 0.01), settings.get("approx", True))
+            for r in range(world):
+                total[r] += 4 * (world - 1) * wire
+        else:  # a registered compressor: every rank's payload gathered by every rank
+            payload = _payload_nbytes(method, settings, m)
+            for r in range(world):
+                total[r] += (world - 1) * payload
+    return max(total)
+
+
+def _block_size(method: str, block_size: Optional[int]) -> int:
+    if block_size:
+        return int(block_size)
+    defaults = getattr(spec, "DEFAULT_BLOCK_SIZE", {})
+    return int(defaults.get(method, 2048))
+
+
+def _block_wire_numel(length: int, block_size: int, bits: int) -> int:
+    if hasattr(spec, "block_wire_numel"):
+        return spec.block_wire_numel(length, block_size, bits)
+    return spec.onebit_wire_numel(length, block_size)
+
+
+def _payload_nbytes(method: str, settings: Dict[str, Any], m: int) -> int:
+    import pycomm
+
+    opts = dict(settings.get("compressor_options") or {})
+    try:
+        comp = pycomm.get_compressor(method, **opts)
+        if hasattr(comp, "payload_nbytes"):
+            return int(comp.payload_nbytes(m))
+    except Exception:  # noqa: BLE001 - a plugin class: measure one payload instead
+        comp = pycomm.compressor_class(method)(**opts)
+    payload = comp.compress(torch.zeros(m), None)
+    tensors = payload if isinstance(payload, (list, tuple)) else [payload]
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+# ------------------------------------------------------------------ DDP ----
+class _DDPCoupling:
+    """The state of :func:`_onebit_ddp_hook`: the optimizer and DDP's group."""
+
+    def __init__(self, optimizer: _CompressedMomentum, process_group: dist.ProcessGroup) -> None:
+        self.optimizer = optimizer
+        self.process_group = process_group
+
+
+def _onebit_ddp_hook(state: _DDPCoupling, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Exact average during the optimizer's warm-up; afterwards the local
+    gradient as it is, with no communication."""
+    tensor = bucket.buffer()
+    if state.optimizer.in_warmup:
+        try:
+            work = state.optimizer._exact_average(tensor, state.process_group)
+            return work.get_future().then(lambda _: tensor)
+        except Exception as exc:  # noqa: BLE001 - surfaces from backward()
+            return _failed(exc)
+    done: torch.futures.Future = torch.futures.Future()
+    done.set_result(tensor)
+    return done
+
+
+def _failed(exc: BaseException) -> torch.futures.Future:
+    done: torch.futures.Future = torch.futures.Future()
+    done.set_result(None)
+
+    def fail(_):
+        raise exc
+
+    return done.then(fail)
+
+
+# ------------------------------------------------------------- OneBitAdam ----
+class OneBitAdam(_CompressedMomentum):
+    """AdamW whose momentum is all-reduced compressed after a warm-up, with
+    the variance frozen (1-bit Adam), over any process group.
+
+    Args:
+        params: parameters or parameter groups, as for torch optimizers.
+        lr, betas, eps, weight_decay: as ``torch.optim.AdamW`` (decoupled
+            weight decay, bias correction); per group.
+        warmup_steps: steps (>= 1) with exact averaged gradients and torch's
+            AdamW update; the variance freezes after them.
+        compressor: the engine's method for the momentum: "onebit" (default),
+            "topk", "fp16", "bf16", "none", any method the engine adds (e.g.
+            "int8", "int4") or a compressor registered with
+            ``pycomm.register_compressor``.
+        process_group: the data-parallel group (None: the default group);
+            Gloo, NCCL or pycomm.
+        key_base: the engine key of the residuals (:data:`KEY_BASE`).
+        **compressor_settings: settings of the engine group created over a
+            plain ``process_group`` (``block_size``, ``chunk_numel``,
+            ``density``, ``hierarchy``, ``compressor_options``, ...: those of
+            :class:`pycomm.distributed.PycommOptions`).
+
+    Without DDP, call ``loss.backward()`` then ``optimizer.step()`` on every
+    rank; with DDP, :meth:`attach` the model first. Every rank saves its own
+    ``state_dict()`` (the residuals differ per rank).
+
+    Example (on every rank, after ``dist.init_process_group``)::
+
+        from pycomm.optim import OneBitAdam
+
+        model = DDP(net)
+        opt = OneBitAdam(model.parameters(), lr=3e-4, weight_decay=0.01,
+                         warmup_steps=1000, compressor="onebit", block_size=2048)
+        opt.attach(model)                     # DDP's all-reduce stops after the warm-up
+        scaler = torch.amp.GradScaler()       # optional
+        for x, y in data:
+            opt.zero_grad()
+            scaler.scale(loss_fn(model(x), y)).backward()
+            scaler.step(opt)                  # a non-finite step is skipped on every rank
+            scaler.update()
+        torch.save(opt.state_dict(), f"opt_rank{dist.get_rank()}.pt")
+        print(opt.bytes_per_step(compressed=False) / opt.bytes_per_step(compressed=True))
+    """
+
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: Tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+        warmup_steps: int = 100,
+        compressor: str = "onebit",
+        process_group: Optional[dist.ProcessGroup] = None,
+        key_base: int = KEY_BASE,
+        **compressor_settings: Any,
+    ) -> None:
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        self._check_group(defaults)
+        super().__init__(params, defaults, warmup_steps=warmup_steps, compressor=compressor,
+                         process_group=process_group, key_base=key_base,
+                         compressor_settings=compressor_settings)
+
+    def _check_group(self, group: Dict[str, Any]) -> None:
+        group["lr"] = _check_float("lr", group["lr"])
+        group["betas"] = _check_betas(group["betas"])
+        group["eps"] = _check_float("eps", group["eps"])
+        group["weight_decay"] = _check_float("weight_decay", group["weight_decay"])
+
+    def _has_state(self, state: Dict[str, Any]) -> bool:
+        return "exp_avg_sq" in state
+
+    def _active_mask(self, p: torch.Tensor, state: Dict[str, Any]) -> torch.Tensor:
+        return state["exp_avg_sq"] != 0
+
+    def _freeze(self, p: torch.Tensor, state: Dict[str, Any]) -> None:
+        # The step count at which the variance (and its bias correction) froze.
+        if "variance_step" not in state:
+            state["variance_step"] = int(state["step"])
+
+    def _warmup_update(self, group, params, grads) -> None:
+        from torch.optim.adam import adam
+
+        exp_avgs, exp_avg_sqs, steps = [], [], []
+        for p in params:
+            state = self.state[p]
+            if len(state) == 0:  # as torch.optim.Adam._init_group (no fused/capturable)
+                state["step"] = torch.tensor(0.0, dtype=_scalar_dtype())
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            exp_avgs.append(state["exp_avg"])
+            exp_avg_sqs.append(state["exp_avg_sq"])
+            steps.append(state["step"])
+        beta1, beta2 = group["betas"]
+        adam(params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=None, capturable=False,
+             differentiable=False, fused=None, grad_scale=None, found_inf=None, has_complex=False,
+             decoupled_weight_decay=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+             weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+
+    def _local_momentum(self, group, p, state, grad, out) -> None:
+        torch.lerp(state["exp_avg"], grad, 1 - group["betas"][0], out=out)
+
+    def _apply(self, group, p, state, momentum) -> None:
+        beta1, beta2 = group["betas"]
+        lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+        exp_avg = state["exp_avg"]
+        exp_avg.copy_(momentum.view_as(exp_avg))
+        state["step"] += 1
+        step = float(state["step"])
+        if wd != 0:
+            p.mul_(1 - lr * wd)
+        step_size = lr / (1 - beta1 ** step)
+        bias_correction2_sqrt = (1 - beta2 ** float(state["variance_step"])) ** 0.5
+        denom = (state["exp_avg_sq"].sqrt() / bias_correction2_sqrt).add_(eps)
+        p.addcdiv_(exp_avg, denom, value=-step_size)
+
+
+# -------------------------------------------------------------- OneBitSGD ----
+class OneBitSGD(_CompressedMomentum):
+    """Momentum SGD whose momentum is all-reduced compressed after a warm-up,
+    over any process group (``torch.optim.SGD`` semantics, dampening 0).
+
+    Args:
+        params: parameters or parameter groups.
+        lr, momentum, weight_decay, nesterov: as ``torch.optim.SGD``
+            (coupled weight decay: added to the gradient); per group.
+        warmup_steps, compressor, process_group, key_base,
+        **compressor_settings: as :class:`OneBitAdam`.
+
+    Elements whose gradient was zero during the whole warm-up are frozen
+    (tracked in the ``grad_seen`` state): they follow torch's SGD with a zero
+    gradient (weight decay only) and are never communicated.
+
+    Example (on every rank)::
+
+        from pycomm.optim import OneBitSGD
+
+        opt = OneBitSGD(model.parameters(), lr=0.1, momentum=0.9, warmup_steps=200,
+                        compressor="onebit", block_size=2048)
+        for x, y in data:
+            opt.zero_grad()
+            loss_fn(model(x), y).backward()
+            opt.step()                        # averages during the warm-up, then momenta compressed
+    """
+
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        momentum: float = 0.9,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+        warmup_steps: int = 100,
+        compressor: str = "onebit",
+        process_group: Optional[dist.ProcessGroup] = None,
+        key_base: int = KEY_BASE,
+        **compressor_settings: Any,
+    ) -> None:
+        defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov)
+        self._check_group(defaults)
+        super().__init__(params, defaults, warmup_steps=warmup_steps, compressor=compressor,
+                         process_group=process_group, key_base=key_base,
+                         compressor_settings=compressor_settings)
+
+    def _check_group(self, group: Dict[str, Any]) -> None:
+        group["lr"] = _check_float("lr", group["lr"])
+        group["momentum"] = _check_float("momentum", group["momentum"], 0.0, 1.0)
+        group["weight_decay"] = _check_float("weight_decay", group["weight_decay"])
+        if not isinstance(group["nesterov"], bool):
+            raise TypeError(f"nesterov must be a bool, got {group['nesterov']!r}")
+        if group["nesterov"] and group["momentum"] == 0:
+            raise ValueError("nesterov=True needs a momentum > 0")
+
+    def _has_state(self, state: Dict[str, Any]) -> bool:
+        return "grad_seen" in state
+
+    def _active_mask(self, p: torch.Tensor, state: Dict[str, Any]) -> torch.Tensor:
+        return state["grad_seen"]
+
+    def _after_load(self) -> None:
+        for state in self.state.values():
+            if "grad_seen" in state:
+                state["grad_seen"] = state["grad_seen"] != 0
+            elif "momentum_buffer" in state and state["momentum_buffer"] is not None:
+                # A torch.optim.SGD state: no record of zero gradients; communicate all.
+                state["grad_seen"] = torch.ones_like(state["momentum_buffer"], dtype=torch.bool)
+
+    def _warmup_update(self, group, params, grads) -> None:
+        from torch.optim.sgd import sgd
+
+        momentum = group["momentum"]
+        bufs = [self.state[p].get("momentum_buffer") for p in params] if momentum != 0 else []
+        sgd(params, grads, bufs, has_sparse_grad=False, foreach=None, fused=None, grad_scale=None,
+            found_inf=None, weight_decay=group["weight_decay"], momentum=momentum, lr=group["lr"],
+            dampening=0.0, nesterov=group["nesterov"], maximize=False)
+        for i, (p, g) in enumerate(zip(params, grads, strict=True)):
+            state = self.state[p]
+            if momentum != 0:
+                state["momentum_buffer"] = bufs[i]
+            seen = state.get("grad_seen")
+            if seen is None:
+                seen = state["grad_seen"] = torch.zeros_like(p, dtype=torch.bool)
+            seen.logical_or_(g != 0)
+
+    def _local_momentum(self, group, p, state, grad, out) -> None:
+        wd, momentum = group["weight_decay"], group["momentum"]
+        d_p = grad.add(p, alpha=wd) if wd != 0 else grad
+        if momentum != 0:
+            torch.mul(state["momentum_buffer"], momentum, out=out)
+            out.add_(d_p)
+        else:
+            out.copy_(d_p)
+
+    def _apply(self, group, p, state, momentum_) -> None:
+        momentum, lr = group["momentum"], group["lr"]
+        if momentum == 0:
+            p.add_(momentum_.view_as(p), alpha=-lr)
+            return
+        buf = state["momentum_buffer"]
+        new = momentum_.view_as(buf)
+        if group["nesterov"]:
+            d_p = torch.add(new, torch.sub(new, buf), alpha=momentum)
+            buf.copy_(new)
+            p.add_(d_p, alpha=-lr)
+        else:
+            buf.copy_(new)
+            p.add_(buf, alpha=-lr)
+
+
+def _scalar_dtype() -> torch.dtype:
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32

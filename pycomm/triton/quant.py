@@ -1,0 +1,402 @@
+"""Triton int8 / int4: block quantization with a per-block absmax scale,
+fused error feedback.
+
+Importing this module registers the ops
+
+* ``torch.ops.pycomm.quant_compress_triton(grad, residual?, bits, block_size, seed) -> (data, scales)``
+* ``torch.ops.pycomm.quant_compress_into_triton(grad, residual, residual_out, bits, block_size, seed)
+  -> (data, scales)``
+* ``torch.ops.pycomm.quant_decompress_triton(out, data, scales, bits, block_size, accumulate)``
+
+with the schemas and semantics of the C++ ops ``pycomm::quant_compress``,
+``quant_compress_into`` and ``quant_decompress`` (``csrc/ops/quant.cpp``).
+Wire format and rules: ``kernels/include/pycomm/compress_math.h`` (section
+"quant"); the oracle is ``pycomm.compressors.quant.compress_reference`` /
+``decompress_reference``. Every output matches the reference bit for bit:
+the block maximum is exact in any order, and every other step is one
+float32 operation rounded once, which the kernels keep that way:
+
+* divisions use ``tl.math.div_rn`` (plain ``/`` may be approximate on a GPU);
+* round-half-to-even is ``(x + 1.5 * 2^23) - 1.5 * 2^23``, exact for
+  ``|x| < 2^22`` (here ``|x| <= qmax`` or non-finite);
+* kernels launch with ``enable_fp_fusion=False``: a fused multiply-add
+  would skip the rounding of ``c * inv`` (stochastic rounding) and of
+  ``q * scale`` (residual, accumulate);
+* NaN is tracked explicitly: a GPU max reduction may drop it.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+from torch.library import wrap_triton
+
+from ._common import check, check_compress_inputs, check_out, device_guard, load_c, register_op
+
+# The rules shared with the reference (pycomm/wire.py imports nothing of pycomm).
+from ..wire import MASK32, MAX_BLOCK_SIZE, quant_hash, quant_num_bytes, quant_qmax  # noqa: E402
+
+# Elements one program holds at once. A tile is [ROWS, HALF] element pairs
+# (2j, 2j+1): int4 packs a pair into one byte, int8 stores them side by side.
+# Small blocks share a program (ROWS blocks, one per row); a block longer
+# than a tile gets a program of its own that loops over tiles, so register
+# pressure does not depend on block_size.
+MAX_TILE = 2048
+DECOMPRESS_TILE = 2048
+
+
+# ----------------------------------------------------------------- math ---
+@triton.jit
+def _hash(x):
+    """quant_hash (lowbias32) on uint32, wrapping products."""
+    x ^= x >> 16
+    x = x * tl.full(x.shape, 0x7FEB352D, tl.uint32)
+    x ^= x >> 15
+    x = x * tl.full(x.shape, 0x846CA68B, tl.uint32)
+    x ^= x >> 16
+    return x
+
+
+@triton.jit
+def _level(c, inv, offs, seed_key, QMAX: tl.constexpr, STOCHASTIC: tl.constexpr):
+    """quant_level as float32 (an integer in [-QMAX, QMAX]).
+
+    seed_key is quant_hash(seed) (uint32), so u = quant_uniform(seed, i)."""
+    x = c * inv
+    if STOCHASTIC:
+        h = _hash(offs.to(tl.uint32) ^ seed_key)
+        u = (h >> 8).to(tl.float32) * 5.9604644775390625e-08  # 2^-24: exact
+        v = tl.floor(x + u)
+    else:
+        # 1.5 * 2^23: the sum lies in [2^23, 2^24), where floats are the
+        # integers, so the addition rounds x half to even (rintf).
+        v = (x + 12582912.0) - 12582912.0
+    # Comparisons, not tl.minimum/maximum: NaN must stay NaN until the guard.
+    v = tl.where(v > QMAX, QMAX, tl.where(v < -QMAX, -QMAX, v))
+    # inv == 0: q = 0 by the rule (x is NaN there for a NaN or Inf element).
+    return tl.where(inv == 0.0, 0.0, v)
+
+
+@triton.jit
+def _scale_inv(amax, has_nan, QMAX: tl.constexpr):
+    """(scale, inv) of a block from max |c| (NaN-free) and its NaN flag."""
+    amax = tl.where(has_nan, float("nan"), amax)
+    qmax = tl.full(amax.shape, QMAX, tl.float32)
+    scale = tl.math.div_rn(amax, qmax)
+    pos = amax > 0.0  # False for NaN
+    inv = tl.math.div_rn(qmax, tl.where(pos, amax, qmax))
+    # Finite only (<= FLT_MAX): a tiny amax overflows the quotient; Inf amax gives 0.
+    inv = tl.where(pos & (inv <= 3.4028234663852886e38), inv, 0.0)
+    return scale, inv
+
+
+@triton.jit
+def _emit(
+    c_lo, c_hi, lo, hi, end, scale, inv, seed_key, res_ptr, data_ptr,
+    HAS_RES: tl.constexpr, BITS: tl.constexpr, QMAX: tl.constexpr, STOCHASTIC: tl.constexpr,
+):  # fmt: skip
+    """Quantize one tile of pairs (elements lo = 2j and hi = 2j + 1 of the
+    tile): store their levels and, with error feedback, c - q * scale."""
+    m_lo = lo < end
+    m_hi = hi < end
+    q_lo = _level(c_lo, inv, lo, seed_key, QMAX, STOCHASTIC)
+    q_hi = _level(c_hi, inv, hi, seed_key, QMAX, STOCHASTIC)
+    if HAS_RES:
+        tl.store(res_ptr + lo, c_lo - q_lo * scale, mask=m_lo)
+        tl.store(res_ptr + hi, c_hi - q_hi * scale, mask=m_hi)
+    i_lo = q_lo.to(tl.int32)
+    i_hi = q_hi.to(tl.int32)
+    if BITS == 8:
+        tl.store(data_ptr + lo, (i_lo & 0xFF).to(tl.uint8), mask=m_lo)
+        tl.store(data_ptr + hi, (i_hi & 0xFF).to(tl.uint8), mask=m_hi)
+    else:
+        # Blocks start at even offsets (block_size is even): lo is even.
+        i_hi = tl.where(m_hi, i_hi, 0)  # a missing last high nibble is 0
+        byte = (i_lo & 0xF) | ((i_hi & 0xF) << 4)
+        tl.store(data_ptr + lo // 2, byte.to(tl.uint8), mask=m_lo)
+
+
+@triton.jit
+def _abs_no_nan(c):
+    return tl.where(c != c, 0.0, tl.abs(c))
+
+
+# The seed key is a value, never a compile-time constant (Triton would
+# specialize an argument equal to 1).
+@triton.jit(do_not_specialize=["seed_key_i32"])
+def _compress_kernel(
+    grad_ptr, res_ptr, data_ptr, scales_ptr, n, block_size, num_blocks, seed_key_i32,
+    HAS_RES: tl.constexpr, BITS: tl.constexpr, QMAX: tl.constexpr, STOCHASTIC: tl.constexpr,
+    ROWS: tl.constexpr, HALF: tl.constexpr, ONE_TILE: tl.constexpr,
+):  # fmt: skip
+    seed_key = seed_key_i32.to(tl.uint32, bitcast=True)
+    # int64: element offsets may pass 2^31 in intermediate products.
+    blk = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)  # [ROWS]
+    begin = blk[:, None] * block_size
+    end = tl.minimum(begin + block_size, n)  # < begin for rows past the last block: all masked
+    pair = 2 * tl.arange(0, HALF).to(tl.int64)[None, :]
+
+    if ONE_TILE:
+        # Every block fits in a row: c stays in registers, one read in all.
+        lo = begin + pair
+        hi = lo + 1
+        c_lo = load_c(grad_ptr, res_ptr, lo, lo < end, HAS_RES)
+        c_hi = load_c(grad_ptr, res_ptr, hi, hi < end, HAS_RES)
+        # Lanes past the block load 0.0: no effect on the max.
+        amax = tl.max(tl.maximum(_abs_no_nan(c_lo), _abs_no_nan(c_hi)), axis=1)
+        has_nan = tl.max(((c_lo != c_lo) | (c_hi != c_hi)).to(tl.int32), axis=1) > 0
+        scale, inv = _scale_inv(amax, has_nan, QMAX)
+        tl.store(scales_ptr + blk, scale, mask=blk < num_blocks)
+        _emit(c_lo, c_hi, lo, hi, end, scale[:, None], inv[:, None], seed_key, res_ptr, data_ptr,
+              HAS_RES, BITS, QMAX, STOCHASTIC)  # fmt: skip
+    else:
+        # One block (ROWS == 1) longer than a tile. The loop runs over the
+        # block's actual length, which may be far below block_size (the last
+        # or only block of a small tensor).
+        length = tl.minimum(block_size, n - tl.program_id(0).to(tl.int64) * block_size)
+        acc = tl.zeros([ROWS, HALF], dtype=tl.float32)
+        nan_acc = tl.zeros([ROWS, HALF], dtype=tl.int32)
+        for start in tl.range(0, length, 2 * HALF):
+            lo = begin + start + pair
+            hi = lo + 1
+            c_lo = load_c(grad_ptr, res_ptr, lo, lo < end, HAS_RES)
+            c_hi = load_c(grad_ptr, res_ptr, hi, hi < end, HAS_RES)
+            acc = tl.maximum(acc, tl.maximum(_abs_no_nan(c_lo), _abs_no_nan(c_hi)))
+            nan_acc |= ((c_lo != c_lo) | (c_hi != c_hi)).to(tl.int32)
+        scale, inv = _scale_inv(tl.max(acc, axis=1), tl.max(nan_acc, axis=1) > 0, QMAX)
+        tl.store(scales_ptr + blk, scale, mask=blk < num_blocks)
+        # The scale needs the whole block first: c is recomputed (bit for bit;
+        # the residual is not written before this pass reads it).
+        for start in tl.range(0, length, 2 * HALF):
+            lo = begin + start + pair
+            hi = lo + 1
+            c_lo = load_c(grad_ptr, res_ptr, lo, lo < end, HAS_RES)
+            c_hi = load_c(grad_ptr, res_ptr, hi, hi < end, HAS_RES)
+            _emit(c_lo, c_hi, lo, hi, end, scale[:, None], inv[:, None], seed_key, res_ptr, data_ptr,
+                  HAS_RES, BITS, QMAX, STOCHASTIC)  # fmt: skip
+
+
+@triton.jit
+def _decompress_kernel(
+    data_ptr, scales_ptr, out_ptr, n, block_size,
+    BITS: tl.constexpr, ACCUMULATE: tl.constexpr, TILE: tl.constexpr,
+):  # fmt: skip
+    offs = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
+    mask = offs < n
+    scale = tl.load(scales_ptr + offs // block_size, mask=mask, other=0.0)
+    if BITS == 8:
+        q = tl.load(data_ptr + offs, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.int32)
+    else:
+        byte = tl.load(data_ptr + offs // 2, mask=mask, other=0).to(tl.int32)
+        nib = (byte >> ((offs & 1) * 4).to(tl.int32)) & 0xF
+        q = tl.where(nib >= 8, nib - 16, nib)  # sign-extend the nibble
+    decoded = q.to(tl.float32) * scale
+    if ACCUMULATE:
+        decoded = tl.load(out_ptr + offs, mask=mask, other=0.0) + decoded
+    tl.store(out_ptr + offs, decoded, mask=mask)
+
+
+# ------------------------------------------------------------------- ops ---
+# The messages of csrc/ops/quant.cpp's checks.
+def _check_args(bits: int, block_size: int, seed: int) -> None:
+    check(bits in (8, 4), f"bits must be 8 or 4, got {bits}")
+    check(0 < block_size <= MAX_BLOCK_SIZE, f"block_size must be in [1, 2^30], got {block_size}")
+    check(
+        bits == 8 or block_size % 2 == 0,
+        f"block_size must be even for int4 (a byte holds two elements), got {block_size}",
+    )
+    check(-1 <= seed <= MASK32, f"seed must be -1 (round to nearest) or in [0, 2^32), got {seed}")
+
+
+def _tile(n: int, block_size: int) -> Tuple[int, int, bool]:
+    """(ROWS, HALF, ONE_TILE) of the compress kernel."""
+    longest = min(block_size, n)  # the longest block actually present
+    half = min(triton.next_power_of_2(-(-longest // 2)), MAX_TILE // 2)
+    one_tile = longest <= 2 * half
+    rows = MAX_TILE // (2 * half) if one_tile else 1
+    # No more rows than blocks: a small tensor should not pay for a full tile.
+    rows = min(rows, triton.next_power_of_2(-(-n // block_size)))
+    return rows, half, one_tile
+
+
+def _launch_compress(
+    grad: Tensor, residual: Optional[Tensor], bits: int, block_size: int, seed: int
+) -> Tuple[Tensor, Tensor]:
+    n = grad.numel()
+    blocks = triton.cdiv(n, block_size)
+    data = torch.empty(quant_num_bytes(n, bits), dtype=torch.uint8, device=grad.device)
+    scales = torch.empty(blocks, dtype=torch.float32, device=grad.device)
+    rows, half, one_tile = _tile(n, block_size)
+    # quant_hash(seed) once on the host, passed as int32 bits (a kernel int
+    # argument >= 2^31 would change its type).
+    key = quant_hash(seed & MASK32) if seed >= 0 else 0
+    key_i32 = key - (1 << 32) if key >= 1 << 31 else key
+    with device_guard(grad):
+        wrap_triton(_compress_kernel)[(triton.cdiv(blocks, rows),)](
+            grad,
+            residual if residual is not None else grad,  # never read when HAS_RES is False
+            data,
+            scales,
+            n,
+            block_size,
+            blocks,
+            key_i32,
+            HAS_RES=residual is not None,
+            BITS=bits,
+            QMAX=quant_qmax(bits),
+            STOCHASTIC=seed >= 0,
+            ROWS=rows,
+            HALF=half,
+            ONE_TILE=one_tile,
+            num_warps=max(1, min(8, rows * half // 128)),
+            enable_fp_fusion=False,
+        )
+    return data, scales
+
+
+def _compress_fake(grad, residual, bits, block_size, seed):
+    n = grad.numel()
+    return (
+        grad.new_empty((quant_num_bytes(n, bits),), dtype=torch.uint8),
+        grad.new_empty((-(-n // block_size),), dtype=torch.float32),
+    )
+
+
+# traceable=False: inside a traced graph the launch option
+# enable_fp_fusion=False would be taken for a kernel argument, and without
+# it the results are no longer bit-exact.
+@register_op(
+    "pycomm::quant_compress_triton", mutates_args=("residual",), fake=_compress_fake, traceable=False
+)
+def quant_compress_triton(
+    grad: Tensor, residual: Optional[Tensor], bits: int, block_size: int, seed: int
+) -> Tuple[Tensor, Tensor]:
+    """pycomm::quant_compress on Triton kernels (see :func:`compress`)."""
+    check_compress_inputs(grad, residual)
+    _check_args(bits, block_size, seed)
+    return _launch_compress(grad, residual, bits, block_size, seed)
+
+
+def _compress_into_fake(grad, residual, residual_out, bits, block_size, seed):
+    return _compress_fake(grad, residual, bits, block_size, seed)
+
+
+# traceable=False also because the overlap check reads data pointers, which
+# FakeTensors do not have.
+@register_op(
+    "pycomm::quant_compress_into_triton",
+    mutates_args=("residual_out",),
+    fake=_compress_into_fake,
+    traceable=False,
+)
+def quant_compress_into_triton(
+    grad: Tensor, residual: Tensor, residual_out: Tensor, bits: int, block_size: int, seed: int
+) -> Tuple[Tensor, Tensor]:
+    """pycomm::quant_compress_into on Triton kernels: ``grad + residual``
+    compressed, the new residual written to ``residual_out``, ``residual``
+    left as it was (unless it is ``residual_out``)."""
+    check_compress_inputs(grad, residual)
+    check_compress_inputs(grad, residual_out)
+    _check_args(bits, block_size, seed)
+    nbytes = 4 * grad.numel()
+    r_in, r_out = residual.data_ptr(), residual_out.data_ptr()
+    check(
+        r_in == r_out or r_in + nbytes <= r_out or r_out + nbytes <= r_in,
+        "residual and residual_out must be the same tensor or not overlap",
+    )
+    # Not fused: the kernel updates the residual it reads, so the old
+    # residual is copied over first (one more read and write of n floats).
+    if r_in != r_out:
+        residual_out.copy_(residual)
+    return _launch_compress(grad, residual_out, bits, block_size, seed)
+
+
+def _decompress_fake(out, data, scales, bits, block_size, accumulate):
+    return None
+
+
+@register_op(
+    "pycomm::quant_decompress_triton", mutates_args=("out",), fake=_decompress_fake, traceable=False
+)
+def quant_decompress_triton(
+    out: Tensor, data: Tensor, scales: Tensor, bits: int, block_size: int, accumulate: bool
+) -> None:
+    """pycomm::quant_decompress on Triton kernels (see :func:`decompress`)."""
+    _check_args(bits, block_size, -1)
+    check_out(out, data.device)
+    n = out.numel()
+    check(n > 0, "out is empty")
+    check(
+        data.dtype == torch.uint8 and data.is_contiguous(),
+        f"data must be a contiguous uint8 tensor, got {data.dtype}",
+    )
+    check(
+        scales.dtype == torch.float32 and scales.is_contiguous(),
+        f"scales must be a contiguous float32 tensor, got {scales.dtype}",
+    )
+    nbytes, blocks = quant_num_bytes(n, bits), triton.cdiv(n, block_size)
+    check(data.numel() == nbytes, f"data has {data.numel()} bytes; {n} int{bits} elements need {nbytes}")
+    check(
+        scales.numel() == blocks,
+        f"scales has {scales.numel()} entries; {n} elements in blocks of {block_size} need {blocks}",
+    )
+    check(scales.device == data.device, "scales and data are on different devices")
+    with device_guard(out):
+        wrap_triton(_decompress_kernel)[(triton.cdiv(n, DECOMPRESS_TILE),)](
+            data,
+            scales,
+            out,
+            n,
+            block_size,
+            BITS=bits,
+            ACCUMULATE=accumulate,
+            TILE=DECOMPRESS_TILE,
+            num_warps=8,
+            enable_fp_fusion=False,
+        )
+
+
+# ------------------------------------------------------------ python API ---
+def compress(
+    grad: Tensor, residual: Optional[Tensor], bits: int, block_size: int, seed: int = -1
+) -> Tuple[Tensor, Tensor]:
+    """Quantize ``c = grad + residual`` to int8 (``bits=8``) or int4 (``bits=4``).
+
+    ``grad``: contiguous float32/float16/bfloat16 of n elements;
+    ``residual``: contiguous float32 of n elements, or None (no error
+    feedback). ``seed``: -1 rounds to nearest (half to even), ``seed`` in
+    [0, 2^32) rounds stochastically. Returns ``(data, scales)``: uint8
+    ``[quant_num_bytes(n, bits)]`` levels and float32
+    ``[ceil(n / block_size)]`` scales (``max |c| / qmax`` per block). If
+    ``residual`` is given it becomes ``c - q * scale`` in place. Runs
+    ``torch.ops.pycomm.quant_compress_triton``.
+
+    Example (on CPU tensors under TRITON_INTERPRET=1, or on a GPU)::
+
+        >>> g = torch.tensor([7.0, -3.0, 1.0, 0.5, 14.0])
+        >>> data, scales = compress(g, None, 4, 4)
+        >>> data.tolist(), scales.tolist()   # (7, -3) -> 0xd7, (1, 0), (7, pad 0)
+        ([215, 1, 7], [1.0, 2.0])
+    """
+    return torch.ops.pycomm.quant_compress_triton(grad, residual, bits, block_size, seed)
+
+
+def decompress(
+    data: Tensor, scales: Tensor, bits: int, block_size: int, out: Tensor, accumulate: bool
+) -> None:
+    """Decode a quant payload into ``out`` (contiguous float32, n elements):
+    ``q * scale``, written or (``accumulate``) added. Runs
+    ``torch.ops.pycomm.quant_decompress_triton``.
+
+    Example::
+
+        >>> out = torch.empty(5)
+        >>> decompress(*compress(torch.tensor([7.0, -3.0, 1.0, 0.5, 14.0]), None, 4, 4), 4, 4, out, False)
+        >>> out.tolist()
+        [7.0, -3.0, 1.0, 0.0, 14.0]
+    """
+    torch.ops.pycomm.quant_decompress_triton(out, data, scales, bits, block_size, accumulate)
