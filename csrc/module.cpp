@@ -138,26 +138,27 @@ PYBIND11_MODULE(_C, m) {
                                return d;
                              })
       .def("error_feedback_state",
-           [](CompressedBackend& b) {
+           [](CompressedBackend& b, std::optional<std::vector<int64_t>> keys) {
              std::map<int64_t, ErrorFeedback> state;
              {
                py::gil_scoped_release no_gil;
-               state = b.error_feedback_state();
+               state = b.error_feedback_state(std::move(keys));
              }
              py::dict out;
              for (const auto& [key, ef] : state) out[py::int_(key)] = error_feedback_to_dict(ef);
              return out;
-           })
+           },
+           py::arg("keys") = py::none())
       .def(
           "load_error_feedback_state",
-          [](CompressedBackend& b, const py::dict& state) {
+          [](CompressedBackend& b, const py::dict& state, bool replace) {
             std::map<int64_t, ErrorFeedback> parsed;
             for (const auto& [key, value] : state)
               parsed.emplace(key.cast<int64_t>(), error_feedback_from_dict(value.cast<py::dict>()));
             py::gil_scoped_release no_gil;
-            b.load_error_feedback_state(std::move(parsed));
+            b.load_error_feedback_state(std::move(parsed), replace);
           },
-          py::arg("state"))
+          py::arg("state"), py::arg("replace") = true)
       .def("reset_error_feedback", &CompressedBackend::reset_error_feedback,
            py::arg("key") = py::none(), py::call_guard<py::gil_scoped_release>());
 }

@@ -39,7 +39,8 @@ build_hash=$( { find CMakeLists.txt pyproject.toml csrc kernels -type f -print0 
                 echo "$tools_hash"; } | sha1sum)
 if [ "$(cat "$tools_stamp" 2>/dev/null)" != "$tools_hash" ]; then
   echo "setup: build and test tools"
-  "${PIP[@]}" -r requirements-dev.txt
+  # torch pinned to the one installed: no tool (lightning, accelerate) may swap it.
+  "${PIP[@]}" -r requirements-dev.txt "torch==$("$P" -c "import torch; print(torch.__version__)")"
   echo "$tools_hash" > "$tools_stamp"
 fi
 if [ "$(cat "$build_stamp" 2>/dev/null)" != "$build_hash" ] || ! "$P" -c "import pycomm._C" 2>/dev/null; then

@@ -373,3 +373,52 @@ def test_torch_init_process_group_with_pycomm_options():
         expected = torch.zeros(20)
         expected[10:] = 3 * torch.arange(10, 20, dtype=torch.float32)
         assert torch.equal(got["x"], expected)
+
+
+def _params_no_grad(rank, world, method):
+    import warnings
+
+    _init(method, min_compress_numel=1)
+    p = torch.nn.Parameter(torch.full((5000,), float(rank + 1)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad():
+            dist.all_reduce(p, op=dist.ReduceOp.AVG)  # a Parameter that requires grad
+    return p.detach(), [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize("method", ["onebit", "topk", "int4"])
+def test_parameters_reduce_under_no_grad(method):
+    # The engine's thread runs without autograd, as the caller does.
+    for p, _ in run_ranks(_params_no_grad, 2, method, init_process_group=False, timeout=60):
+        assert torch.isfinite(p).all() and p.abs().mean() > 0
+
+
+def _keyless_twice(rank, world):
+    _init("onebit", min_compress_numel=1)
+    for _ in range(2):
+        dist.all_reduce(torch.ones(100))
+
+
+def test_keyless_compression_warns_once(capfd):
+    # Plain DDP or dist.all_reduce over a pycomm group compress without
+    # error feedback: the user is told once, with what to do instead.
+    run_ranks(_keyless_twice, 2, init_process_group=False, timeout=60)
+    err = capfd.readouterr().err
+    assert err.count("compressing an all-reduce without error feedback") == 2  # once per rank
+    assert "pycomm.ddp.compressed_hook" in err
+
+
+def _wrap_pycomm_default(rank, world):
+    import pycomm.distributed as pd
+
+    _init("onebit")
+    pg = pd.wrap(compressor="int4", min_compress_numel=1)  # wraps the pycomm group's own inner backend
+    x = torch.ones(1000)
+    pd.all_reduce(x, key=1, group=pg)
+    return pd.options_of(pg)["method"], x
+
+
+def test_wrap_of_a_pycomm_group():
+    for method, x in run_ranks(_wrap_pycomm_default, 2, init_process_group=False, timeout=60):
+        assert method == "int4" and torch.equal(x, torch.full((1000,), 2.0))

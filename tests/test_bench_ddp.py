@@ -24,6 +24,12 @@ RECORD_KEYS = (
     "step_time_p90_s", "bytes_sent_per_rank_per_step", "final_loss", "emulated", "tokens_per_s",
     "compress_time_share", "params_identical", "speedup_vs_allreduce", "compute_time_s", "nocomm_step_time_s",
 )
+#: Added by --seeds (present with one seed too).
+SEED_KEYS = (
+    "seeds", "per_seed", "final_loss_std", "final_loss_min", "final_loss_max", "final_loss_per_seed",
+    "final_loss_vs_allreduce_per_seed", "final_loss_vs_allreduce_mean", "final_loss_vs_allreduce_min",
+    "final_loss_vs_allreduce_max", "optimizer", "optimizer_class", "eval_loss_curve",
+)
 
 
 
@@ -41,6 +47,11 @@ def _args(*argv):
     ("onebit-noef-backend", Method("onebit-noef-backend", "backend", "onebit", False)),
     ("topk-0.001-backend", Method("topk-0.001-backend", "backend", "topk", True, density=0.001)),
     ("topk-0.01-noef", Method("topk-0.01-noef", "hook", "topk", False, density=0.01)),
+    ("int8", Method("int8", "hook", "int8", True)),
+    ("int4-noef", Method("int4-noef", "hook", "int4", False)),
+    ("int4-noef-backend", Method("int4-noef-backend", "backend", "int4", False)),
+    ("optim-onebit", Method("optim-onebit", "optim", "onebit", True)),
+    ("optim-int4", Method("optim-int4", "optim", "int4", True)),
 ])
 def test_parse_method(name, want):
     assert parse_method(name) == want
@@ -49,6 +60,8 @@ def test_parse_method(name, want):
 @pytest.mark.parametrize("name, words", [
     ("sgd", "unknown method"), ("fp16-noef", "onebit and topk only"), ("powersgd-0", "rank must be >= 1"),
     ("topk-2", "density must be in (0, 1]"), ("allreduce-backend", "onebit and topk only"),
+    ("int16", "unknown method"), ("optim-topk", "must be one of onebit, int8, int4"),
+    ("optim-onebit-noef", "onebit and topk only"), ("optim-int4-backend", "onebit and topk only"),
 ])
 def test_parse_method_refuses(name, words):
     with pytest.raises(ValueError, match=None) as e:
@@ -61,12 +74,16 @@ def test_defaults_cover_the_comparison():
     assert a.bandwidth == ["100mbit", "1gbit", "2.5gbit", "none"] and a.rates == [1e8, 1e9, 2.5e9, None]
     assert a.train_rate == 1e9 and a.ranks == 4 and a.methods[0] == "allreduce"
     names = set(a.methods)
-    assert {"fp16", "powersgd-1", "powersgd-4", "onebit", "onebit-noef", "topk-0.01", "topk-0.001"} <= names
+    assert {"fp16", "powersgd-1", "powersgd-4", "onebit", "onebit-noef", "topk-0.01", "topk-0.001", "int8", "int4",
+            "optim-onebit"} <= names
     for m in ("onebit", "topk-0.01", "topk-0.001"):  # with and without EF, hook and backend
         assert {m, f"{m}-noef", f"{m}-backend", f"{m}-noef-backend"} <= names
     q = _args("--quick")
     assert q.steps < a.steps and len(q.methods) < len(a.methods) and q.json.endswith("-quick.json")
     assert _args("--methods", "onebit").methods == ["allreduce", "onebit"]  # the baseline always runs
+    # The optimizer methods' warm-up: 20% of the steps, at least --start-iter; one seed unless asked.
+    assert _args("--steps", "400").optim_warmup == 80 and _args("--steps", "40").optim_warmup == 10
+    assert _args("--optim-warmup", "30").optim_warmup == 30 and a.seeds == 1 and a.lr_schedule == "constant"
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -79,6 +96,9 @@ def test_defaults_cover_the_comparison():
     (["--ranks", "1"], "--ranks"),
     (["--no-netns", "--bandwidth", "1gbit,none"], "--no-netns"),
     (["--repeats", "3"], "--repeats"),
+    (["--optim-warmup", "1"], "--optim-warmup"),
+    (["--methods", "optim-onebit", "--steps", "20", "--optim-warmup", "18"], "--optim-warmup"),
+    (["--steps", "20", "--eval-every", "20"], "--eval-every"),
 ])
 def test_bad_arguments_are_named(argv, words):
     with pytest.raises(ValueError) as e:
@@ -100,6 +120,47 @@ def _sweep():
         recs += [_rec("allreduce", bw, plain), _rec("onebit", bw, fast), _rec("powersgd-4", bw, slow)]
     ddp.add_speedups(recs)
     return recs
+
+
+def _seed_rec(method, seed, loss, **kw):
+    r = dict(method=method, seed=seed, bandwidth=None, link_busbw_measured=4e9, ranks=2, training_run=True,
+             final_loss=loss, train_loss_last=loss,
+             bytes_sent_per_rank_per_step=1e6, params_identical=True, timed_from=1, compress_time_s=None,
+             loss_per_step=[5.0, 4.0, loss], step_times_s=[1.0, 0.1, 0.3], steps=3, start_iter=1,
+             eval_loss_curve=[[2, 4.5], [3, loss]])
+    r.update(kw)
+    return r
+
+
+def test_seeds_are_combined_and_compared_seed_by_seed():
+    plain = ddp.combine_seeds([_seed_rec("allreduce", s, l) for s, l in ((0, 2.0), (1, 3.0), (2, 2.5))])
+    # Given in any order; seed 1 of "x" is 10% worse than plain's seed 1, seed 0 equal.
+    x = ddp.combine_seeds([_seed_rec("x", 1, 3.3, params_identical=False), _seed_rec("x", 0, 2.0),
+                           _seed_rec("x", 2, 2.5, step_times_s=[1.0, 0.2, 0.2])])
+    recs = [plain, x]
+    ddp.finish_records(recs)
+    assert x["seeds"] == [0, 1, 2] and [p["seed"] for p in x["per_seed"]] == [0, 1, 2]
+    assert x["final_loss_per_seed"] == [2.0, 3.3, 2.5] and x["final_loss"] == pytest.approx(7.8 / 3)
+    assert x["final_loss_min"] == 2.0 and x["final_loss_max"] == 3.3
+    assert x["final_loss_std"] == pytest.approx(math.sqrt(((2.0 - 2.6) ** 2 + 0.7 ** 2 + 0.1 ** 2) / 2))
+    assert x["final_loss_vs_allreduce_per_seed"] == pytest.approx([1.0, 1.1, 1.0])
+    assert x["final_loss_vs_allreduce_mean"] == pytest.approx(3.1 / 3)
+    assert (x["final_loss_vs_allreduce_min"], x["final_loss_vs_allreduce_max"]) == pytest.approx((1.0, 1.1))
+    assert plain["final_loss_vs_allreduce_per_seed"] == [1.0, 1.0, 1.0]
+    # Step times pooled over the seeds' timed steps (from timed_from on); curves averaged step by step.
+    assert x["timed_steps"] == 6 and x["step_time_median_s"] == pytest.approx(0.2)
+    assert x["loss_per_step"] == pytest.approx([5.0, 4.0, 7.8 / 3])
+    assert [s for s, _ in x["eval_loss_curve"]] == [2, 3]
+    assert [v for _, v in x["eval_loss_curve"]] == pytest.approx([4.5, 7.8 / 3])
+    assert plain["eval_loss_change_last_quarter"] == pytest.approx(2.5 / 4.5 - 1)
+    assert x["params_identical"] is False  # one seed that broke is enough
+    with pytest.raises(ValueError, match="seed repeated"):
+        ddp.combine_seeds([_seed_rec("x", 0, 2.0), _seed_rec("x", 0, 2.1)])
+    with pytest.raises(ValueError, match="differ in 'steps'"):
+        ddp.combine_seeds([_seed_rec("x", 0, 2.0), _seed_rec("x", 1, 2.1, steps=4)])
+    # The table shows mean +-std and the per-seed ratios' mean and range.
+    lines = {line.split("|")[1].strip(): line for line in format_table(recs).splitlines() if line.startswith("| ")}
+    assert "2.600 ±0.656 (1.033, 1.000-1.100)" in lines["x"] and "min-max over seeds" in format_table(recs)
 
 
 def test_break_even_interpolates_in_log_bandwidth():
@@ -147,7 +208,7 @@ def test_end_to_end_small_run(tmp_path):
     assert sorted((r["method"], str(r["bandwidth"])) for r in recs) == sorted(
         (m, str(b)) for m in names for b in rates)
     for r in recs:
-        for k in RECORD_KEYS:
+        for k in RECORD_KEYS + SEED_KEYS:
             assert k in r, k
         assert r["emulated"] is emulated and r["ranks"] == 2
         assert r["params_identical"] is True, r["method"]
@@ -173,10 +234,83 @@ def test_end_to_end_small_run(tmp_path):
     assert (tmp_path / "r" / "d-step-time.png").exists() and "break-even" in proc.stdout
 
 
+def _run_bench(tmp_path, *argv, timeout=600):
+    cmd = [sys.executable, "-m", "pycomm.bench", "ddp", "--ranks", "2", "--model", "tiny", "--bandwidth", "none",
+           "--no-netns", "--no-progress", "--no-plots", *argv]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def test_seeds_quantized_methods_and_optimizer_end_to_end(tmp_path):
+    out = tmp_path / "s.json"
+    methods = "int8,int4-noef,optim-onebit"
+    proc = _run_bench(tmp_path, "--methods", methods, "--steps", "9", "--start-iter", "3", "--optim-warmup", "4",
+                      "--seeds", "2", "--seed", "5", "--eval-every", "3", "--eval-batches", "4",
+                      "--lr-schedule", "cosine", "--json", str(out))
+    recs = json.loads(out.read_text())
+    assert [r["method"] for r in recs] == ["allreduce", *methods.split(",")]
+    for r in recs:
+        for k in RECORD_KEYS + SEED_KEYS:
+            assert k in r, (r["method"], k)
+        assert r["seeds"] == [5, 6] and [p["seed"] for p in r["per_seed"]] == [5, 6]
+        assert r["params_identical"] is True and all(p["params_identical"] for p in r["per_seed"])
+        assert r["final_loss"] == pytest.approx(sum(r["final_loss_per_seed"]) / 2)
+        assert r["final_loss_min"] <= r["final_loss"] <= r["final_loss_max"]
+        assert len(r["final_loss_vs_allreduce_per_seed"]) == 2
+        assert all(len(p["loss_per_step"]) == 9 for p in r["per_seed"]) and len(r["loss_per_step"]) == 9
+        assert [s for s, _ in r["eval_loss_curve"]] == [3, 6, 9]
+        assert r["optimizer"] == "adamw" and r["lr_schedule"] == "cosine" and r["eval_batches"] == 4
+        assert r["bytes_sent_per_rank_per_step"] > 0 and r["bytes_sent_per_rank_per_step_all_steps"] > 0
+    by = {r["method"]: r for r in recs}
+    assert by["allreduce"]["final_loss_vs_allreduce_per_seed"] == [1.0, 1.0]
+    # Different seeds: different model and data (the runs are not copies of each other).
+    assert len(set(by["allreduce"]["final_loss_per_seed"])) == 2
+    opt = by["optim-onebit"]
+    assert opt["entry"] == "optim" and opt["optimizer_class"] == "OneBitAdam"
+    assert opt["start_iter"] == 4 and opt["timed_from"] == 5 and opt["timed_steps"] == 2 * (9 - 5)
+    assert 0 < opt["optim_bytes_per_step"]["compressed"] < opt["optim_bytes_per_step"]["exact"]
+    assert by["int8"]["start_iter"] == 3 and by["int8"]["error_feedback"] is True
+    assert by["int4-noef"]["compressor"] == "int4" and by["int4-noef"]["error_feedback"] is False
+    assert "change from step" in proc.stdout and "min-max over seeds" in proc.stdout
+
+    # --merge: the two seeds written as two files come back as the one run.
+    for i in range(2):
+        part = [dict(r, per_seed=r["per_seed"][i:i + 1]) for r in recs]
+        (tmp_path / f"p{i}.json").write_text(json.dumps(part))
+    merged_path = tmp_path / "m.json"
+    _run_bench(tmp_path, "--merge", str(tmp_path / "p1.json"), str(tmp_path / "p0.json"), "--json",
+               str(merged_path))
+    merged = json.loads(merged_path.read_text())
+    for a, b in zip(recs, merged):
+        for k in ("method", "seeds", "final_loss", "final_loss_std", "final_loss_vs_allreduce_per_seed",
+                  "step_time_median_s", "bytes_sent_per_rank_per_step", "loss_per_step", "eval_loss_curve"):
+            assert a[k] == b[k], k
+    # A seed found twice is kept once if it trained the same (a rerun), refused if not.
+    assert ddp.merge_files([str(tmp_path / "p0.json"), str(tmp_path / "p0.json")])[0]["seeds"] == [5]
+    part = json.loads((tmp_path / "p0.json").read_text())
+    part[1]["per_seed"][0]["final_loss"] += 0.5
+    (tmp_path / "p2.json").write_text(json.dumps(part))
+    bad = subprocess.run([sys.executable, "-m", "pycomm.bench", "ddp", "--merge", str(tmp_path / "p0.json"),
+                          str(tmp_path / "p2.json"), "--json", str(tmp_path / "x.json")],
+                         cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "seed repeated" in bad.stderr and "int8" in bad.stderr
+
+
+def test_momentum_sgd_optimizer_method_runs(tmp_path):
+    out = tmp_path / "g.json"
+    _run_bench(tmp_path, "--optimizer", "sgd", "--methods", "int4,optim-int4", "--steps", "7", "--start-iter", "3",
+               "--json", str(out))
+    recs = {r["method"]: r for r in json.loads(out.read_text())}
+    assert recs["optim-int4"]["optimizer_class"] == "OneBitSGD" and recs["allreduce"]["optimizer_class"] == "SGD"
+    assert all(r["optimizer"] == "sgd" and r["params_identical"] and r["seeds"] == [0] for r in recs.values())
+    assert all(math.isfinite(r["final_loss"]) and r["final_loss_std"] == 0.0 for r in recs.values())
+
+
 def test_backend_twins_are_timed_not_retrained():
     a = _args("--methods", "onebit,onebit-backend,topk-0.01-backend", "--steps", "50", "--time-steps", "4")
     plan = {r["method"]: r for r in ddp.run_plan(a, training=True)}
-    assert plan["onebit"]["steps"] == 50 and plan["onebit"]["training"]
+    assert plan["onebit"]["steps"] == 50 and plan["onebit"]["training"] and a.optim_warmup == a.start_iter
     assert plan["onebit-backend"] == dict(method="onebit-backend", steps=6, start_iter=2, timed_from=3,
                                           training=False, loss_from="onebit")
     assert plan["topk-0.01-backend"]["training"]  # no hook twin in the run: trained

@@ -57,6 +57,19 @@ def _rank(rank, world):
         results.append((y, pd.error_feedback_state(pg)[1]["worker"]))
     out["same_twice"] = torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
     out["caller_untouched"] = torch.equal(saved[1]["worker"], good[1]["worker"])
+
+    # Two owners of keys on one group: each saves and restores its own.
+    pd.all_reduce(torch.randn(700), key=2, group=pg)
+    mine = pd.error_feedback_state(pg, keys=[1])
+    other = pd.error_feedback_state(pg, keys=[2])[2]["worker"].clone()
+    out["keys_filter"] = sorted(mine) == [1] and sorted(pd.error_feedback_state(pg)) == [1, 2]
+    pd.all_reduce(torch.randn(2500), key=1, group=pg)
+    pd.load_error_feedback_state(mine, group=pg, replace=False)
+    after = pd.error_feedback_state(pg)
+    out["merge_keeps_others"] = (sorted(after) == [1, 2] and torch.equal(after[2]["worker"], other)
+                                 and torch.equal(after[1]["worker"], mine[1]["worker"]))
+    pd.load_error_feedback_state(mine, group=pg)  # replace: only key 1 is left
+    out["replace_drops_others"] = sorted(pd.error_feedback_state(pg)) == [1]
     return out
 
 
@@ -93,3 +106,8 @@ def test_loading_copies(results):
     for r in results:
         assert r["same_twice"]
         assert r["caller_untouched"]
+
+
+def test_keys_filter_and_merge(results):
+    for r in results:
+        assert r["keys_filter"] and r["merge_keeps_others"] and r["replace_drops_others"]

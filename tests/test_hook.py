@@ -38,16 +38,23 @@ CONFIGS = {
     "topk-noef": dict(compressor="topk", density=0.01, start_iter=START_ITER, error_feedback=False),
 }
 
-# Final eval loss over plain all-reduce's, same seed, 300 steps, measured on
-# model seeds 0, 1, 2 (the tests use seed 0):
-#   2 ranks: onebit(B=256)+EF 1.18 / 1.09 / 1.19, topk(1%)+EF 1.29 / 1.24 / 1.20,
-#            fp16 1.00 / 1.00 / 1.00 (eval losses: 0.45 at start, plain ~0.049);
-#   4 ranks: onebit+EF 1.22 / 1.13 / 1.17 (after 150 steps it was still
-#            1.53 / 1.41 / 1.89: the residuals need time to pay back).
-EF_MARGIN = {"onebit": 1.35, "topk": 1.45, "fp16": 1.01}
-# Without EF the same runs end worse than with it: onebit 1.18 / 1.27 / 1.20 x,
-# topk 1.40 / 1.46 / 1.46 x (noEF / EF); asserted with a margin.
-NO_EF_WORSE = 1.1
+# Final eval loss over plain all-reduce's, same model seed, this file's own
+# training (_train: STEPS = FOUR_STEPS = 300, SGD lr 0.05 momentum 0.9,
+# BUCKET_CAP_MB, the configs above), measured on model seeds 0-11 (the tests
+# use seed 0; 12 seeds x every config, 2 ranks and 4 ranks, one thread per
+# rank, CPU; plain's eval loss 0.047-0.050, 0.45 at the start):
+#   onebit(B=256)+EF: 2 ranks 1.076-1.267 (seed 0: 1.179), 4 ranks 1.119-1.250
+#                     (seed 0: 1.219); over a pycomm group the same, bit for bit;
+#   topk(1%)+EF:      2 ranks 1.204-1.503 (seed 0: 1.289), pycomm group the same;
+#   fp16:             0.9991-1.0005.
+# Each margin is the worst ratio seen plus a slack for what 12 seeds do not
+# show (another CPU or torch rounds differently: another trajectory): +0.05
+# for onebit and topk, +0.01 for fp16.
+EF_MARGIN = {"onebit": 1.32, "topk": 1.55, "fp16": 1.01}
+# Without EF the same runs end worse than with it: noEF / EF loss, seeds 0-11,
+# 2 ranks: onebit 1.092-1.328 (seed 0: 1.184), topk 1.277-1.599 (seed 0:
+# 1.396). Asserted as the lowest ratio seen (1.09) less the same 0.05 slack.
+NO_EF_WORSE = 1.04
 
 
 def _model(seed=0):
@@ -132,7 +139,7 @@ def _rank_training(rank, world):
         _train(rank, dict(compressor="topk", start_iter=2, process_group=pg), 3)
         out["mismatch"] = None
     except Exception as exc:  # noqa: BLE001 - DDP may wrap it
-        out["mismatch"] = str(exc)
+        out["mismatch"] = f"{type(exc).__name__}: {exc}"
 
     # DDP's own all-reduce of the used-parameter map is issued by autograd
     # while the hook's thread may still be busy: a private group keeps the

@@ -568,6 +568,21 @@ std::string field_value(int field, int64_t v) {
   }
 }
 
+// Rethrows the exception being handled with `context` in front of its
+// message, keeping a DistBackendError one (callers tell them apart).
+[[noreturn]] void rethrow_with_context(const std::string& context) {
+  try {
+    throw;
+  } catch (const c10::DistBackendError& e) {
+    C10_THROW_ERROR(DistBackendError, context + e.what_without_backtrace());
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, context, e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, context, e.what());
+  }
+  TORCH_CHECK(false, context, "unknown exception");
+}
+
 // Second buffers for the residuals, allocated at the first call (see
 // onebit_with_spare).
 void prepare_backup(ErrorFeedback& ef) {
@@ -768,12 +783,8 @@ void CompressedBackend::run_compressed(const at::Tensor& tensor, std::optional<i
     // them if finite; copied: the old ones are, restore them if not.
     guard.release();
     if (ef && finite == double_buffered(x, m)) swap_residuals(*ef);
-  } catch (const c10::DistBackendError& e) {
-    C10_THROW_ERROR(DistBackendError, failure_context(tensor, key, average, m) + e.what_without_backtrace());
-  } catch (const c10::Error& e) {
-    TORCH_CHECK(false, failure_context(tensor, key, average, m), e.what_without_backtrace());
-  } catch (const std::exception& e) {
-    TORCH_CHECK(false, failure_context(tensor, key, average, m), e.what());
+  } catch (...) {
+    rethrow_with_context(failure_context(tensor, key, average, m));
   }
 }
 
@@ -1197,12 +1208,8 @@ void CompressedBackend::run_reduce_scatter(const at::Tensor& output, const at::T
       inner_->allreduce(ts, mn)->wait();
       if (flag.item<int32_t>() == 1) guard.release();  // else the guard restores them
     }
-  } catch (const c10::DistBackendError& e) {
-    C10_THROW_ERROR(DistBackendError, failure_context(input, key, average, m) + e.what_without_backtrace());
-  } catch (const c10::Error& e) {
-    TORCH_CHECK(false, failure_context(input, key, average, m), e.what_without_backtrace());
-  } catch (const std::exception& e) {
-    TORCH_CHECK(false, failure_context(input, key, average, m), e.what());
+  } catch (...) {
+    rethrow_with_context(failure_context(input, key, average, m));
   }
 }
 
@@ -1299,20 +1306,18 @@ void CompressedBackend::run_all_gather(const at::Tensor& output, const at::Tenso
       if (finite && !direct) finite = all_finite({output.sum(at::kFloat)}, output);
       if (finite) guard.release();  // else the guard restores them
     }
-  } catch (const c10::DistBackendError& e) {
-    C10_THROW_ERROR(DistBackendError, failure_context(input, key, false, m) + e.what_without_backtrace());
-  } catch (const c10::Error& e) {
-    TORCH_CHECK(false, failure_context(input, key, false, m), e.what_without_backtrace());
-  } catch (const std::exception& e) {
-    TORCH_CHECK(false, failure_context(input, key, false, m), e.what());
+  } catch (...) {
+    rethrow_with_context(failure_context(input, key, false, m));
   }
 }
 
 // -------------------------------------------------- error-feedback state ---
-std::map<int64_t, ErrorFeedback> CompressedBackend::error_feedback_state() {
+std::map<int64_t, ErrorFeedback> CompressedBackend::error_feedback_state(
+    std::optional<std::vector<int64_t>> keys) {
   std::map<int64_t, ErrorFeedback> copy;
-  submit(c10d::OpType::UNKNOWN, {}, [this, &copy] {
+  submit(c10d::OpType::UNKNOWN, {}, [this, &copy, &keys] {
     for (const auto& [key, ef] : error_feedback_) {
+      if (keys && std::find(keys->begin(), keys->end(), key) == keys->end()) continue;
       ErrorFeedback c = ef;
       c.worker = ef.worker.clone();
       for (auto& s : c.server) s = s.clone();
@@ -1322,7 +1327,8 @@ std::map<int64_t, ErrorFeedback> CompressedBackend::error_feedback_state() {
   return copy;
 }
 
-void CompressedBackend::load_error_feedback_state(std::map<int64_t, ErrorFeedback> state) {
+void CompressedBackend::load_error_feedback_state(std::map<int64_t, ErrorFeedback> state,
+                                                  bool replace) {
   // Everything is checked before anything is replaced, and the tensors are
   // copied: the caller's stay theirs (the engine swaps its buffers in place).
   for (auto& [key, ef] : state) {
@@ -1377,8 +1383,12 @@ void CompressedBackend::load_error_feedback_state(std::map<int64_t, ErrorFeedbac
     ef.worker_backup = at::Tensor();
     ef.server_backup.clear();
   }
-  submit(c10d::OpType::UNKNOWN, {}, [this, state = std::move(state)]() mutable {
-    error_feedback_ = std::move(state);
+  submit(c10d::OpType::UNKNOWN, {}, [this, replace, state = std::move(state)]() mutable {
+    if (replace) {
+      error_feedback_ = std::move(state);
+    } else {
+      for (auto& [key, ef] : state) error_feedback_.insert_or_assign(key, std::move(ef));
+    }
   })->wait();
 }
 

@@ -132,8 +132,12 @@ class CompressedBackend : public c10d::Backend {
   int ranks_per_node() const { return intra_ ? intra_->getSize() : 1; }
 
   // Error-feedback state, read and replaced between collectives.
-  std::map<int64_t, ErrorFeedback> error_feedback_state();
-  void load_error_feedback_state(std::map<int64_t, ErrorFeedback> state);
+  // Copies of the residuals (of `keys` only, when given).
+  std::map<int64_t, ErrorFeedback> error_feedback_state(
+      std::optional<std::vector<int64_t>> keys = std::nullopt);
+  // Checks `state` whole, then replaces every key's residuals with it
+  // (replace) or only the keys it holds (another owner's keys stay).
+  void load_error_feedback_state(std::map<int64_t, ErrorFeedback> state, bool replace = true);
   void reset_error_feedback(std::optional<int64_t> key);
 
   // ---- every collective of c10d::Backend ----

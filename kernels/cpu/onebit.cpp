@@ -11,23 +11,11 @@
 
 #include "pycomm/compress_math.h"
 #include "pycomm/cpu.h"
+#include "load.h"
 
 namespace pycomm {
 namespace cpu {
 namespace {
-
-struct LoadF32 {
-  const float* p;
-  float operator()(int64_t i) const { return p[i]; }
-};
-struct LoadF16 {
-  const uint16_t* p;
-  float operator()(int64_t i) const { return fp16_bits_to_float(p[i]); }
-};
-struct LoadBF16 {
-  const uint16_t* p;
-  float operator()(int64_t i) const { return bf16_bits_to_float(p[i]); }
-};
 
 // c is the block's values after pass 1 (the residual, or the grad itself
 // when there is no error feedback). Packs signs and, with EF, writes
@@ -105,20 +93,10 @@ void onebit_compress_blocks(const void* grad, DType dtype, float* residual, uint
 void onebit_compress_blocks_into(const void* grad, DType dtype, const float* residual_in,
                                  float* residual_out, uint32_t* bits, float* scales, int64_t n,
                                  int64_t block_size, int64_t block_begin, int64_t block_end) {
-  switch (dtype) {
-    case DType::kFloat32:
-      compress_blocks(LoadF32{static_cast<const float*>(grad)}, residual_in, residual_out, bits,
-                      scales, n, block_size, block_begin, block_end);
-      break;
-    case DType::kFloat16:
-      compress_blocks(LoadF16{static_cast<const uint16_t*>(grad)}, residual_in, residual_out,
-                      bits, scales, n, block_size, block_begin, block_end);
-      break;
-    case DType::kBFloat16:
-      compress_blocks(LoadBF16{static_cast<const uint16_t*>(grad)}, residual_in, residual_out,
-                      bits, scales, n, block_size, block_begin, block_end);
-      break;
-  }
+  with_loader(grad, dtype, [&](auto load) {
+    compress_blocks(load, residual_in, residual_out, bits, scales, n, block_size, block_begin,
+                    block_end);
+  });
 }
 
 void onebit_decompress_words(const uint32_t* bits, const float* scales, int64_t n,

@@ -9,26 +9,11 @@
 
 #include "pycomm/compress_math.h"
 #include "pycomm/cpu.h"
+#include "load.h"
 
 namespace pycomm {
 namespace cpu {
 namespace {
-
-struct LoadF32 {
-  const float* p;
-  float operator()(int64_t i) const { return p[i]; }
-};
-struct LoadF16 {
-  const uint16_t* p;
-  float operator()(int64_t i) const { return fp16_bits_to_float(p[i]); }
-};
-struct LoadBF16 {
-  const uint16_t* p;
-  float operator()(int64_t i) const { return bf16_bits_to_float(p[i]); }
-};
-
-// max |c| that propagates NaN (fmaxf would drop it).
-inline float nan_max(float m, float a) { return (a > m || a != a) ? a : m; }
 
 template <typename Load>
 void compress_blocks(Load g, const float* r_in, float* r, uint8_t* data, float* scales, int64_t n,
@@ -38,20 +23,25 @@ void compress_blocks(Load g, const float* r_in, float* r, uint8_t* data, float* 
   for (int64_t b = block_begin; b < block_end; ++b) {
     const int64_t begin = b * block_size;
     const int64_t end = begin + block_size < n ? begin + block_size : n;
+    // max |c| ignoring NaN (a comparison: NaN never wins), NaN flagged apart.
     float amax = 0.0f;
-    bool nan = false;
+    int nan = 0;
     if (r) {
+#pragma omp simd reduction(max : amax) reduction(| : nan)
       for (int64_t i = begin; i < end; ++i) {
         const float c = g(i) + r_in[i];
         r[i] = c;
         nan |= c != c;
-        amax = fmaxf(amax, fabsf(c));
+        const float a = fabsf(c);
+        amax = a > amax ? a : amax;
       }
     } else {
+#pragma omp simd reduction(max : amax) reduction(| : nan)
       for (int64_t i = begin; i < end; ++i) {
         const float c = g(i);
         nan |= c != c;
-        amax = fmaxf(amax, fabsf(c));
+        const float a = fabsf(c);
+        amax = a > amax ? a : amax;
       }
     }
     if (nan) amax = NAN;  // kept out of the loop so that it vectorizes
@@ -77,18 +67,6 @@ void compress_blocks(Load g, const float* r_in, float* r, uint8_t* data, float* 
   }
 }
 
-template <typename Fn>
-void with_loader(const void* grad, DType dtype, Fn fn) {
-  switch (dtype) {
-    case DType::kFloat32:
-      return fn(LoadF32{static_cast<const float*>(grad)});
-    case DType::kFloat16:
-      return fn(LoadF16{static_cast<const uint16_t*>(grad)});
-    case DType::kBFloat16:
-      return fn(LoadBF16{static_cast<const uint16_t*>(grad)});
-  }
-}
-
 }  // namespace
 
 void quant_compress_blocks(const void* grad, DType dtype, const float* residual_in,
@@ -111,8 +89,10 @@ void quant_decompress_blocks(const uint8_t* data, const float* scales, int64_t n
     if (bits == 8) {
       const int8_t* q = reinterpret_cast<const int8_t*>(data);
       if (accumulate) {
+#pragma omp simd
         for (int64_t i = begin; i < end; ++i) out[i] += (float)q[i] * scale;
       } else {
+#pragma omp simd
         for (int64_t i = begin; i < end; ++i) out[i] = (float)q[i] * scale;
       }
     } else {

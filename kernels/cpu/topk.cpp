@@ -15,6 +15,7 @@
 
 #include "pycomm/compress_math.h"
 #include "pycomm/cpu.h"
+#include "load.h"
 
 namespace pycomm {
 namespace cpu {
@@ -38,33 +39,10 @@ void fold(Load g, float* c, bool has_residual, int64_t begin, int64_t end) {
   }
 }
 
-struct LoadF32 {
-  const float* p;
-  float operator()(int64_t i) const { return p[i]; }
-};
-struct LoadF16 {
-  const uint16_t* p;
-  float operator()(int64_t i) const { return fp16_bits_to_float(p[i]); }
-};
-struct LoadBF16 {
-  const uint16_t* p;
-  float operator()(int64_t i) const { return bf16_bits_to_float(p[i]); }
-};
-
 // c[i] = grad[i] (+ c[i]) over [begin, end), for the given dtype.
 void fold_range(const void* grad, DType dtype, float* c, bool has_residual, int64_t begin,
                 int64_t end) {
-  switch (dtype) {
-    case DType::kFloat32:
-      fold(LoadF32{static_cast<const float*>(grad)}, c, has_residual, begin, end);
-      break;
-    case DType::kFloat16:
-      fold(LoadF16{static_cast<const uint16_t*>(grad)}, c, has_residual, begin, end);
-      break;
-    case DType::kBFloat16:
-      fold(LoadBF16{static_cast<const uint16_t*>(grad)}, c, has_residual, begin, end);
-      break;
-  }
+  with_loader(grad, dtype, [&](auto load) { fold(load, c, has_residual, begin, end); });
 }
 
 float grad_at(const void* grad, DType dtype, int64_t i) {

@@ -1,6 +1,7 @@
 """Every benchmark in turn: kernels, all-reduce, end-to-end DDP on the
 language model, then DDP on the many-small-tensors model (where compression
-is not expected to pay), then the hierarchical all-reduce on emulated nodes. Each writes its own JSON (and plots) under
+is not expected to pay), then the hierarchical all-reduce on emulated nodes,
+then FSDP2 on the language model. Each writes its own JSON (and plots) under
 benchmarks/results/; ``--quick`` is passed on to each.
 
 Example::
@@ -16,7 +17,7 @@ import sys
 import time
 from typing import List
 
-HELP = "run every benchmark: kernels, allreduce, ddp (language model), ddp (small tensors), hierarchy"
+HELP = "run every benchmark: kernels, allreduce, ddp (language model), ddp (small tensors), hierarchy, fsdp"
 
 #: (title, argv of pycomm-bench) in the order they run.
 PARTS = [
@@ -26,6 +27,7 @@ PARTS = [
     ("DDP, many small tensors", ["ddp", "--workload", "mlp", "--bandwidth", "100mbit,1gbit,none",
                                  "--methods", "allreduce,fp16,powersgd-4,onebit,topk-0.01"]),
     ("hierarchical all-reduce, 2 emulated nodes", ["hierarchy"]),
+    ("FSDP2, language model", ["fsdp"]),
 ]
 
 

@@ -15,16 +15,33 @@ Methods, side by side in the same rank processes (same seed, same batches):
   warm start on), run through :func:`pycomm.ddp.serialized_hook` (the
   unwrapped hook fails on Gloo with more than one bucket:
   docs/powersgd_on_gloo.md);
-* ``onebit``, ``topk-D`` (density D): pycomm's :func:`compressed_hook` over
-  the plain Gloo group; ``-noef`` turns error feedback off; ``-backend``
-  runs the same hook over a ``"pycomm"`` process group, so the C++ backend
-  compresses (e.g. ``onebit-noef-backend``);
+* ``onebit``, ``topk-D`` (density D), ``int8``, ``int4`` (block
+  quantization, an absmax scale per block): pycomm's :func:`compressed_hook`
+  over the plain Gloo group; ``-noef`` turns error feedback off;
+  ``-backend`` runs the same hook over a ``"pycomm"`` process group, so the
+  C++ backend compresses (e.g. ``onebit-noef-backend``);
 * ``auto`` (``auto-noef``): the hook over a ``compressor="auto"`` pycomm
   group, which calibrates itself when created and then runs, per bucket
-  size, the method it predicts fastest (docs/auto.md).
+  size, the method it predicts fastest (docs/auto.md);
+* ``optim-C`` (C one of onebit, int8, int4): no gradient compression but
+  pycomm's compressed-momentum optimizer matching ``--optimizer``
+  (:class:`pycomm.optim.OneBitAdam` for adamw, :class:`pycomm.optim.OneBitSGD`
+  for sgd), attached to the DDP model: exact averaged gradients for
+  ``--optim-warmup`` steps (default: 20% of ``--steps``, at least
+  ``--start-iter``), then DDP sends nothing and the optimizer all-reduces
+  its momentum with compressor C.
 
 Every compressing method, PyTorch's and pycomm's, starts after the same
-``start_iter`` plain warm-up steps. At the training bandwidth
+``start_iter`` plain warm-up steps (``optim-*``: after ``--optim-warmup``).
+``--seeds N`` trains every method N times, with seeds ``--seed`` ...
+``--seed + N - 1`` (the seed fixes the model's initial weights and every
+rank's batches: the same for every method of one seed): each record then
+holds every seed's results (``per_seed``), the final loss's mean and
+spread over seeds, and per seed its ratio to ``allreduce``'s final loss of
+the same seed (mean, min and max of those ratios). ``--eval-every K``
+records the held-out loss every K steps (whether the baseline has
+flattened); ``--merge`` combines the JSON files of runs made with
+different seeds into one, as if they had been one run. At the training bandwidth
 (``--train-bandwidth``, default 1 Gbit/s) every method trains ``--steps``
 steps: loss vs steps and vs seconds, step times after warm-up. At the other
 bandwidths each method runs ``--time-steps`` timed steps after a 2-step
@@ -40,6 +57,7 @@ Example::
 
     $ pycomm-bench ddp --quick
     $ pycomm-bench ddp --ranks 4 --bandwidth 100mbit,1gbit --methods allreduce,fp16,onebit --steps 200
+    $ pycomm-bench ddp --bandwidth none --no-netns --methods int8,int4,optim-onebit --seeds 3 --steps 600
 """
 
 from __future__ import annotations
@@ -64,10 +82,11 @@ QUICK_BANDWIDTHS = ["1gbit", "none"]
 DEFAULT_METHODS = [
     "allreduce", "fp16", "powersgd-1", "powersgd-4",
     "onebit", "onebit-noef", "topk-0.01", "topk-0.01-noef", "topk-0.001", "topk-0.001-noef",
+    "int8", "int4", "optim-onebit",
     "onebit-backend", "onebit-noef-backend", "topk-0.01-backend", "topk-0.01-noef-backend",
     "topk-0.001-backend", "topk-0.001-noef-backend", "auto",
 ]
-QUICK_METHODS = ["allreduce", "fp16", "powersgd-4", "onebit", "onebit-noef", "topk-0.01"]
+QUICK_METHODS = ["allreduce", "fp16", "powersgd-4", "onebit", "onebit-noef", "topk-0.01", "int4"]
 WORKLOADS = ("lm", "mlp")
 DEFAULT_STEPS = 150
 QUICK_STEPS = 40
@@ -84,10 +103,17 @@ DEFAULT_BUCKET_CAP_MB = 4.0
 DEFAULT_SEQ_LEN = 64
 DEFAULT_OPTIMIZER = "adamw"
 DEFAULT_LR = {"adamw": 1e-3, "sgd": 0.05}
+LR_SCHEDULES = ("constant", "cosine")
 #: onebit block of the benchmark's pycomm methods: with AdamW, 256 trained
 #: the language model to a loss within 2% of plain all-reduce where the
 #: library default 2048 stayed ~11% above it (4 ranks, 150-200 steps).
 DEFAULT_BLOCK_SIZE = 256
+#: Default warm-up of the ``optim-*`` methods, as a fraction of ``--steps``
+#: (at least ``--start-iter``): 1-bit Adam freezes its variance after the
+#: warm-up, and its authors (and DeepSpeed's docs) put that at 15-25% of
+#: training; with AdamW a 10-step warm-up left OneBitAdam 5.7% above plain
+#: after 400 steps where 80 steps (20%) left it 1.2% above (seed 0).
+OPTIM_WARMUP_FRACTION = 0.2
 #: "train_loss_last": mean over ranks and over the last this many steps.
 FINAL_LOSS_WINDOW = 20
 #: "final_loss": the loss of the trained model on this many batches that no
@@ -113,21 +139,59 @@ def parse_method(name: str) -> Method:
 # --------------------------------------------------------------------------- rank side
 
 
-def _workload(cfg: Dict[str, Any]):
+def _workload(cfg: Dict[str, Any], seed: Optional[int] = None):
+    """(model, batch_fn, loss_fn) of ``seed`` (default: the first seed)."""
     from . import models
 
+    seed = cfg["seed"] if seed is None else seed
     if cfg["workload"] == "lm":
-        return models.char_lm(cfg["model"], batch_size=cfg["batch_size"], seed=cfg["seed"],
+        return models.char_lm(cfg["model"], batch_size=cfg["batch_size"], seed=seed,
                               seq_len=cfg["seq_len"])
-    return models.narrow_mlp(batch_size=cfg["batch_size"], seed=cfg["seed"])
+    return models.narrow_mlp(batch_size=cfg["batch_size"], seed=seed)
 
 
-def _optimizer(model, cfg: Dict[str, Any]):
+def lr_at(lr: float, step: int, steps: int, schedule: str) -> float:
+    """The learning rate of ``step`` (0-based) of ``steps``: ``lr`` throughout
+    ("constant"), or cosine-decayed from ``lr`` at step 0 to 0 after the last
+    ("cosine": ``lr * (1 + cos(pi * step / steps)) / 2``).
+
+    >>> [round(lr_at(1.0, s, 4, "cosine"), 3) for s in range(4)], lr_at(0.1, 3, 4, "constant")
+    ([1.0, 0.854, 0.5, 0.146], 0.1)
+    """
+    if schedule == "constant":
+        return lr
+    if schedule == "cosine":
+        return lr * 0.5 * (1.0 + math.cos(math.pi * step / steps))
+    raise ValueError(f"unknown learning-rate schedule {schedule!r}")
+
+
+def _optim_classes():
+    """(OneBitAdam, OneBitSGD) of :mod:`pycomm.optim`."""
+    try:
+        from ..optim import OneBitAdam, OneBitSGD
+    except ImportError:  # a package without re-exports: the module itself
+        from ..optim.onebit import OneBitAdam, OneBitSGD
+    return OneBitAdam, OneBitSGD
+
+
+def _optimizer(model, cfg: Dict[str, Any], m: Optional[Method] = None, warmup: int = 0):
     """AdamW or SGD with momentum 0.9, fused (one pass over the parameters
     instead of several: on these cores the unfused AdamW step of the
-    4.9M-parameter model costs as much as a third of the forward + backward)."""
+    4.9M-parameter model costs as much as a third of the forward + backward).
+    For an ``optim-*`` method, the compressed-momentum optimizer with the
+    same hyperparameters (AdamW's weight decay 0, SGD's momentum 0.9), its
+    exact warm-up ``warmup`` steps long, attached to the DDP ``model``."""
     import torch
 
+    if m is not None and m.entry == "optim":
+        OneBitAdam, OneBitSGD = _optim_classes()
+        kw = {"warmup_steps": warmup, "compressor": m.compressor, "block_size": cfg["block_size"]}
+        if cfg["optimizer"] == "sgd":
+            opt = OneBitSGD(model.parameters(), lr=cfg["lr"], momentum=0.9, **kw)
+        else:
+            opt = OneBitAdam(model.parameters(), lr=cfg["lr"], weight_decay=0.0, **kw)
+        opt.attach(model)
+        return opt
     if cfg["optimizer"] == "sgd":
         return torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=0.9, fused=True)
     return torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=0.0, fused=True)
@@ -166,11 +230,13 @@ class _RankTrainer:
             self._pycomm_groups[key] = pd.wrap(None, **settings)
         return self._pycomm_groups[key]
 
-    def _setup(self, m: Method, start_iter: int):
-        """(ddp model, optimizer, loss_fn, batch_fn, hook state) for method ``m``."""
+    def _setup(self, m: Method, start_iter: int, seed: int):
+        """(ddp model, optimizer, loss_fn, batch_fn, hook state) for method
+        ``m`` and ``seed`` (``optim-*``: ``start_iter`` is the optimizer's
+        warm-up)."""
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        model, batch_fn, loss_fn = _workload(self.cfg)
+        model, batch_fn, loss_fn = _workload(self.cfg, seed)
         group = self._pycomm_group(m) if m.entry == "backend" else None
         ddp = DDP(model, process_group=group, bucket_cap_mb=self.cfg["bucket_cap_mb"])
         state = None
@@ -187,7 +253,7 @@ class _RankTrainer:
             else:
                 state = P.PowerSGDState(process_group=None, matrix_approximation_rank=m.rank,
                                         start_powerSGD_iter=start_iter, use_error_feedback=True,
-                                        warm_start=True, random_seed=self.cfg["seed"])
+                                        warm_start=True, random_seed=seed)
                 ddp.register_comm_hook(state, serialized_hook(P.powerSGD_hook))
         elif m.pycomm:
             from ..ddp import CompressionState, compressed_hook
@@ -198,8 +264,22 @@ class _RankTrainer:
             state = CompressionState(process_group=group, compressor=m.compressor, start_iter=start_iter,
                                      error_feedback=m.error_feedback, **kw)
             ddp.register_comm_hook(state, compressed_hook)
-        opt = _optimizer(ddp, self.cfg)
+        opt = _optimizer(ddp, self.cfg, m, start_iter)
         return ddp, opt, loss_fn, batch_fn, state
+
+    @staticmethod
+    def _release(state, opt) -> None:
+        """Free the residuals a finished method left in its engine group (a
+        run with many methods and seeds would otherwise hold them all)."""
+        import pycomm.distributed as pd
+
+        for owner in (state, opt):
+            engine = getattr(owner, "_engine", None)
+            if engine is not None:
+                try:
+                    pd.reset_error_feedback(group=engine)
+                except Exception:  # noqa: BLE001 - memory only: never fail a finished run
+                    pass
 
     def _params_identical(self, ddp) -> bool:
         """Every rank ends with bit-identical parameters (DDP's promise; a
@@ -211,7 +291,7 @@ class _RankTrainer:
         of a gradient of ``numel`` elements, all ranks at once (as in
         training), median of 3. None for methods without a pycomm/cast kernel."""
         torch = self.torch
-        if m.compressor not in ("onebit", "topk", "fp16", "bf16"):
+        if m.compressor not in ("onebit", "topk", "fp16", "bf16", "int8", "int4"):
             return None
         g = torch.randn(numel, generator=torch.Generator().manual_seed(self.rank))
         if m.compressor in ("fp16", "bf16"):
@@ -225,6 +305,8 @@ class _RankTrainer:
             kw = {"density": m.density} if m.density is not None else {"block_size": self.cfg["block_size"]}
             c = pycomm.get_compressor(m.compressor, **kw)
             r = torch.zeros(numel) if m.error_feedback else None
+            if m.entry == "optim":  # the momentum, every element of the model
+                r = torch.zeros(numel)
 
             def once() -> None:
                 c.decompress(c.compress(g, r))
@@ -284,17 +366,36 @@ class _RankTrainer:
         return median(self.me.max_over_ranks(times)[warmup:])
 
     # ---- one method
-    def train(self, m: Method, steps: int, start_iter: int, timed_from: int, report_every: int) -> Dict[str, Any]:
-        torch = self.torch
-        ddp, opt, loss_fn, batch_fn, _ = self._setup(m, start_iter)
+    def _eval(self, module, batch_fn, loss_fn) -> float:
+        """The held-out loss: the mean over ``--eval-batches`` batches no
+        rank trains on (the same for every method of a seed)."""
+        n = self.cfg.get("eval_batches", EVAL_BATCHES)
+        with self.torch.no_grad():
+            evals = [float(loss_fn(module, batch_fn(EVAL_RANK + i, 0))) for i in range(n)]
+        return sum(evals) / len(evals)
+
+    def train(self, m: Method, steps: int, start_iter: int, timed_from: int, report_every: int,
+              seed: int, eval_every: int = 0) -> Dict[str, Any]:
+        ddp, opt, loss_fn, batch_fn, state = self._setup(m, start_iter, seed)
         numel = sum(p.numel() for p in ddp.parameters())
         times: List[float] = []
         losses: List[float] = []
+        curve: List[List[float]] = []
         tx0 = tx1 = None
         self.dist.barrier()
+        tx_start = self.me.tx_bytes()
         for step in range(steps):
+            if eval_every and step and step % eval_every == 0:
+                # Untimed, on rank 0 only (the ranks hold the same parameters);
+                # the others wait at the barrier, not in a timed step.
+                if self.rank == 0:
+                    curve.append([step, self._eval(ddp.module, batch_fn, loss_fn)])
+                self.dist.barrier()
             if step == timed_from:
                 tx0 = self.me.tx_bytes()
+            if self.cfg.get("lr_schedule", "constant") != "constant":
+                for group in opt.param_groups:
+                    group["lr"] = lr_at(self.cfg["lr"], step, steps, self.cfg["lr_schedule"])
             t0 = time.perf_counter()
             loss = loss_fn(ddp, batch_fn(self.rank, step))
             loss.backward()
@@ -303,34 +404,43 @@ class _RankTrainer:
             times.append(time.perf_counter() - t0)
             losses.append(float(loss.detach()))
             if (step + 1) % report_every == 0 or step + 1 == steps:
-                self.emit("step", method=m.name, step=step + 1, steps=steps)
+                self.emit("step", method=m.name, seed=seed, step=step + 1, steps=steps)
         tx1 = self.me.tx_bytes()
         times = self.me.max_over_ranks(times)
         losses = self.me.mean_over_ranks(losses)
-        sent = None
+        sent = sent_all = None
         if tx0 is not None and tx1 is not None:
-            sent = self.me.mean_over_ranks([float(tx1 - tx0)])[0] / max(1, steps - timed_from)
+            sent, sent_all = self.me.mean_over_ranks([float(tx1 - tx0), float(tx1 - tx_start)])
+            sent, sent_all = sent / max(1, steps - timed_from), sent_all / steps
         timed = times[timed_from:]
         stats = summarize(timed)
         window = losses[-min(FINAL_LOSS_WINDOW, len(losses)):]
-        with torch.no_grad():
-            evals = [float(loss_fn(ddp.module, batch_fn(EVAL_RANK + i, 0))) for i in range(EVAL_BATCHES)]
+        # Rank 0 speaks for the group (its record is the one sent), and every
+        # rank holds the same parameters (checked below): one evaluation.
+        final = self._eval(ddp.module, batch_fn, loss_fn) if self.rank == 0 else math.nan
+        if eval_every:
+            curve.append([steps, final])
         rec = {
             "method": m.name,
             "entry": m.entry,
             "compressor": m.compressor,
             "error_feedback": m.error_feedback,
+            "optimizer": type(opt).__name__,
+            "seed": seed,
             "gradient_numel": numel,
             "steps": steps,
             "start_iter": start_iter,
+            "timed_from": timed_from,
             "timed_steps": len(timed),
             "step_time_median_s": stats["median_s"],
             "step_time_p10_s": stats["p10_s"],
             "step_time_p90_s": stats["p90_s"],
             "bytes_sent_per_rank_per_step": sent,
-            "final_loss": sum(evals) / len(evals),
+            "bytes_sent_per_rank_per_step_all_steps": sent_all,
+            "final_loss": final,
             "train_loss_last": sum(window) / len(window),
             "loss_per_step": losses,
+            "eval_loss_curve": curve if eval_every else None,
             "step_times_s": times,
             "params_identical": self._params_identical(ddp),
         }
@@ -343,7 +453,12 @@ class _RankTrainer:
             rec["auto_bucket_methods"] = {str(b.buffer().numel()): cal.choose(b.buffer().numel())
                                           for b in ddp.reducer._get_zeros_like_grad_buckets()}
             rec["auto_calibration"] = cal.to_dict()
-        del ddp, opt
+        if m.entry == "optim":
+            # The optimizer's own count (from the spec) of what a compressed step sends.
+            rec["optim_bytes_per_step"] = {"exact": opt.bytes_per_step(compressed=False),
+                                           "compressed": opt.bytes_per_step(compressed=True)}
+        self._release(state, opt)
+        del ddp, opt, state
         return rec
 
 
@@ -351,10 +466,12 @@ def _rank_main(rank: Rank) -> None:
     """One rank (:func:`pycomm.bench.launch.run_ranks`): the baselines, then every method of the plan."""
     trainer = _RankTrainer(rank)
     trainer.emit("compute", compute_time_s=trainer.compute_time(), nocomm_step_time_s=trainer.nocomm_step_time())
-    for run in rank.cfg["plan"]:
-        rec = trainer.train(parse_method(run["method"]), run["steps"], run["start_iter"], run["timed_from"],
-                            max(1, run["steps"] // 20))
-        trainer.emit("result", record=rec)
+    for seed in rank.cfg["seeds"]:
+        for run in rank.cfg["plan"]:
+            rec = trainer.train(parse_method(run["method"]), run["steps"], run["start_iter"], run["timed_from"],
+                                max(1, run["steps"] // 20), seed,
+                                rank.cfg.get("eval_every", 0) if run["training"] else 0)
+            trainer.emit("result", record=rec)
     trainer.dist.barrier()
 
 
@@ -407,6 +524,14 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
         raise ValueError(f"--start-iter must be >= 2 (DDP rebuilds its buckets after step 1), got {args.start_iter}")
     if args.steps < args.start_iter + 3:
         raise ValueError(f"--steps ({args.steps}) must exceed --start-iter ({args.start_iter}) by at least 3")
+    if getattr(args, "optim_warmup", None) is None:
+        args.optim_warmup = max(args.start_iter, round(OPTIM_WARMUP_FRACTION * args.steps))
+    if args.optim_warmup < 2:
+        raise ValueError(f"--optim-warmup must be >= 2 (DDP rebuilds its buckets after step 1), got {args.optim_warmup}")
+    if any(m.startswith("optim-") for m in methods) and args.steps < args.optim_warmup + 3:
+        raise ValueError(f"--steps ({args.steps}) must exceed --optim-warmup ({args.optim_warmup}) by at least 3")
+    if getattr(args, "eval_every", 0) and args.eval_every >= args.steps:
+        raise ValueError(f"--eval-every ({args.eval_every}) must be below --steps ({args.steps})")
     if args.train_bandwidth is None:
         args.train_rate = 1e9 if 1e9 in rates else rates[0]
     else:
@@ -430,7 +555,7 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``ddp`` options (the common ones are already there)."""
-    from .cli import positive_int
+    from .cli import nonnegative_int, positive_int
 
     g = parser.add_argument_group("ddp options")
     g.add_argument("--ranks", type=positive_int, default=4, help="processes, one per emulated host (default: 4)")
@@ -442,8 +567,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="the rate at which every method trains --steps steps (default: 1gbit if "
                         "swept, else the first); elsewhere only --time-steps are timed")
     g.add_argument("--methods", nargs="+", metavar="METHOD", default=None,
-                   help="allreduce, fp16, bf16, powersgd-<rank>, onebit, topk-<density>, auto; onebit and "
-                        "topk with -noef and/or -backend, auto with -noef (default: all of "
+                   help="allreduce, fp16, bf16, powersgd-<rank>, onebit, topk-<density>, int8, int4, auto, "
+                        "optim-<onebit|int8|int4> (the compressed-momentum optimizer matching --optimizer); "
+                        "onebit, topk, int8 and int4 with -noef and/or -backend, auto with -noef (default: all of "
                         f"{','.join(DEFAULT_METHODS)}; with --quick {','.join(QUICK_METHODS)})")
     g.add_argument("--workload", choices=WORKLOADS, default="lm",
                    help="lm: the byte-level GPT on standard-library text (default); mlp: many small tensors")
@@ -463,11 +589,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help=f"adamw, or sgd with momentum 0.9 (default: {DEFAULT_OPTIMIZER})")
     g.add_argument("--lr", type=float, default=None,
                    help=f"learning rate (default: {DEFAULT_LR['adamw']:g} for adamw, {DEFAULT_LR['sgd']:g} for sgd)")
+    g.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="constant",
+                   help="constant, or cosine: decayed from --lr to 0 over the --steps of the run, as real "
+                        "training runs end (the held-out loss then flattens by the end; default: constant)")
     g.add_argument("--block-size", type=positive_int, default=DEFAULT_BLOCK_SIZE,
                    help=f"onebit block size of the pycomm methods (default: {DEFAULT_BLOCK_SIZE})")
     g.add_argument("--bucket-cap-mb", type=float, default=DEFAULT_BUCKET_CAP_MB,
                    help=f"DDP bucket size (default: {DEFAULT_BUCKET_CAP_MB:g})")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="the first seed (default: 0)")
+    g.add_argument("--seeds", type=positive_int, default=1,
+                   help="train every method once per seed, seeds --seed ... --seed+N-1 (model init and data "
+                        "order; the same for every method of a seed); the final loss is then reported as mean "
+                        "and spread over seeds and per seed relative to allreduce (default: 1)")
+    g.add_argument("--optim-warmup", type=positive_int, default=None, metavar="STEPS",
+                   help="optim-* methods: steps of exact averaging before the momentum is compressed "
+                        f"(default: {OPTIM_WARMUP_FRACTION:.0%} of --steps, at least --start-iter)")
+    g.add_argument("--eval-every", type=nonnegative_int, default=0, metavar="STEPS",
+                   help="also record the held-out loss every STEPS training steps (untimed; 0: only at the end)")
+    g.add_argument("--eval-batches", type=positive_int, default=EVAL_BATCHES, metavar="N",
+                   help=f"held-out batches the final loss is the mean of (default: {EVAL_BATCHES})")
+    g.add_argument("--merge", nargs="+", metavar="JSON", default=None,
+                   help="run nothing: combine these result files (the same settings, different seeds) into "
+                        "--json, as if they had been one run with every seed")
     g.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
                    help=f"seconds without progress before a run is stopped (default: {DEFAULT_TIMEOUT:g})")
     g.add_argument("--no-netns", dest="netns", action="store_false",
@@ -481,12 +624,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_ddp(args: argparse.Namespace, out=sys.stdout) -> List[Dict[str, Any]]:
-    """Run the sweep; the list of records (one per method and bandwidth)."""
+    """Run the sweep; the list of records (one per method and bandwidth,
+    each holding every seed's results)."""
     from .netem import LoopbackCluster, fmt_rate, link_report, make_cluster
 
     order = [args.train_rate] + [r for r in args.rates if r != args.train_rate]
     plans = {r: run_plan(args, r == args.train_rate) for r in order}
-    total = sum(run["steps"] for plan in plans.values() for run in plan)
+    seeds = list(range(args.seed, args.seed + args.seeds))
+    total = len(seeds) * sum(run["steps"] for plan in plans.values() for run in plan)
     bar = progress_bar(total, "step", args.progress)
     date = _dt.date.today().isoformat()
     machine = machine_info("cpu")
@@ -495,10 +640,10 @@ def run_ddp(args: argparse.Namespace, out=sys.stdout) -> List[Dict[str, Any]]:
         for rate in order:
             plan = plans[rate]
             cfg = {
-                "workload": args.workload, "batch_size": args.batch_size, "seed": args.seed,
+                "workload": args.workload, "batch_size": args.batch_size, "seed": seeds[0], "seeds": seeds,
                 "seq_len": args.seq_len, "model": args.model, "optimizer": args.optimizer,
-                "block_size": args.block_size,
-                "lr": args.lr, "bucket_cap_mb": args.bucket_cap_mb, "plan": plan,
+                "block_size": args.block_size, "eval_every": args.eval_every, "eval_batches": args.eval_batches,
+                "lr": args.lr, "lr_schedule": args.lr_schedule, "bucket_cap_mb": args.bucket_cap_mb, "plan": plan,
             }
             cluster = (make_cluster(args.ranks, rate, prefix=args.netns_prefix) if args.netns
                        else LoopbackCluster(args.ranks, reason="--no-netns"))
@@ -507,25 +652,28 @@ def run_ddp(args: argparse.Namespace, out=sys.stdout) -> List[Dict[str, Any]]:
                     cfg["count_ifname"] = "lo"
                 busbw, line = link_report(cluster)
                 bar.write(line, file=out)
-                done: Dict[str, int] = {}
+                done: Dict[Tuple[str, int], int] = {}
 
                 def on_step(ev: Dict[str, Any]) -> None:
                     if ev["event"] == "step":
-                        bar.set_postfix_str(f"{fmt_rate(rate)} {ev['method']}", refresh=False)
-                        bar.update(ev["step"] - done.get(ev["method"], 0))
-                        done[ev["method"]] = ev["step"]
+                        key = (ev["method"], ev.get("seed", 0))
+                        bar.set_postfix_str(f"{fmt_rate(rate)} {ev['method']} seed {key[1]}", refresh=False)
+                        bar.update(ev["step"] - done.get(key, 0))
+                        done[key] = ev["step"]
 
                 # The timeout bounds each collective and the wait for any progress alike.
                 events = run_ranks(_rank_main, cluster, cfg, timeout=args.timeout, stall=args.timeout,
                                    threads=threads_per_rank(args.ranks, args.threads), on_event=on_step)
             baselines = next(({k: v for k, v in e.items() if k not in ("event", "rank")}
                               for e in events if e["event"] == "compute"), {})
-            recs = [e["record"] for e in events if e["event"] == "result"]
-            for rec, run in zip(recs, plan):
-                tokens = args.ranks * args.batch_size * _seq_len(args)
-                sent = rec["bytes_sent_per_rank_per_step"]
+            runs = {run["method"]: run for run in plan}
+            per_method: Dict[str, List[Dict[str, Any]]] = {}
+            for rec in (e["record"] for e in events if e["event"] == "result"):
+                run = runs[rec["method"]]
+                sent, sent_all = rec["bytes_sent_per_rank_per_step"], rec["bytes_sent_per_rank_per_step_all_steps"]
                 if sent is not None and not cluster.emulated:
-                    sent = sent / args.ranks  # loopback counts every rank's traffic once
+                    # loopback counts every rank's traffic once (and anything else on lo)
+                    sent, sent_all = sent / args.ranks, sent_all / args.ranks
                 rec.update({
                     "bandwidth": rate,
                     "link_busbw_measured": busbw,
@@ -533,24 +681,215 @@ def run_ddp(args: argparse.Namespace, out=sys.stdout) -> List[Dict[str, Any]]:
                     "link": cluster.describe(),
                     "ranks": args.ranks,
                     "workload": args.workload,
+                    "model": args.model,
+                    "optimizer": args.optimizer,
+                    "optimizer_class": rec.pop("optimizer"),
+                    "lr": args.lr,
+                    "lr_schedule": args.lr_schedule,
+                    "eval_batches": args.eval_batches,
+                    "batch_size": args.batch_size,
+                    "seq_len": _seq_len(args),
+                    "block_size": args.block_size,
                     "training_run": run["training"],
                     "loss_from": run.get("loss_from"),
                     "bytes_sent_per_rank_per_step": sent,
-                    "tokens_per_s": tokens / rec["step_time_median_s"] if args.workload == "lm" else None,
-                    "samples_per_s": args.ranks * args.batch_size / rec["step_time_median_s"],
+                    "bytes_sent_per_rank_per_step_all_steps": sent_all,
+                    "tokens_per_step": args.ranks * args.batch_size * _seq_len(args) if args.workload == "lm" else None,
+                    "samples_per_step": args.ranks * args.batch_size,
                     "compute_time_s": baselines.get("compute_time_s"),
                     "nocomm_step_time_s": baselines.get("nocomm_step_time_s"),
-                    "compress_time_share": (rec["compress_time_s"] / rec["step_time_median_s"]
-                                            if rec["compress_time_s"] is not None else None),
                     "date": date,
                     "machine": {k: machine.get(k) for k in ("node", "cpu_model", "cpu_count", "torch", "pycomm")},
                 })
-                if not run["training"]:
-                    rec.pop("loss_per_step", None)
-                records.append(rec)
+                per_method.setdefault(rec["method"], []).append(rec)
+            for run in plan:
+                records.append(combine_seeds(per_method[run["method"]]))
     finally:
         bar.close()
+    finish_records(records)
+    return records
+
+
+#: Per-seed fields of a record, kept in its ``per_seed`` list; everything
+#: else of a record is the same for every seed (settings, link, baselines)
+#: or an aggregate :func:`combine_seeds` computes.
+PER_SEED_FIELDS = ("seed", "final_loss", "train_loss_last", "bytes_sent_per_rank_per_step",
+                   "bytes_sent_per_rank_per_step_all_steps", "step_time_median_s",
+                   "params_identical", "compress_time_s", "timed_from", "loss_per_step", "step_times_s",
+                   "eval_loss_curve", "optim_bytes_per_step")
+#: Settings that must agree between runs whose seeds are combined (--merge).
+SAME_FOR_EVERY_SEED = ("method", "bandwidth", "ranks", "workload", "model", "optimizer", "lr", "lr_schedule",
+                       "batch_size", "eval_batches",
+                       "seq_len", "block_size", "steps", "start_iter", "training_run", "emulated")
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return sum(xs) / len(xs)
+
+
+def _stdev(xs: Sequence[float]) -> float:
+    """Sample standard deviation (0 for one value)."""
+    if len(xs) < 2:
+        return 0.0
+    m = _mean(xs)
+    return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
+
+
+def combine_seeds(recs: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
+    """One record of a method at one bandwidth from its per-seed records:
+    the settings, ``per_seed`` (each seed's own results, by seed), and the
+    aggregates: step-time median/p10/p90 over every seed's timed steps,
+    ``final_loss`` (mean over seeds) with ``final_loss_std`` (sample
+    standard deviation), ``_min``/``_max`` and ``final_loss_per_seed``,
+    bytes sent (mean), ``params_identical`` (every seed), and
+    ``loss_per_step`` / ``step_times_s`` / ``eval_loss_curve`` as means
+    over seeds, step by step. With one seed every field is that seed's.
+
+    >>> r = lambda seed, loss: dict(method="m", seed=seed, final_loss=loss, train_loss_last=loss,
+    ...     bytes_sent_per_rank_per_step=1.0, params_identical=True, timed_from=1, compress_time_s=None,
+    ...     loss_per_step=[3.0, loss], step_times_s=[9.0, 0.1 * seed + 0.1], eval_loss_curve=None)
+    >>> c = combine_seeds([r(1, 2.2), r(0, 2.0)])
+    >>> c["seeds"], round(c["final_loss"], 3), round(c["final_loss_std"], 3), c["loss_per_step"]
+    ([0, 1], 2.1, 0.141, [3.0, 2.1])
+    """
+    recs = sorted(recs, key=lambda r: r["seed"])
+    seeds = [r["seed"] for r in recs]
+    if len(set(seeds)) != len(seeds):
+        raise ValueError(f"{recs[0]['method']}: seed repeated in {seeds}")
+    for k in SAME_FOR_EVERY_SEED:
+        vals = {json_key(r.get(k)) for r in recs}
+        if len(vals) > 1:
+            raise ValueError(f"{recs[0]['method']}: the seeds' runs differ in {k!r}: {sorted(vals)}")
+    out = {k: v for k, v in recs[0].items() if k not in PER_SEED_FIELDS}
+    out["seeds"] = seeds
+    out["per_seed"] = [{k: r.get(k) for k in PER_SEED_FIELDS} for r in recs]
+    timed = [t for r in recs for t in r["step_times_s"][r["timed_from"]:]]
+    stats = summarize(timed)
+    out.update(timed_steps=len(timed), step_time_median_s=stats["median_s"], step_time_p10_s=stats["p10_s"],
+               step_time_p90_s=stats["p90_s"])
+    losses = [r["final_loss"] for r in recs]
+    out.update(final_loss=_mean(losses), final_loss_std=_stdev(losses), final_loss_min=min(losses),
+               final_loss_max=max(losses), final_loss_per_seed=losses,
+               train_loss_last=_mean([r["train_loss_last"] for r in recs]))
+    for k in ("bytes_sent_per_rank_per_step", "bytes_sent_per_rank_per_step_all_steps"):
+        sent = [r[k] for r in recs if r.get(k) is not None]
+        out[k] = _mean(sent) if sent else None
+    out["params_identical"] = all(r["params_identical"] for r in recs)
+    ct = [r["compress_time_s"] for r in recs if r.get("compress_time_s") is not None]
+    out["compress_time_s"] = median(ct) if ct else None
+    out["timed_from"] = recs[0]["timed_from"]
+    if recs[0].get("optim_bytes_per_step") is not None:
+        out["optim_bytes_per_step"] = recs[0]["optim_bytes_per_step"]
+    if all(r.get("loss_per_step") for r in recs):
+        out["loss_per_step"] = [_mean(xs) for xs in zip(*(r["loss_per_step"] for r in recs))]
+        out["step_times_s"] = [_mean(xs) for xs in zip(*(r["step_times_s"] for r in recs))]
+    else:
+        out.pop("loss_per_step", None)
+        out["step_times_s"] = recs[0]["step_times_s"]
+    curves = [r.get("eval_loss_curve") for r in recs]
+    out["eval_loss_curve"] = None
+    if all(curves):
+        steps = sorted(set.intersection(*({p[0] for p in c} for c in curves)))
+        at = [{p[0]: p[1] for p in c} for c in curves]
+        out["eval_loss_curve"] = [[s, _mean([a[s] for a in at])] for s in steps]
+    return out
+
+
+def json_key(value: Any) -> str:
+    """A value as a sortable, hashable key (JSON text)."""
+    import json
+
+    return json.dumps(value, sort_keys=True)
+
+
+def finish_records(records: List[Dict[str, Any]]) -> None:
+    """The fields derived from the combined step times and losses: tokens/s,
+    samples/s, compression share, speedups, loss ratios, flattening."""
+    for r in records:
+        t = r["step_time_median_s"]
+        r["tokens_per_s"] = r["tokens_per_step"] / t if r.get("tokens_per_step") else None
+        r["samples_per_s"] = r["samples_per_step"] / t if r.get("samples_per_step") else None
+        r["compress_time_share"] = r["compress_time_s"] / t if r.get("compress_time_s") is not None else None
+        if not r.get("training_run"):
+            r.pop("loss_per_step", None)
     add_speedups(records)
+    add_loss_ratios(records)
+    add_flattening(records)
+
+
+def add_loss_ratios(records: List[Dict[str, Any]]) -> None:
+    """Per training record: its final loss over ``allreduce``'s of the SAME
+    seed at the same bandwidth, per seed (``final_loss_vs_allreduce_per_seed``)
+    and their mean, min and max (None without a baseline of that seed).
+
+    >>> recs = [dict(method=m, bandwidth=None, training_run=True, per_seed=[dict(seed=s, final_loss=l)
+    ...         for s, l in zip((0, 1), ls)]) for m, ls in (("allreduce", (2.0, 4.0)), ("x", (2.2, 4.0)))]
+    >>> add_loss_ratios(recs)
+    >>> recs[1]["final_loss_vs_allreduce_per_seed"], recs[1]["final_loss_vs_allreduce_max"]
+    ([1.1, 1.0], 1.1)
+    """
+    base = {r["bandwidth"]: {p["seed"]: p["final_loss"] for p in r.get("per_seed", [])}
+            for r in records if r["method"] == "allreduce" and r.get("training_run")}
+    for r in records:
+        ratios = None
+        plain = base.get(r["bandwidth"], {})
+        if r.get("training_run") and r.get("per_seed") and all(p["seed"] in plain for p in r["per_seed"]):
+            ratios = [round(p["final_loss"] / plain[p["seed"]], 12) for p in r["per_seed"]]
+        r["final_loss_vs_allreduce_per_seed"] = ratios
+        r["final_loss_vs_allreduce_mean"] = _mean(ratios) if ratios else None
+        r["final_loss_vs_allreduce_min"] = min(ratios) if ratios else None
+        r["final_loss_vs_allreduce_max"] = max(ratios) if ratios else None
+
+
+def add_flattening(records: List[Dict[str, Any]]) -> None:
+    """On records with a held-out loss curve (``--eval-every``):
+    ``eval_loss_change_last_quarter``, the relative change of the held-out
+    loss (mean over seeds) from the evaluation nearest 75% of the steps to
+    the end (e.g. -0.01: it still fell 1% over the last quarter)."""
+    for r in records:
+        curve = r.get("eval_loss_curve")
+        r["eval_loss_change_last_quarter"] = None
+        if curve and len(curve) >= 2:
+            last_step, last = curve[-1]
+            step, loss = min(curve[:-1], key=lambda p: abs(p[0] - 0.75 * last_step))
+            r["eval_loss_change_last_quarter"] = last / loss - 1
+            r["eval_loss_change_from_step"] = step
+
+
+def merge_files(paths: Sequence[str]) -> List[Dict[str, Any]]:
+    """The records of several ``pycomm-bench ddp`` JSON files made with
+    different seeds (same settings otherwise), combined as if they had been
+    one run: every (method, bandwidth) pools its seeds, then speedups and
+    loss ratios are recomputed. A seed of a method found in two files is
+    kept once (the first) if both trained to the same final loss (training
+    is deterministic: e.g. the ``allreduce`` baseline that every run
+    includes); ValueError if they differ, or if the files' settings do."""
+    import json
+
+    groups: Dict[Tuple[str, str], List[Dict[str, Any]]] = {}
+    order: List[Tuple[str, str]] = []
+    for path in paths:
+        with open(path, encoding="utf-8") as fh:
+            recs = json.load(fh)
+        for rec in recs:
+            if "per_seed" not in rec:
+                raise ValueError(f"{path}: record of {rec.get('method')!r} has no per_seed results "
+                                 f"(written before --seeds existed?)")
+            key = (rec["method"], json_key(rec["bandwidth"]))
+            if key not in groups:
+                groups[key] = []
+                order.append(key)
+            meta = {k: v for k, v in rec.items() if k not in PER_SEED_FIELDS and k != "per_seed"}
+            for p in rec["per_seed"]:
+                same = [q for q in groups[key] if q["seed"] == p["seed"]]
+                if same and same[0]["final_loss"] == p["final_loss"]:
+                    continue  # the same training again
+                if same:
+                    raise ValueError(f"{rec['method']}: seed repeated in {path} with another final loss "
+                                     f"({p['final_loss']} vs {same[0]['final_loss']})")
+                groups[key].append(dict(meta, **p))
+    records = [combine_seeds(groups[k]) for k in order]
+    finish_records(records)
     return records
 
 
@@ -561,17 +900,20 @@ def run_plan(args: argparse.Namespace, training: bool) -> List[Dict[str, Any]]:
     training bandwidth too: the backend and the hook compute the same thing
     bit for bit (tests/test_bench_ddp.py checks it on the same run), so its
     loss is the twin's (``loss_from``) and training it again would only
-    double the run time.
+    double the run time. An ``optim-*`` method's warm-up (its
+    ``start_iter``) is ``--optim-warmup`` when it trains; its timed steps
+    (and bytes) start after it.
 
-    >>> a = argparse.Namespace(methods=["allreduce", "onebit", "onebit-backend"], steps=100,
-    ...                        start_iter=10, time_steps=5)
-    >>> [(r["method"], r["steps"], r["training"]) for r in run_plan(a, True)]
-    [('allreduce', 100, True), ('onebit', 100, True), ('onebit-backend', 7, False)]
+    >>> a = argparse.Namespace(methods=["allreduce", "onebit", "onebit-backend", "optim-onebit"], steps=100,
+    ...                        start_iter=10, time_steps=5, optim_warmup=20)
+    >>> [(r["method"], r["steps"], r["training"], r["timed_from"]) for r in run_plan(a, True)]
+    [('allreduce', 100, True, 11), ('onebit', 100, True, 11), ('onebit-backend', 7, False, 3), ('optim-onebit', 100, True, 21)]
     """
     timing = {"steps": TIMING_START_ITER + args.time_steps, "start_iter": TIMING_START_ITER,
               "timed_from": TIMING_START_ITER + 1, "training": False}
     full = {"steps": args.steps, "start_iter": args.start_iter, "timed_from": args.start_iter + 1,
             "training": True}
+    warmup = getattr(args, "optim_warmup", None) or args.start_iter
     plan = []
     for name in args.methods:
         twin = name[: -len("-backend")] if name.endswith("-backend") else None
@@ -579,6 +921,8 @@ def run_plan(args: argparse.Namespace, training: bool) -> List[Dict[str, Any]]:
             plan.append({"method": name, **timing})
         elif twin is not None and twin in args.methods and not getattr(args, "train_all", False):
             plan.append({"method": name, **timing, "loss_from": twin})
+        elif name.startswith("optim-"):
+            plan.append({"method": name, **full, "start_iter": warmup, "timed_from": warmup + 1})
         else:
             plan.append({"method": name, **full})
     return plan
@@ -661,7 +1005,9 @@ def format_table(records: List[Dict[str, Any]]) -> str:
     plain_loss = train.get("allreduce", {}).get("final_loss")
     be = break_even(records)
     headers = ["method"] + [f"{fmt_rate(b) if b else 'unshaped'}\nms (x plain)" for b in bws]
-    headers += ["MB sent/rank/step\n(train link)", "compress\nshare", "held-out loss\n(vs plain)", "ranks\nidentical",
+    headers += ["MB sent/rank/step\n(train link)", "compress\nshare",
+                "held-out loss\n(vs plain" + (": mean, min-max over seeds)" if any(
+                    len(r.get("seeds", ())) > 1 for r in records) else ")"), "ranks\nidentical",
                 "break-even"]
     rows = []
     for m in methods:
@@ -678,17 +1024,30 @@ def format_table(records: List[Dict[str, Any]]) -> str:
         row.append(fmt_number(sent / 1e6) if sent is not None else "-")
         share = t.get("compress_time_share")
         row.append(f"{share * 100:.0f}%" if share is not None else "-")
-        loss = t.get("final_loss")
-        if t.get("loss_from"):
-            loss = train.get(t["loss_from"], {}).get("final_loss")
-            row.append(f"as {t['loss_from']}" if loss is not None else "-")
-        else:
-            row.append(f"{loss:.3f} ({loss / plain_loss:.3f})" if loss is not None and plain_loss else "-")
+        row.append(_loss_cell(t, train, plain_loss))
         row.append("yes" if all(r.get("params_identical") for r in records if r["method"] == m) else "NO")
         e = be.get(m)
         row.append("-" if e is None else (fmt_rate(e["bits_per_s"]) if e["bits_per_s"] else e["note"].split(" (")[0]))
         rows.append(row)
     return table(rows, headers, tablefmt="github")
+
+
+def _loss_cell(t: Dict[str, Any], train: Dict[str, Dict[str, Any]], plain_loss: Optional[float]) -> str:
+    """``loss (x plain)``; over several seeds ``mean ±std (x plain: mean of
+    the per-seed ratios, min-max)``."""
+    loss = t.get("final_loss")
+    if t.get("loss_from"):
+        loss = train.get(t["loss_from"], {}).get("final_loss")
+        return f"as {t['loss_from']}" if loss is not None else "-"
+    if loss is None:
+        return "-"
+    ratios = t.get("final_loss_vs_allreduce_per_seed")
+    if ratios and len(ratios) > 1:
+        return (f"{loss:.3f} ±{t['final_loss_std']:.3f} ({t['final_loss_vs_allreduce_mean']:.3f}, "
+                f"{t['final_loss_vs_allreduce_min']:.3f}-{t['final_loss_vs_allreduce_max']:.3f})")
+    if ratios:
+        return f"{loss:.3f} ({ratios[0]:.3f})"
+    return f"{loss:.3f} ({loss / plain_loss:.3f})" if plain_loss else "-"
 
 
 def plot(records: List[Dict[str, Any]], prefix: str) -> List[str]:
@@ -764,17 +1123,35 @@ def _smooth(xs: Sequence[float], window: int = 10) -> List[float]:
     return out
 
 
+def format_flattening(records: List[Dict[str, Any]]) -> str:
+    """One line per training ``allreduce`` record with a held-out loss curve:
+    how much its loss still fell over the last quarter of the steps."""
+    lines = []
+    for r in records:
+        if r["method"] == "allreduce" and r.get("eval_loss_change_last_quarter") is not None:
+            pts = ", ".join(f"{s}: {v:.3f}" for s, v in r["eval_loss_curve"])
+            lines.append(f"allreduce held-out loss (mean over {len(r['seeds'])} seed(s)) by step: {pts}\n"
+                         f"change from step {r['eval_loss_change_from_step']} to {r['steps']}: "
+                         f"{r['eval_loss_change_last_quarter'] * 100:+.2f}%")
+    return "\n".join(lines)
+
+
 def run(args: argparse.Namespace) -> int:
-    """``pycomm-bench ddp``: run, print the table, write JSON (and plots)."""
+    """``pycomm-bench ddp``: run (or ``--merge``), print the table, write JSON (and plots)."""
     t0 = time.monotonic()
     try:
-        records = run_ddp(args)
+        records = merge_files(args.merge) if args.merge else run_ddp(args)
     except RanksFailed as exc:
         print(f"pycomm-bench ddp: {exc}", file=sys.stderr)
         return 1
+    except (OSError, ValueError) as exc:  # --merge: unreadable or incompatible files
+        print(f"pycomm-bench ddp: --merge: {exc}", file=sys.stderr)
+        return 2
     print()
     bad = sorted({r["method"] for r in records if not r["params_identical"]})
-    status = finish(records, args.json, format_table(records),
+    text = format_table(records)
+    flat = format_flattening(records)
+    status = finish(records, args.json, text + ("\n\n" + flat if flat else ""),
                     [f"{m}: ranks ended with different parameters" for m in bad], t0)
     if args.plots:
         try:

@@ -10,7 +10,7 @@ system-wide; no network), in under 8 minutes:
   register/spill report), Triton kernels compiled ahead of time for sm_90a
   (their registers/spills), and pip install --no-build-isolation --no-deps
   --no-index -e . with PYCOMM_CUDA=ON (verbose log in build.log);
-* tests_cuda: pytest tests/test_onebit.py tests/test_topk.py -m gpu (the
+* tests_cuda: pytest tests/test_onebit.py tests/test_topk.py tests/test_quant.py -m gpu (the
   impl="cuda" cases against the reference);
 * bench: ``pycomm-bench kernels --device cuda --numel 256M`` (CUDA, Triton,
   unfused torch, torch.topk, plus an unfused peer whose packbits is CuPy's),
@@ -705,8 +705,9 @@ def _pytest(st: Dict[str, object], junit: str, *args: str) -> int:
 
 
 def step_tests_cuda(st: Dict[str, object]) -> int:
-    say("pytest tests/test_onebit.py tests/test_topk.py -m gpu (the impl='cuda' cases)")
-    return _pytest(st, "cuda", "tests/test_onebit.py", "tests/test_topk.py", "-m", "gpu", "--maxfail=50")
+    say("pytest tests/test_onebit.py tests/test_topk.py tests/test_quant.py -m gpu (the impl='cuda' cases)")
+    return _pytest(st, "cuda", "tests/test_onebit.py", "tests/test_topk.py", "tests/test_quant.py", "-m", "gpu",
+                   "--maxfail=50")
 
 
 def step_tests_triton(st: Dict[str, object]) -> int:

@@ -5,13 +5,18 @@ Grammar: ``<base>[-noef][-backend]``, base one of
 * ``plain`` / ``allreduce``: torch's own float32 all-reduce (no compression);
 * ``fp16``, ``bf16``: a cast to 16 bits and back;
 * ``powersgd-<rank>``: PyTorch's PowerSGD hook of that rank;
-* ``onebit``, ``topk-<density>``, ``auto``: pycomm's compressors
-  (``auto``: the method a calibration predicts fastest per size);
+* ``onebit``, ``topk-<density>``, ``int8``, ``int4``, ``auto``: pycomm's
+  compressors (``int8``/``int4``: block quantization with an absmax scale
+  per block; ``auto``: the method a calibration predicts fastest per size);
+* ``optim-<compressor>`` (``optim-onebit``, ``optim-int8``, ``optim-int4``):
+  no gradient compression at all, but pycomm's compressed-momentum optimizer
+  (:mod:`pycomm.optim`: OneBitAdam for AdamW, OneBitSGD for momentum SGD)
+  all-reducing its momentum with that compressor after an exact warm-up;
 
 ``-noef`` turns error feedback off and ``-backend`` runs the compression in
-a ``"pycomm"`` process group instead of the hook (both for onebit, topk and
-auto). Each benchmark accepts the part of it that it can run
-(:data:`ALLREDUCE_BASES`, :data:`DDP_BASES`).
+a ``"pycomm"`` process group instead of the hook (both for onebit, topk,
+int8, int4 and auto; not for ``optim-*``). Each benchmark accepts the part
+of it that it can run (:data:`ALLREDUCE_BASES`, :data:`DDP_BASES`).
 
 Example::
 
@@ -19,6 +24,8 @@ Example::
     Method(name='topk-0.01-noef', entry='hook', compressor='topk', error_feedback=False, density=0.01, rank=None)
     >>> parse_method("plain").compressed, parse_method("onebit", bases=ALLREDUCE_BASES).density
     (False, None)
+    >>> parse_method("int4-noef"), parse_method("optim-onebit").entry
+    (Method(name='int4-noef', entry='hook', compressor='int4', error_feedback=False, density=None, rank=None), 'optim')
 """
 
 from __future__ import annotations
@@ -28,15 +35,20 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 #: Every base name (``powersgd`` and ``topk`` stand for ``powersgd-<rank>``, ``topk-<density>``).
-ALL_BASES = ("plain", "allreduce", "fp16", "bf16", "powersgd", "onebit", "topk", "auto")
+ALL_BASES = ("plain", "allreduce", "fp16", "bf16", "powersgd", "onebit", "topk", "int8", "int4", "auto", "optim")
 #: What ``pycomm-bench allreduce`` times (a pycomm group per compressor, no suffixes).
 ALLREDUCE_BASES = ("plain", "fp16", "bf16", "onebit", "topk")
 #: What ``pycomm-bench ddp`` trains with.
-DDP_BASES = ("allreduce", "fp16", "bf16", "powersgd", "onebit", "topk", "auto")
+DDP_BASES = ("allreduce", "fp16", "bf16", "powersgd", "onebit", "topk", "int8", "int4", "auto", "optim")
+#: Bases that take ``-noef`` / ``-backend``.
+SUFFIX_BASES = ("onebit", "topk", "int8", "int4", "auto")
+#: What ``optim-<compressor>`` may name: the momentum's compressor.
+OPTIM_COMPRESSORS = ("onebit", "int8", "int4")
 
-_PARAM = {"powersgd": "powersgd-<rank>", "topk": "topk-<density>"}
+_PARAM = {"powersgd": "powersgd-<rank>", "topk": "topk-<density>", "optim": "optim-<onebit|int8|int4>"}
 _METHOD_RE = re.compile(
-    r"^(?P<base>plain|allreduce|fp16|bf16|auto|powersgd-(?P<rank>[0-9]+)|onebit|topk-(?P<density>[0-9.eE+-]+?))"
+    r"^(?P<base>plain|allreduce|fp16|bf16|auto|int8|int4|powersgd-(?P<rank>[0-9]+)|onebit"
+    r"|topk-(?P<density>[0-9.eE+-]+?)|optim-(?P<optim>[a-z0-9]+?))"
     r"(?P<noef>-noef)?(?P<backend>-backend)?$"
 )
 
@@ -47,9 +59,11 @@ class Method:
 
     name: str
     #: "ddp" (no hook: torch's own all-reduce), "torch" (PyTorch's hooks),
-    #: "hook" (pycomm's hook over the Gloo group), "backend" (a "pycomm" group)
+    #: "hook" (pycomm's hook over the Gloo group), "backend" (a "pycomm"
+    #: group), "optim" (pycomm's compressed-momentum optimizer)
     entry: str
-    #: "none", "fp16", "bf16", "powersgd", "onebit", "topk" or "auto"
+    #: "none", "fp16", "bf16", "powersgd", "onebit", "topk", "int8", "int4"
+    #: or "auto" (for "optim": the momentum's compressor)
     compressor: str = "none"
     error_feedback: bool = False
     density: Optional[float] = None
@@ -70,7 +84,7 @@ def _vocabulary(bases: Sequence[str], suffixes: bool) -> str:
     names = [_PARAM.get(b, b) for b in bases]
     text = ", ".join(names[:-1]) + f" or {names[-1]}" if len(names) > 1 else names[0]
     if suffixes:
-        text += "; onebit, topk and auto optionally followed by -noef and/or -backend"
+        text += "; " + ", ".join(b for b in SUFFIX_BASES if b in bases) + " optionally followed by -noef and/or -backend"
     return text
 
 
@@ -95,8 +109,9 @@ def parse_method(name: str, bases: Sequence[str] = ALL_BASES, suffixes: bool = T
     has_suffix = m is not None and bool(m.group("noef") or m.group("backend"))
     if m is None or base not in bases or (has_suffix and not suffixes):
         raise ValueError(f"unknown method {name!r}: expected {_vocabulary(bases, suffixes)}")
-    if has_suffix and base not in ("onebit", "topk", "auto"):
-        raise ValueError(f"method {name!r}: -noef and -backend apply to onebit and topk only (and auto)")
+    if has_suffix and base not in SUFFIX_BASES:
+        raise ValueError(f"method {name!r}: -noef and -backend apply to onebit and topk only "
+                         f"(and int8, int4, auto)")
     if base in ("plain", "allreduce"):
         return Method(name, "ddp", "none")
     if base in ("fp16", "bf16"):
@@ -106,6 +121,12 @@ def parse_method(name: str, bases: Sequence[str] = ALL_BASES, suffixes: bool = T
         if rank < 1:
             raise ValueError(f"method {name!r}: the PowerSGD rank must be >= 1")
         return Method(name, "torch", "powersgd", True, rank=rank)
+    if base == "optim":
+        comp = m.group("optim")
+        if comp not in OPTIM_COMPRESSORS:
+            raise ValueError(f"method {name!r}: the optimizer's compressor must be one of "
+                             f"{', '.join(OPTIM_COMPRESSORS)}")
+        return Method(name, "optim", comp, True)
     entry = "backend" if m.group("backend") or base == "auto" else "hook"
     ef = not m.group("noef")
     if base != "topk":

@@ -8,7 +8,9 @@ Example::
                              start_iter=10, error_feedback=True)
     ddp_model.register_comm_hook(state, compressed_hook)
 
-See :mod:`pycomm.ddp.hook` for how buckets are reduced.
+See :mod:`pycomm.ddp.hook` for how buckets are reduced, and
+:mod:`pycomm.integrations` for Lightning and Accelerate (the hook on every
+device, every rank's state in their checkpoints).
 """
 
 from .hook import CompressionState, compressed_hook

@@ -22,9 +22,10 @@ bucket, what the engine runs, and always reduces to the AVERAGE over ranks
   error feedback kept by the engine under the bucket index.
 
 The engine's group is the state's process group itself when that runs the
-pycomm backend (``pycomm.distributed.init_process_group`` or ``wrap``); any
-other group (Gloo, NCCL) is wrapped once, at the first bucket, into a pycomm
-group over the same ranks with the state's settings, so ``hierarchy`` and
+pycomm backend (``pycomm.distributed.init_process_group`` or ``wrap``; None
+and ``dist.group.WORLD`` both name the default group); any other group
+(Gloo, NCCL) is wrapped once, at the first bucket, into a pycomm group over
+the same ranks with the state's settings, so ``hierarchy`` and
 ``compressor="auto"`` work over any group. The engine issues every
 collective of the hook from one thread in submission order (bucket after
 bucket, the same on every rank) and completes the Future the hook returns.
@@ -36,12 +37,22 @@ second iteration on: ``start_iter >= 2`` is enforced, and after a restore
 (first iteration of a fresh process, buckets not yet rebuilt) the hook cuts
 DDP's bucket into the saved buckets, parameter by parameter, so that a
 resumed run continues exactly as an uninterrupted one.
+
+Over a pycomm group that other code shares (the default group of
+``pd.init_process_group``), the state owns the keys it uses: the residual of
+a bucket index is the state's own (loaded, or zero at its first use by this
+state), never one left under that key by earlier code; ``state_dict()``
+saves only those keys.
+
+A failure inside the hook (a refusal of the hook, or an error of the
+engine) is raised by ``loss.backward()`` as the original exception, with its
+own type and message.
 """
 
 # No `from __future__ import annotations`: DDP compares the hook's annotations
 # with dist.GradBucket and torch.futures.Future[torch.Tensor] as objects.
 import warnings
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -49,13 +60,19 @@ import torch.distributed as dist
 from .. import distributed as pd
 from ..compressors.base import check_density
 from ..compressors.plugin import is_plugin, options_json
-from ..distributed.spec import EF_METHODS, GROUP_METHODS, check_mode
+from ..distributed.spec import BLOCK_METHODS, EF_METHODS, GROUP_METHODS, block_size_for, chunk_bounds, check_mode
 
 __all__ = ["CompressionState", "compressed_hook"]
 
 #: What the hook can run: every method of a group but "none" (no hook needed).
 COMPRESSORS = tuple(m for m in GROUP_METHODS if m != "none")
 _STATE_VERSION = 2
+#: The fields of a state_dict, and of its "config" and residual entries.
+_STATE_FIELDS = ("version", "config", "iteration", "world_size", "rank", "bucket_layouts", "error_feedback")
+_CONFIG_FIELDS = ("compressor", "density", "approx", "block_size", "chunk_numel", "start_iter", "error_feedback")
+#: The settings an engine group is built with (the others only steer the hook).
+_ENGINE_FIELDS = ("compressor", "density", "approx", "block_size", "chunk_numel")
+_RESIDUAL_FIELDS = ("numel", "world_size", "chunk_numel", "method", "worker", "server")
 
 
 class CompressionState:
@@ -63,14 +80,18 @@ class CompressionState:
     bucket layout, and the engine group that runs the buckets.
 
     Args:
-        process_group: the group DDP reduces over (None: the default group).
-        compressor: "onebit", "topk", "fp16", "bf16", "auto" (a method per
+        process_group: the group DDP reduces over (None or
+            ``dist.group.WORLD``: the default group).
+        compressor: "onebit", "topk", "fp16", "bf16", any other method of
+            ``pycomm.distributed.spec.GROUP_METHODS``, "auto" (a method per
             bucket size from a calibration of the link: docs/auto.md), or a
             compressor registered with :func:`pycomm.register_compressor`.
         compressor_options: the settings of a registered compressor.
         density: fraction of entries topk sends per chunk.
         approx: topk's approximate (threshold) selection instead of exact.
-        block_size: onebit block length (a multiple of 32).
+        block_size: block length of the block codecs such as onebit (a
+            multiple of 32); None: the method's default
+            (``spec.DEFAULT_BLOCK_SIZE``).
         chunk_numel: the engine's pipelining chunk (None: its default).
         start_iter: iterations before this one use an exact all-reduce; must
             be >= 2 (bucket indices are only stable once DDP has rebuilt its
@@ -98,6 +119,8 @@ class CompressionState:
     Example::
 
         >>> state = CompressionState(compressor="onebit", block_size=2048, start_iter=100)
+        >>> state
+        CompressionState(compressor='onebit', density=0.01, approx=True, block_size=2048, chunk_numel=None, start_iter=100, error_feedback=True, iteration=0)
         >>> ddp_model.register_comm_hook(state, compressed_hook)      # doctest: +SKIP
         >>> torch.save(state.state_dict(), f"hook_rank{rank}.pt")    # doctest: +SKIP
 
@@ -118,7 +141,7 @@ class CompressionState:
         *,
         density: float = 0.01,
         approx: bool = True,
-        block_size: int = 2048,
+        block_size: Optional[int] = None,
         chunk_numel: Optional[int] = None,
         start_iter: int = 10,
         error_feedback: bool = True,
@@ -148,12 +171,12 @@ class CompressionState:
                          calibration=calibration, compressor_options=compressor_options if known else None)
         self.compressor_options = compressor_options
         self.process_group = process_group
-        self._apply_config(
+        self._set_config(_checked_config(
             dict(
                 compressor=compressor, density=density, approx=approx, block_size=block_size,
                 chunk_numel=chunk_numel, start_iter=start_iter, error_feedback=error_feedback,
             )
-        )
+        ))
         self.check_calls = check_calls
         self.impl = impl
         self.hierarchy = hierarchy
@@ -167,61 +190,37 @@ class CompressionState:
         #: for a given model and DDP configuration, in any process).
         self.bucket_layouts: Dict[int, Tuple[int, Tuple[int, ...]]] = {}
         self._saved_world: Optional[Tuple[int, int]] = None  # (world, rank) a loaded state expects
-        #: Residuals loaded before the engine's group exists (per bucket key).
+        #: Residuals loaded before the engine's group exists (per bucket key;
+        #: copies, handed to the engine when its group is attached).
         self._pending_ef: Optional[Dict[int, Any]] = None
         self._init_runtime()
 
     # -- configuration ---------------------------------------------------------
-    def _apply_config(self, cfg: Dict[str, Any]) -> None:
-        compressor = cfg["compressor"]
-        if compressor not in COMPRESSORS and not is_plugin(compressor):
-            raise ValueError(f"compressor must be one of {list(COMPRESSORS)} or a registered compressor "
-                             f"(pycomm.register_compressor), got {compressor!r}")
-        start_iter = cfg["start_iter"]
-        if isinstance(start_iter, bool) or not isinstance(start_iter, int):
-            raise TypeError(f"start_iter must be an int, got {start_iter!r}")
-        if start_iter < 2:
-            raise ValueError(
-                f"start_iter must be >= 2, got {start_iter}: DDP rebuilds its gradient buckets "
-                f"after the first iteration, so bucket.index(), which keys the error-feedback "
-                f"residuals, is not stable before the second (pytorch issue #51427)"
-            )
-        chunk_numel = cfg["chunk_numel"]
-        if chunk_numel is not None:
-            pd.PycommOptions(chunk_numel=chunk_numel)  # validates, naming the argument
-        if not isinstance(cfg["error_feedback"], bool):
-            raise TypeError(f"error_feedback must be a bool, got {cfg['error_feedback']!r}")
-        density = check_density(cfg["density"])
-        if not isinstance(cfg["approx"], bool):
-            raise TypeError(f"approx must be a bool, got {cfg['approx']!r}")
-        pd.PycommOptions(block_size=cfg["block_size"])  # validates block_size
-        self.compressor = compressor
-        self.density = density
-        self.approx = cfg["approx"]
-        self.block_size = cfg["block_size"]
-        self.chunk_numel = chunk_numel
-        self.start_iter = start_iter
-        self.error_feedback = cfg["error_feedback"]
+    def _set_config(self, cfg: Dict[str, Any]) -> None:
+        for name in _CONFIG_FIELDS:
+            setattr(self, name, cfg[name])
 
     def config(self) -> Dict[str, Any]:
-        """The configuration as a dict (what :meth:`state_dict` saves)."""
-        return {
-            "compressor": self.compressor,
-            "density": self.density,
-            "approx": self.approx,
-            "block_size": self.block_size,
-            "chunk_numel": self.chunk_numel,
-            "start_iter": self.start_iter,
-            "error_feedback": self.error_feedback,
-        }
+        """The configuration as a dict (what :meth:`state_dict` saves).
+
+        Example::
+
+            >>> CompressionState(compressor="topk", density=0.05, start_iter=4).config()["density"]
+            0.05
+        """
+        return {name: getattr(self, name) for name in _CONFIG_FIELDS}
 
     def _uses_ef(self) -> bool:
-        # "auto": the engine keeps residuals for the buckets it sends by onebit or topk.
+        # "auto": the engine keeps residuals for the buckets it sends by a method with them.
         return self.error_feedback and (self.compressor in (*EF_METHODS, "auto") or is_plugin(self.compressor))
 
     # -- runtime (not saved, not pickled) --------------------------------------
     def _init_runtime(self) -> None:
         self._engine: Optional[dist.ProcessGroup] = None
+        self._device: Optional[torch.device] = None  # of the engine's residuals
+        self._private = False  # the engine group is this state's own (made by the hook)
+        #: Keys whose residual in a shared engine group is this state's.
+        self._claimed: Set[int] = set()
         self._positions: Dict[int, int] = {}  # id(parameter) -> position
         self._local_iter = 0  # backward passes seen by this object in this process
         self._warned_unmapped = False
@@ -234,7 +233,8 @@ class CompressionState:
 
     def _engine_group(self, device: torch.device) -> dist.ProcessGroup:
         """The pycomm group that runs this state's buckets (created at the
-        first call over a plain group, on every rank alike)."""
+        first call over a plain group, on every rank alike); residuals loaded
+        before it existed are handed to it now."""
         if self._engine is not None:
             return self._engine
         base = self._base_group()
@@ -250,25 +250,40 @@ class CompressionState:
             if pd.is_pycomm_group(base, device):
                 settings["inner"] = "nccl" if device.type == "cuda" else "gloo"
             engine = pd.wrap(base, compressor=self.compressor, **settings)
-        if self._pending_ef is not None:
-            pd.load_error_feedback_state(self._pending_ef, engine, str(device.type))
-            self._pending_ef = None
-        self._engine = engine
+        private = engine is not base
+        pending = {k: _residual_on(v, device) for k, v in (self._pending_ef or {}).items()}
+        if pending:
+            if not private:  # keep what other code keeps in the shared group
+                pending = {**pd.error_feedback_state(engine, device.type), **pending}
+            pd.load_error_feedback_state(pending, engine, device.type)
+        self._engine, self._device, self._private = engine, device, private
+        self._claimed = set(self._pending_ef or ())
+        self._pending_ef = None
         return engine
+
+    def _claim(self, key: Optional[int]) -> None:
+        """Before this state's first use of ``key`` in a shared engine group:
+        drop whatever other code left under it, so the residual starts at 0."""
+        if key is None or self._private or key in self._claimed:
+            return
+        pd.reset_error_feedback(key, group=self._engine, device=self._device.type)
+        self._claimed.add(key)
 
     def _check_pycomm_group(self, group, device) -> None:
         """A pycomm group compresses with its own settings: they must be this state's."""
         opts = pd.options_of(group, device)
         mine = {"method": self.compressor}
-        if self.compressor == "onebit":
-            mine["block_size"] = self.block_size
+        theirs = dict(opts)
+        if self.compressor in BLOCK_METHODS:
+            mine["block_size"] = block_size_for(self.compressor, self.block_size)
+            theirs["block_size"] = block_size_for(self.compressor, opts.get("block_size") or None)
         if self.compressor == "topk":
             mine.update(density=self.density, approx=self.approx)
         if self.chunk_numel is not None:
             mine["chunk_numel"] = self.chunk_numel
         if is_plugin(self.compressor):
             mine["plugin_options"] = options_json(self.compressor, self.compressor_options)
-        diff = {k: (opts[k], v) for k, v in mine.items() if opts[k] != v}
+        diff = {k: (theirs[k], v) for k, v in mine.items() if theirs[k] != v}
         if diff:
             raise ValueError(
                 "this CompressionState asks for "
@@ -279,21 +294,32 @@ class CompressionState:
             )
 
     def _error_feedback(self) -> Dict[int, Any]:
-        """This rank's residuals: the engine's, or those loaded for it."""
+        """This rank's residuals (copies): the engine's keys that are this
+        state's, or those loaded for it."""
         if self._engine is not None:
             # Read through the engine's queue: after every bucket handed to it.
-            return pd.error_feedback_state(self._engine, self._device_type())
-        return dict(self._pending_ef or {})
-
-    def _device_type(self) -> str:
-        return "cuda" if pd.is_pycomm_group(self._engine, "cuda") else "cpu"
+            ef = pd.error_feedback_state(self._engine, self._device.type)
+            if not self._private:
+                ef = {k: v for k, v in ef.items() if k in self._claimed}
+            return ef
+        return {k: _residual_copy(v) for k, v in (self._pending_ef or {}).items()}
 
     def _world(self) -> Tuple[int, int]:
         return dist.get_world_size(self.process_group), dist.get_rank(self.process_group)
 
     # -- persistence -----------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
-        """Iteration, configuration, bucket layout and this rank's residuals."""
+        """Iteration, configuration, bucket layout and this rank's residuals.
+
+        Every rank saves its own (the residuals differ between ranks); the
+        tensors are copies, so the dict does not change as training goes on.
+
+        Example::
+
+            >>> sd = CompressionState(compressor="onebit", start_iter=4).state_dict()
+            >>> sd["version"], sd["iteration"], sd["error_feedback"]
+            (2, 0, {})
+        """
         world, rank = self._world() if dist.is_initialized() else (None, None)
         if self._saved_world is not None and world is None:
             world, rank = self._saved_world
@@ -312,29 +338,40 @@ class CompressionState:
         """Restore :meth:`state_dict`: iteration, configuration (the saved one
         replaces the constructor's), bucket layout and residuals.
 
+        All or nothing: the whole state is checked first (version,
+        configuration, iteration, bucket layouts, every residual's fields,
+        shape and dtype), and a refused state leaves this object, and its
+        engine's residuals, exactly as they were; the error names the
+        offending field, e.g. ``state['config']['start_iter']``. The
+        residuals are copied: the caller's tensors are never trained in
+        place, so the same dict can be loaded again.
+
         Raises ValueError for a state saved with another world size or by
         another rank, unless ``reset_error_feedback=True``: then the
         iteration and configuration are restored and the residuals and
-        bucket layout start over. A saved bucket layout that does not match
-        DDP's buckets (another model, another ``bucket_cap_mb``) is refused
-        at the first iteration where DDP's buckets are known: ``backward()``
-        raises the ValueError.
+        bucket layout start over (in a shared pycomm group too). A saved
+        bucket layout that does not match DDP's buckets (another model,
+        another ``bucket_cap_mb``) is refused at the first iteration where
+        DDP's buckets are known: ``backward()`` raises the ValueError. Once
+        this state has run buckets, a state whose engine settings
+        (compressor, block_size, density, approx, chunk_numel) differ is
+        refused: load it into a new CompressionState instead.
+
+        Example::
+
+            >>> a = CompressionState(compressor="topk", start_iter=4)
+            >>> b = CompressionState(compressor="onebit", start_iter=2)
+            >>> b.load_state_dict(a.state_dict())
+            >>> b.compressor, b.start_iter
+            ('topk', 4)
+            >>> b.load_state_dict(dict(a.state_dict(), iteration=-1))
+            Traceback (most recent call last):
+            ...
+            ValueError: state['iteration'] must be a non-negative int, got -1
         """
-        if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:
-            raise ValueError(
-                f"not a CompressionState state_dict of version {_STATE_VERSION} "
-                f"(got version {state.get('version') if isinstance(state, dict) else None!r})"
-            )
-        saved_ef = state.get("error_feedback")
-        if not isinstance(saved_ef, dict):
-            raise ValueError("state['error_feedback'] must be the dict of residuals state_dict() saved")
-        prev = self.config()
-        try:
-            self._apply_config(dict(state["config"]))
-        except Exception:
-            self._apply_config(prev)
-            raise
-        saved_world = (state.get("world_size"), state.get("rank"))
+        if not isinstance(reset_error_feedback, bool):
+            raise TypeError(f"reset_error_feedback must be a bool, got {reset_error_feedback!r}")
+        cfg, iteration, saved_world, layouts, residuals = _checked_state(state)
         problems = []
         if saved_world[0] is not None and dist.is_initialized():
             world, rank = self._world()
@@ -343,28 +380,57 @@ class CompressionState:
             elif saved_world[1] != rank:
                 problems.append(f"it holds rank {saved_world[1]}'s residuals, this is rank {rank}")
         if problems and not reset_error_feedback:
-            self._apply_config(prev)
             raise ValueError(
                 "cannot load this CompressionState: " + "; ".join(problems)
                 + ". Save and load each rank's own state, or pass reset_error_feedback=True "
                 "to keep the iteration and start the residuals over."
             )
-        self.iteration = int(state["iteration"])
+        if self._engine is not None:
+            mine = self.config()
+            changed = [f for f in _ENGINE_FIELDS if cfg[f] != mine[f]]
+            if changed:
+                raise ValueError(
+                    "cannot load this CompressionState: "
+                    + ", ".join(f"state['config'][{f!r}] is {cfg[f]!r}" for f in changed)
+                    + ", but this state's engine group already runs with "
+                    + ", ".join(f"{f}={mine[f]!r}" for f in changed)
+                    + ". Load it before the first backward pass, or into a new CompressionState."
+                )
+        # The engine last of the checks: it refuses residuals of another
+        # world size, method or chunk_numel before it changes anything.
+        if self._engine is not None:
+            if reset_error_feedback:
+                self._drop_residuals()
+            else:
+                self._install(residuals)
+        else:
+            self._pending_ef = None if reset_error_feedback else residuals
+        self._set_config(cfg)
+        self.iteration = iteration
         if reset_error_feedback:
             self.bucket_layouts = {}
             self._saved_world = None
-            self._pending_ef = None
-            if self._engine is not None:
-                pd.reset_error_feedback(group=self._engine, device=self._device_type())
-            return
-        layouts = {int(i): (int(n), tuple(p)) for i, (n, p) in state["bucket_layouts"].items()}
-        if self._engine is not None:
-            pd.load_error_feedback_state(dict(saved_ef), self._engine, self._device_type())
         else:
-            self._pending_ef = dict(saved_ef)  # checked by the engine when its group exists
-        self.bucket_layouts = layouts
-        # Checked at the first hook call if the group was not up at load time.
-        self._saved_world = saved_world if saved_world[0] is not None else None
+            self.bucket_layouts = layouts
+            # Checked at the first hook call if the group was not up at load time.
+            self._saved_world = saved_world if saved_world[0] is not None else None
+
+    def _install(self, residuals: Dict[int, Any]) -> None:
+        """Make ``residuals`` this state's residuals in its engine group."""
+        new = {k: _residual_on(v, self._device) for k, v in residuals.items()}
+        if not self._private:
+            current = pd.error_feedback_state(self._engine, self._device.type)
+            new = {**{k: v for k, v in current.items() if k not in self._claimed}, **new}
+        pd.load_error_feedback_state(new, self._engine, self._device.type)
+        self._claimed = set(residuals)
+
+    def _drop_residuals(self) -> None:
+        if self._private:
+            pd.reset_error_feedback(group=self._engine, device=self._device.type)
+        else:
+            for key in sorted(self._claimed):
+                pd.reset_error_feedback(key, group=self._engine, device=self._device.type)
+        self._claimed = set()
 
     def __getstate__(self) -> Dict[str, Any]:
         keep = {k: v for k, v in self.__dict__.items() if not k.startswith("_") or k == "_saved_world"}
@@ -404,26 +470,269 @@ class CompressionState:
         self._saved_world = None
 
 
-def _failed(exc: BaseException) -> torch.futures.Future:
-    """A future that fails with ``exc``. Raised from a callback rather than
-    set with ``set_exception``: DDP then reports "ValueError: <message>"
-    instead of "Unable to cast <message> to Tensor"."""
-    done: torch.futures.Future = torch.futures.Future()
-    done.set_result(None)
+# ------------------------------------------------------------ validation ---
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
-    def fail(_):
+
+def _labelled(label: Optional[str], check: Callable[[], Any]) -> Any:
+    """``check()``, its TypeError/ValueError prefixed with ``label`` (the
+    field of a loaded state) when there is one."""
+    if label is None:
+        return check()
+    try:
+        return check()
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{label}: {exc}") from None
+
+
+def _checked_config(cfg: Dict[str, Any], where: Optional[str] = None) -> Dict[str, Any]:
+    """The configuration, validated and normalized, without side effects.
+    ``where``: the name of the dict in a loaded state, for the errors."""
+
+    def label(name):
+        return None if where is None else f"{where}[{name!r}]"
+
+    if where is not None:
+        if not isinstance(cfg, dict):
+            raise TypeError(f"{where} must be a dict, got {type(cfg).__name__}")
+        missing = [f for f in _CONFIG_FIELDS if f not in cfg]
+        unknown = sorted(map(str, set(cfg) - set(_CONFIG_FIELDS)))
+        if missing or unknown:
+            raise ValueError(f"{where} must hold the fields {list(_CONFIG_FIELDS)}"
+                             + (f"; missing {missing}" if missing else "")
+                             + (f"; unknown {unknown}" if unknown else ""))
+    compressor = cfg["compressor"]
+    if compressor not in COMPRESSORS and not is_plugin(compressor):
+        raise ValueError(f"{label('compressor') or 'compressor'} must be one of {list(COMPRESSORS)} or a "
+                         f"registered compressor (pycomm.register_compressor), got {compressor!r}")
+    start_iter = cfg["start_iter"]
+    name = label("start_iter") or "start_iter"
+    if not _is_int(start_iter):
+        raise TypeError(f"{name} must be an int, got {start_iter!r}")
+    if start_iter < 2:
+        raise ValueError(
+            f"{name} must be >= 2, got {start_iter}: DDP rebuilds its gradient buckets "
+            f"after the first iteration, so bucket.index(), which keys the error-feedback "
+            f"residuals, is not stable before the second (pytorch issue #51427)"
+        )
+    chunk_numel = cfg["chunk_numel"]
+    if chunk_numel is not None:
+        _labelled(label("chunk_numel"), lambda: pd.PycommOptions(chunk_numel=chunk_numel))
+    block_size = cfg["block_size"]
+    if block_size is not None:
+        _labelled(label("block_size"), lambda: pd.PycommOptions(block_size=block_size))
+    for flag in ("error_feedback", "approx"):
+        if not isinstance(cfg[flag], bool):
+            raise TypeError(f"{label(flag) or flag} must be a bool, got {cfg[flag]!r}")
+    density = _labelled(label("density"), lambda: check_density(cfg["density"]))
+    return dict(compressor=compressor, density=density, approx=cfg["approx"], block_size=block_size,
+                chunk_numel=chunk_numel, start_iter=start_iter, error_feedback=cfg["error_feedback"])
+
+
+def _checked_state(state: Any):
+    """Everything :meth:`CompressionState.load_state_dict` needs, checked and
+    copied: ``(config, iteration, (world_size, rank), bucket_layouts,
+    residuals)``. Raises, naming the field, before anything is changed."""
+    if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:
+        got = state.get("version") if isinstance(state, dict) else type(state).__name__
+        raise ValueError(f"state['version']: not a CompressionState state_dict of version "
+                         f"{_STATE_VERSION} (got {got!r})")
+    missing = [f for f in _STATE_FIELDS if f not in state]
+    unknown = sorted(map(str, set(state) - set(_STATE_FIELDS)))
+    if missing or unknown:
+        raise ValueError(f"state must hold the fields {list(_STATE_FIELDS)}"
+                         + (f"; missing {missing}" if missing else "")
+                         + (f"; unknown {unknown}" if unknown else ""))
+    cfg = _checked_config(state["config"], "state['config']")
+    iteration = state["iteration"]
+    if not _is_int(iteration) or iteration < 0:
+        raise ValueError(f"state['iteration'] must be a non-negative int, got {iteration!r}")
+    world, rank = state["world_size"], state["rank"]
+    if (world is None) != (rank is None):
+        raise ValueError(f"state['world_size'] and state['rank'] must both be None or both ints, "
+                         f"got {world!r} and {rank!r}")
+    if world is not None:
+        if not _is_int(world) or world < 1:
+            raise ValueError(f"state['world_size'] must be a positive int or None, got {world!r}")
+        if not _is_int(rank) or not 0 <= rank < world:
+            raise ValueError(f"state['rank'] must be an int in [0, {world}), got {rank!r}")
+    layouts = _checked_layouts(state["bucket_layouts"])
+    saved_ef = state["error_feedback"]
+    if not isinstance(saved_ef, dict):
+        raise TypeError(f"state['error_feedback'] must be the dict of residuals state_dict() saved, "
+                        f"got {type(saved_ef).__name__}")
+    residuals = {}
+    for key, ef in saved_ef.items():
+        label = f"state['error_feedback'][{key!r}]"
+        if not _is_int(key) or key < 0:
+            raise ValueError(f"{label}: a key must be a bucket index (a non-negative int)")
+        residuals[key] = _checked_residual(label, ef, cfg)
+    return cfg, iteration, (world, rank), layouts, residuals
+
+
+def _checked_layouts(layouts: Any) -> Dict[int, Tuple[int, Tuple[int, ...]]]:
+    if not isinstance(layouts, dict):
+        raise TypeError(f"state['bucket_layouts'] must be a dict, got {type(layouts).__name__}")
+    out: Dict[int, Tuple[int, Tuple[int, ...]]] = {}
+    owner: Dict[int, int] = {}  # parameter position -> bucket
+    for index, value in layouts.items():
+        label = f"state['bucket_layouts'][{index!r}]"
+        if not _is_int(index) or index < 0:
+            raise ValueError(f"{label}: a key must be a bucket index (a non-negative int)")
+        if not isinstance(value, (list, tuple)) or len(value) != 2:
+            raise ValueError(f"{label} must be (numel, [parameter positions]), got {value!r}")
+        numel, positions = value
+        if not _is_int(numel) or numel < 1:
+            raise ValueError(f"{label}: numel must be a positive int, got {numel!r}")
+        if not isinstance(positions, (list, tuple)) or not positions:
+            raise ValueError(f"{label}: the parameter positions must be a non-empty list, got {positions!r}")
+        for p in positions:
+            if not _is_int(p) or p < 0:
+                raise ValueError(f"{label}: a parameter position must be a non-negative int, got {p!r}")
+            if p in owner:
+                raise ValueError(f"{label}: parameter {p} is also in bucket {owner[p]}")
+            owner[p] = index
+        out[index] = (numel, tuple(positions))
+    return out
+
+
+def _checked_residual(label: str, ef: Any, cfg: Dict[str, Any]) -> Dict[str, Any]:
+    """One key's residuals, checked against the engine's layout rules, copied."""
+    if not isinstance(ef, dict):
+        raise TypeError(f"{label} must be a dict of residuals, got {type(ef).__name__}")
+    missing = [f for f in _RESIDUAL_FIELDS if f not in ef]
+    unknown = sorted(map(str, set(ef) - set(_RESIDUAL_FIELDS)))
+    if missing or unknown:
+        raise ValueError(f"{label} must hold the fields {list(_RESIDUAL_FIELDS)}"
+                         + (f"; missing {missing}" if missing else "")
+                         + (f"; unknown {unknown}" if unknown else ""))
+    for name in ("numel", "world_size", "chunk_numel"):
+        if not _is_int(ef[name]) or ef[name] < 1:
+            raise ValueError(f"{label}['{name}'] must be a positive int, got {ef[name]!r}")
+    numel, method = ef["numel"], ef["method"]
+    compressor = cfg["compressor"]
+    allowed = EF_METHODS if compressor == "auto" else (compressor,)
+    if method not in allowed:
+        raise ValueError(f"{label}['method'] is {method!r}, but state['config']['compressor'] is "
+                         f"{compressor!r}: its residuals are of {list(allowed)}")
+    worker = ef["worker"]
+    if not isinstance(worker, torch.Tensor) or worker.dtype != torch.float32 or worker.dim() != 1 \
+            or worker.numel() != numel:
+        got = (f"a {worker.dtype} tensor of shape {tuple(worker.shape)}" if isinstance(worker, torch.Tensor)
+               else type(worker).__name__)
+        raise ValueError(f"{label}['worker'] must be a 1-D float32 tensor of numel={numel} elements, got {got}")
+    server = ef["server"]
+    if not isinstance(server, (list, tuple)):
+        raise TypeError(f"{label}['server'] must be a list of tensors, got {type(server).__name__}")
+    chunks = chunk_bounds(numel, ef["chunk_numel"])
+    if method in BLOCK_METHODS:
+        if len(server) != len(chunks):
+            raise ValueError(f"{label}['server'] must hold one tensor per chunk ({len(chunks)} chunks of "
+                             f"numel={numel} at chunk_numel={ef['chunk_numel']}), got {len(server)}")
+    elif server:
+        raise ValueError(f"{label}['server'] must be empty for {method!r}, got {len(server)} tensors")
+    for i, (s, (lo, hi)) in enumerate(zip(server, chunks)):
+        if not isinstance(s, torch.Tensor) or s.dtype != torch.float32 or s.dim() != 1 or s.numel() > hi - lo:
+            got = (f"a {s.dtype} tensor of shape {tuple(s.shape)}" if isinstance(s, torch.Tensor)
+                   else type(s).__name__)
+            raise ValueError(f"{label}['server'][{i}] must be a 1-D float32 tensor of at most {hi - lo} "
+                             f"elements (its chunk's length), got {got}")
+        if s.device != worker.device:
+            raise ValueError(f"{label}['server'][{i}] is on {s.device}, the worker residual on {worker.device}")
+    return _residual_copy(ef)
+
+
+def _residual_copy(ef: Dict[str, Any], device: Optional[torch.device] = None) -> Dict[str, Any]:
+    """A copy of one key's residuals (on ``device`` when given), sharing no
+    tensor with ``ef``."""
+
+    def copy(t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        if device is not None and t.device != device:
+            return t.to(device, copy=True).contiguous()
+        return t.clone(memory_format=torch.contiguous_format)
+
+    out = {k: v for k, v in ef.items() if k not in ("worker", "server")}
+    out["worker"] = copy(ef["worker"])
+    out["server"] = [copy(s) for s in ef["server"]]
+    return out
+
+
+def _residual_on(ef: Dict[str, Any], device: torch.device) -> Dict[str, Any]:
+    """``ef`` (this state's own copy) with its tensors on ``device``."""
+    tensors = [ef["worker"], *ef["server"]]
+    if all(t.device == device for t in tensors):
+        return ef
+    return _residual_copy(ef, device)
+
+
+# --------------------------------------------------------- error delivery ---
+def _at_end_of_backward(check: Callable[[], None]) -> None:
+    """Run ``check`` when the current backward pass has computed every
+    gradient, before DDP's own end-of-backward step (which this hook's
+    buckets precede). An exception it raises comes out of
+    ``loss.backward()`` as itself: DDP would report only a RuntimeError with
+    the exception's text. Nothing when not inside a backward pass."""
+    try:
+        torch.autograd.Variable._execution_engine.queue_callback(check)
+    except RuntimeError:  # not inside a backward pass: the Future still fails
+        pass
+
+
+def _failed(exc: BaseException) -> torch.futures.Future:
+    """A future that fails with ``exc``, and ``exc`` raised by backward()."""
+
+    def check():
         raise exc
 
-    return done.then(fail)
+    _at_end_of_backward(check)
+    done: torch.futures.Future = torch.futures.Future()
+    done.set_result(None)
+    return done.then(lambda _: check())
 
 
+def _result(raw: List[torch.futures.Future], finish: Callable[[], torch.Tensor]) -> torch.futures.Future:
+    """The future DDP waits on: ``finish()`` once every engine future in
+    ``raw`` has completed. A failure (the engine's, or one in ``finish``)
+    is raised by backward() as the original exception."""
+    errors: List[BaseException] = []
+
+    def then(_):
+        try:
+            for f in raw:
+                f.wait()
+            return finish()
+        except BaseException as exc:
+            errors.append(exc)
+            raise
+
+    source = raw[0] if len(raw) == 1 else torch.futures.collect_all(raw)
+    result = source.then(then)
+
+    def check():
+        for f in raw:
+            f.wait()  # the engine's error, with its own type
+        try:
+            result.wait()
+        except BaseException:
+            if errors:
+                raise errors[0] from None
+            raise
+
+    _at_end_of_backward(check)
+    return result
+
+
+# -------------------------------------------------------------------- hook ---
 def compressed_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: average ``bucket`` over ranks, compressed.
 
     Register with ``ddp_model.register_comm_hook(state, compressed_hook)``
     before the first forward. Returns a ``torch.futures.Future`` at once; the
-    engine completes it with the averaged bucket, or with the exception that
-    stopped it, which then surfaces from ``loss.backward()``.
+    engine completes it with the averaged bucket. A failure (a refusal of
+    the hook, an error of the engine) is raised by ``loss.backward()`` as
+    the original exception, with its type and message.
 
     Example (on every rank, after ``dist.init_process_group``)::
 
@@ -468,7 +777,7 @@ def compressed_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.f
             if known is None:
                 state.bucket_layouts[index] = record
             elif known != record:
-                if not warm or any(k == index for k in state._error_feedback()):
+                if not warm or index in state._error_feedback():
                     raise ValueError(
                         f"DDP bucket {index} holds {numel} elements (parameters {list(positions)}), "
                         f"but the residuals of bucket {index} were saved for {known[0]} elements "
@@ -483,16 +792,17 @@ def compressed_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.f
     except Exception as exc:
         return _failed(exc)
 
-    def done(work) -> torch.futures.Future:
-        return work.get_future().then(lambda f: _first_tensor(f.value(), tensor))
-
     try:
         if warm:
-            return done(pd.all_reduce(tensor, group=group, op="avg", async_op=True, compress=False))
-        if keyed:
+            work = pd.all_reduce(tensor, group=group, op="avg", async_op=True, compress=False)
+        elif keyed:
             key = index if state._uses_ef() else None
-            return done(pd.all_reduce(tensor, key=key, group=group, op="avg", async_op=True))
-        return _remapped(state, bucket, tensor, positions, group, it)
+            state._claim(key)
+            work = pd.all_reduce(tensor, key=key, group=group, op="avg", async_op=True)
+        else:
+            return _remapped(state, bucket, tensor, positions, group, it)
+        raw = work.get_future()
+        return _result([raw], lambda: _first_tensor(raw.value(), tensor))
     except Exception as exc:
         return _failed(exc)
 
@@ -504,27 +814,27 @@ def _remapped(state, bucket, tensor, positions, group, it) -> torch.futures.Futu
     tile it."""
     parts = _saved_parts(state, bucket, tensor, positions, it)
     if parts is None:
-        work = pd.all_reduce(tensor, group=group, op="avg", async_op=True, compress=False)
-        return work.get_future().then(lambda f: _first_tensor(f.value(), tensor))
+        raw = pd.all_reduce(tensor, group=group, op="avg", async_op=True, compress=False).get_future()
+        return _result([raw], lambda: _first_tensor(raw.value(), tensor))
     # One engine call per saved bucket, issued now in index order (the
     # engine runs them in submission order, the same on every rank).
     pending = []
     for index, slices in parts:
         flat = torch.cat([tensor[o : o + n] for o, n in slices])
         key = index if state._uses_ef() else None
+        state._claim(key)
         work = pd.all_reduce(flat, key=key, group=group, op="avg", async_op=True)
         pending.append((work.get_future(), flat, slices))
 
-    def copy_back(_):
-        for f, flat, slices in pending:
-            f.wait()  # raises that call's error, if any
+    def copy_back():
+        for _, flat, slices in pending:
             start = 0
             for o, n in slices:
                 tensor[o : o + n].copy_(flat[start : start + n])
                 start += n
         return tensor
 
-    return torch.futures.collect_all([f for f, _, _ in pending]).then(copy_back)
+    return _result([f for f, _, _ in pending], copy_back)
 
 
 def _first_tensor(value: Any, default: torch.Tensor) -> torch.Tensor:
@@ -533,7 +843,6 @@ def _first_tensor(value: Any, default: torch.Tensor) -> torch.Tensor:
     if isinstance(value, (list, tuple)) and value and isinstance(value[0], torch.Tensor):
         return value[0]
     return default
-
 
 
 def _saved_parts(state: CompressionState, bucket, tensor, positions, it) -> Optional[List[Tuple[int, List[Tuple[int, int]]]]]:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, fields
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -275,8 +275,12 @@ def wrap(group: Optional[dist.ProcessGroup] = None, compressor: str = "onebit", 
         raise TypeError(f"wrap() got unknown settings {unknown}; allowed: {allowed}")
     group = group or dist.group.WORLD
     inner = settings.pop("inner", None) or dist.get_backend(group)
+    if inner == BACKEND_NAME:
+        # A pycomm group: the new one wraps the same kind of backend it does.
+        wrapped = _backend_of(group, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+        inner = wrapped.inner.name() if wrapped is not None else inner
     if inner not in ("gloo", "nccl"):
-        raise ValueError(f"can wrap a gloo or nccl group, this one is {inner!r}")
+        raise ValueError(f"can wrap a gloo, nccl or pycomm group, this one is {inner!r}")
     options = PycommOptions(compressor=compressor, inner=inner, **settings)
     ranks = dist.get_process_group_ranks(group)
     return dist.new_group(ranks=ranks, backend=BACKEND_NAME, pg_options=options)
@@ -448,13 +452,38 @@ def all_gather(
     return None
 
 
-def error_feedback_state(group: Optional[dist.ProcessGroup] = None, device: str = "cpu") -> Dict[int, dict]:
-    """The backend's error-feedback residuals, per key (copies), to save."""
-    return dict(_pycomm_backend(group, _device(device)).error_feedback_state())
+def error_feedback_state(group: Optional[dist.ProcessGroup] = None, device: str = "cpu",
+                         keys: Optional[Sequence[int]] = None) -> Dict[int, dict]:
+    """The backend's error-feedback residuals, per key (copies), to save:
+    every key's, or only those of ``keys`` (what one owner of keys saves
+    when several share a group).
+
+    Example::
+
+        state = pd.error_feedback_state(pg, keys=[3, 4])
+    """
+    if keys is not None:
+        if isinstance(keys, (str, bytes)) or not hasattr(keys, "__iter__"):
+            raise TypeError(f"keys must be a sequence of ints or None, got {keys!r}")
+        keys = list(keys)
+        for k in keys:
+            _check_key(k)
+    return dict(_pycomm_backend(group, _device(device)).error_feedback_state(keys))
 
 
-def load_error_feedback_state(state: Dict[int, dict], group: Optional[dist.ProcessGroup] = None, device: str = "cpu") -> None:
-    """Restore residuals saved with :func:`error_feedback_state`."""
+def load_error_feedback_state(state: Dict[int, dict], group: Optional[dist.ProcessGroup] = None, device: str = "cpu",
+                              replace: bool = True) -> None:
+    """Restore residuals saved with :func:`error_feedback_state`: they
+    replace every key's (``replace=True``), or only the keys ``state`` holds
+    (``replace=False``: other owners' keys on the group stay). A state that
+    does not fit is refused whole, naming the key and field.
+
+    Example::
+
+        pd.load_error_feedback_state(saved, pg, replace=False)
+    """
+    if not isinstance(replace, bool):
+        raise TypeError(f"replace must be a bool, got {replace!r}")
     if not isinstance(state, dict):
         raise TypeError(f"state must be the dict error_feedback_state() returned, got {type(state).__name__}")
     for key, value in state.items():
@@ -477,7 +506,7 @@ def load_error_feedback_state(state: Dict[int, dict], group: Optional[dist.Proce
             raise TypeError(f"state[{key!r}]['server'] must be a list of tensors")
     # The engine checks sizes against its layout, refuses non-finite
     # residuals and copies the tensors: nothing is replaced unless all is well.
-    _pycomm_backend(group, _device(device)).load_error_feedback_state(dict(state))
+    _pycomm_backend(group, _device(device)).load_error_feedback_state(dict(state), replace)
 
 
 def reset_error_feedback(key: Optional[int] = None, group: Optional[dist.ProcessGroup] = None, device: str = "cpu") -> None:

@@ -1,0 +1,49 @@
+"""What the example scripts share: a tiny model, deterministic data, and a
+report (printed by rank 0; with ``--out DIR``, one JSON file per rank)."""
+
+import hashlib
+import json
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+IN, HIDDEN, OUT = 32, 256, 4
+
+
+def make_model() -> nn.Module:
+    """~75K parameters: with bucket_cap_mb=0.25, DDP makes two buckets."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(IN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, HIDDEN), nn.ReLU(),
+                         nn.Linear(HIDDEN, OUT))
+
+
+def dataset(rows: int = 256):
+    """A fixed regression problem (the same in every process)."""
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randn(rows, IN, generator=g)
+    w = torch.randn(IN, OUT, generator=g) / IN**0.5
+    return torch.utils.data.TensorDataset(x, torch.tanh(x @ w))
+
+
+def report(out_dir, rank, model, loss, state) -> dict:
+    """What a run ends with; rank 0 prints it, ``out_dir`` gets every rank's."""
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    saved = state.state_dict()
+    result = {
+        "rank": rank,
+        "backend": dist.get_backend() if dist.is_initialized() else None,
+        "loss": float(loss),
+        "hook_iteration": state.iteration,
+        "residual_buckets": sorted(saved["error_feedback"]),
+        "params_sha256": hashlib.sha256(params.numpy().tobytes()).hexdigest(),
+    }
+    if rank == 0:
+        print(f"backend {result['backend']}; final loss {result['loss']:.5f}; hook: {state.iteration} iterations, "
+              f"error-feedback residuals of buckets {result['residual_buckets']}", flush=True)
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(result, f)
+    return result

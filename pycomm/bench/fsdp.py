@@ -1,0 +1,509 @@
+"""End-to-end FSDP2 benchmark: the benchmark's GPT sharded with
+``fully_shard`` (each transformer block and the root) on W CPU ranks over
+Gloo, plain FSDP2 against FSDP2's own bf16 reduce and pycomm.fsdp's
+compressed reduce-scatter (and weight all-gather).
+
+Methods (``--methods``), side by side in the same rank processes (same seed,
+same batches, AdamW):
+
+* ``plain``: FSDP2 as is (float32 reduce-scatter and all-gather);
+* ``bf16``: FSDP2 with ``MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)``
+  (gradients reduce-scattered in bf16, compute in float32);
+* ``int8``, ``int4``: :func:`pycomm.fsdp.compress` with that compressor and
+  its default settings (no error feedback, buffers below
+  ``min_compress_numel`` exact);
+* ``int8-weights``, ``int4-weights``: the same with ``weights=`` that
+  compressor (the parameter all-gather compressed too).
+
+Links are emulated as in ``pycomm-bench ddp`` (:mod:`pycomm.bench.netem`:
+one namespace per rank, tbf-shaped; loopback without root, labelled so).
+Every method trains ``--steps`` steps per seed (``--seeds``); the first
+``--warmup`` steps are untimed. Per (method, bandwidth) the JSON record
+holds the median and p10/p90 step time (max over ranks per step), the bytes
+sent per rank per step (counted on each rank's interface; on loopback the
+shared ``lo`` count divided by the ranks), the peak resident memory per
+rank during the training steps (below), the held-out loss of the trained
+model (the full parameters gathered into an unsharded copy, evaluated on
+the same batches as ``pycomm-bench ddp``'s ``final_loss``) and the ratios
+to ``plain`` and ``bf16``.
+
+Peak memory: the process's resident-set high-water mark (``VmHWM``), reset
+through ``/proc/self/clear_refs`` (Linux) after the method's model and
+optimizer are built and read after its last step; ``peak_rss_bytes`` is
+that peak (the largest over ranks) and ``peak_rss_increase_bytes`` the
+peak minus the resident size at the reset. It counts everything the
+process touches (the interpreter, torch, freed memory glibc has not
+returned, the Gloo buffers), not tensors alone; where ``clear_refs`` cannot
+be written it falls back to ``getrusage`` ``ru_maxrss``, the peak of the
+whole process lifetime (``memory_measure`` says which).
+
+Example::
+
+    $ pycomm-bench fsdp --quick
+    $ pycomm-bench fsdp --ranks 4 --bandwidth 1gbit --steps 30 --seeds 1
+    $ pycomm-bench fsdp --ranks 2 --model tiny --bandwidth none --no-netns --steps 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import gc
+import math
+import sys
+import time
+from typing import Any, Dict, List, Optional, Tuple
+
+from .ddp import (
+    DEFAULT_LR,
+    DEFAULT_SEQ_LEN,
+    EVAL_BATCHES,
+    EVAL_RANK,
+    FINAL_LOSS_WINDOW,
+    _mean,
+    _stdev,
+    _workload,
+)
+from .launch import Rank, RanksFailed, run_ranks, threads_per_rank
+from .report import finish, fmt_number, machine_info, progress_bar, table
+from .timing import summarize
+
+HELP = "end-to-end FSDP2 training on emulated slow links: pycomm.fsdp int8/int4 vs plain and bf16 reduce"
+
+#: method -> (pycomm compressor or None, weights compressor or None, FSDP2 reduce dtype or None)
+METHODS: Dict[str, Tuple[Optional[str], Optional[str], Optional[str]]] = {
+    "plain": (None, None, None),
+    "bf16": (None, None, "bfloat16"),
+    "int8": ("int8", None, None),
+    "int4": ("int4", None, None),
+    "int8-weights": ("int8", "int8", None),
+    "int4-weights": ("int4", "int4", None),
+}
+DEFAULT_METHODS = ["plain", "bf16", "int8", "int4", "int8-weights"]
+DEFAULT_BANDWIDTHS = ["1gbit"]
+DEFAULT_STEPS = 60
+QUICK_STEPS = 12
+DEFAULT_WARMUP = 3
+QUICK_WARMUP = 2
+DEFAULT_TIMEOUT = 600.0
+#: Per-seed fields, kept in each record's ``per_seed`` list.
+PER_SEED_FIELDS = ("seed", "final_loss", "train_loss_last", "step_time_median_s", "bytes_sent_per_rank_per_step",
+                   "bytes_sent_per_rank_per_step_all_steps", "peak_rss_bytes", "peak_rss_increase_bytes",
+                   "loss_per_step", "step_times_s")
+
+
+# --------------------------------------------------------------------------- rank side
+
+
+def _vm_status(field: str) -> Optional[int]:
+    """``VmHWM`` / ``VmRSS`` of this process in bytes (None off Linux)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _reset_peak_rss() -> Tuple[str, int]:
+    """Return what is measured and the resident bytes now, after resetting
+    the high-water mark where the kernel allows it (memory freed by earlier
+    methods handed back to the OS first, so it does not count here)."""
+    import ctypes
+    import resource
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as fh:
+            fh.write("5")
+        now = _vm_status("VmRSS")
+        if now is not None:
+            return "VmHWM", now
+    except OSError:
+        pass
+    return "ru_maxrss", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _peak_rss(measure: str) -> int:
+    import resource
+
+    if measure == "VmHWM":
+        return _vm_status("VmHWM") or 0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _setup(cfg: Dict[str, Any], method: str, seed: int):
+    """(FSDP model, optimizer, loss_fn, batch_fn, FSDPCompression or None)."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    compressor, weights, reduce_dtype = METHODS[method]
+    model, batch_fn, loss_fn = _workload(cfg, seed)
+    kw = {}
+    if reduce_dtype is not None:
+        kw["mp_policy"] = MixedPrecisionPolicy(reduce_dtype=getattr(torch, reduce_dtype))
+    for block in model.blocks:
+        fully_shard(block, **kw)
+    fully_shard(model, **kw)
+    comp = None
+    if compressor is not None:
+        import pycomm.fsdp
+
+        settings = {}
+        if cfg.get("min_compress_numel") is not None:
+            settings["min_compress_numel"] = cfg["min_compress_numel"]
+        comp = pycomm.fsdp.compress(model, compressor, weights=weights, **settings)
+    # Unfused: torch's fused CPU AdamW does not take FSDP2's DTensor parameters everywhere.
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=0.0, foreach=True)
+    return model, opt, loss_fn, batch_fn, comp
+
+
+def _full_model(cfg: Dict[str, Any], model, seed: int):
+    """An unsharded float32 copy of the trained FSDP ``model`` (collective:
+    every rank gathers every parameter)."""
+    from torch.distributed.tensor import DTensor
+
+    full = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach()
+            for k, v in model.state_dict().items()}
+    plain, _, _ = _workload(cfg, seed)
+    plain.load_state_dict(full)
+    return plain
+
+
+def _warm_up(rank: Rank, steps: int = 2) -> None:
+    """A few discarded steps of plain FSDP2 before any method is measured:
+    the process's first FSDP run pays one-time costs (lazy initialization,
+    the allocator's growth) that would otherwise land on the first method."""
+    model, opt, loss_fn, batch_fn, _ = _setup(rank.cfg, "plain", rank.cfg["seed"])
+    for step in range(steps):
+        loss_fn(model, batch_fn(rank.rank, step)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    del model, opt
+
+
+def _train(rank: Rank, method: str, seed: int) -> Dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    cfg = rank.cfg
+    steps, timed_from = cfg["steps"], cfg["warmup"]
+    model, opt, loss_fn, batch_fn, comp = _setup(cfg, method, seed)
+    numel = sum(p.numel() for p in model.parameters())
+    times: List[float] = []
+    losses: List[float] = []
+    report_every = max(1, steps // 20)
+    measure, rss0 = _reset_peak_rss()
+    dist.barrier()
+    tx_start = rank.tx_bytes()
+    tx0 = tx_start if timed_from == 0 else None
+    for step in range(steps):
+        if step == timed_from:
+            tx0 = rank.tx_bytes()
+        t0 = time.perf_counter()
+        loss = loss_fn(model, batch_fn(rank.rank, step))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t0)
+        losses.append(float(loss.detach()))
+        if rank.rank == 0 and ((step + 1) % report_every == 0 or step + 1 == steps):
+            rank.emit("step", method=method, seed=seed, step=step + 1, steps=steps)
+    tx1 = rank.tx_bytes()
+    peak = _peak_rss(measure)
+    peak, increase = rank.max_over_ranks([float(peak), float(peak - rss0)])
+    times = rank.max_over_ranks(times)
+    losses = rank.mean_over_ranks(losses)
+    sent = sent_all = None
+    if tx0 is not None and tx1 is not None:
+        sent, sent_all = rank.mean_over_ranks([float(tx1 - tx0), float(tx1 - tx_start)])
+        sent, sent_all = sent / max(1, steps - timed_from), sent_all / steps
+    full = _full_model(cfg, model, seed)
+    final = math.nan
+    if rank.rank == 0:
+        with torch.no_grad():
+            evals = [float(loss_fn(full, batch_fn(EVAL_RANK + i, 0))) for i in range(cfg["eval_batches"])]
+        final = sum(evals) / len(evals)
+    window = losses[-min(FINAL_LOSS_WINDOW, len(losses)):]
+    compressor, weights, reduce_dtype = METHODS[method]
+    rec = {
+        "method": method,
+        "compressor": compressor,
+        "weights": weights,
+        "reduce_dtype": reduce_dtype,
+        "error_feedback": comp.error_feedback if comp is not None else None,
+        "seed": seed,
+        "parameters": numel,
+        "steps": steps,
+        "timed_from": timed_from,
+        "step_time_median_s": summarize(times[timed_from:])["median_s"],
+        "bytes_sent_per_rank_per_step": sent,
+        "bytes_sent_per_rank_per_step_all_steps": sent_all,
+        "memory_measure": measure,
+        "peak_rss_bytes": peak,
+        "peak_rss_increase_bytes": increase,
+        "final_loss": final,
+        "train_loss_last": sum(window) / len(window),
+        "loss_per_step": losses,
+        "step_times_s": times,
+    }
+    del model, opt, comp, full
+    return rec
+
+
+def _rank_main(rank: Rank) -> None:
+    """One rank (:func:`pycomm.bench.launch.run_ranks`): a discarded warm-up,
+    then every method of every seed."""
+    import torch.distributed as dist
+
+    _warm_up(rank)
+    for seed in rank.cfg["seeds"]:
+        for method in rank.cfg["methods"]:
+            rec = _train(rank, method, seed)
+            if rank.rank == 0:
+                rank.emit("result", record=rec)
+    dist.barrier()
+
+
+# --------------------------------------------------------------------------- parent side
+
+
+def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
+    """Defaults (``--quick`` shrinks them) and checks; ValueError names the option."""
+    from .cli import split_list
+    from .netem import parse_rate
+    from .report import default_json_path
+
+    if args.device.type != "cpu":
+        raise ValueError("--device: the fsdp benchmark trains on CPU ranks over Gloo (emulated links)")
+    if args.repeats is not None:
+        raise ValueError("--repeats: not used by fsdp; use --steps")
+    if args.ranks < 2:
+        raise ValueError(f"--ranks must be >= 2, got {args.ranks}")
+    bws = split_list(args.bandwidth) or DEFAULT_BANDWIDTHS
+    rates: List[Optional[float]] = []
+    for b in bws:
+        try:
+            rates.append(parse_rate(b))
+        except ValueError as exc:
+            raise ValueError(f"--bandwidth: {exc}") from None
+    if len(set(rates)) != len(rates):
+        raise ValueError(f"--bandwidth: repeated value in {bws}")
+    if not args.netns and any(r is not None for r in rates):
+        raise ValueError(f"--bandwidth {','.join(bws)}: with --no-netns links cannot be shaped, use --bandwidth none")
+    args.bandwidth, args.rates = bws, rates
+    methods = split_list(args.methods) or DEFAULT_METHODS
+    for name in methods:
+        if name not in METHODS:
+            raise ValueError(f"--methods: unknown method {name!r} (one of {', '.join(METHODS)})")
+    if "plain" not in methods:
+        methods = ["plain", *methods]  # every ratio is against it
+    if len(set(methods)) != len(methods):
+        raise ValueError(f"--methods: repeated method in {methods}")
+    args.methods = methods
+    if args.steps is None:
+        args.steps = QUICK_STEPS if args.quick else DEFAULT_STEPS
+    if args.warmup is None:
+        args.warmup = min(QUICK_WARMUP if args.quick else DEFAULT_WARMUP, args.steps - 1)
+    if args.steps < args.warmup + 2:
+        raise ValueError(f"--steps ({args.steps}) must exceed --warmup ({args.warmup}) by at least 2")
+    if args.lr is None:
+        args.lr = DEFAULT_LR["adamw"]
+    if args.json is None:
+        args.json = default_json_path("fsdp", "cpu", quick=args.quick)
+    return args
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``fsdp`` options (the common ones are already there; ``--warmup``
+    is the untimed steps at the start of each method's training)."""
+    from .cli import nonnegative_int, positive_int
+
+    g = parser.add_argument_group("fsdp options")
+    g.add_argument("--ranks", type=positive_int, default=4, help="processes, one per emulated host (default: 4)")
+    g.add_argument("--bandwidth", nargs="+", metavar="RATE", default=None,
+                   help="link rates, comma or space separated, e.g. 100mbit,1gbit,none (none: unshaped; "
+                        f"default: {','.join(DEFAULT_BANDWIDTHS)}); every method trains --steps at each")
+    g.add_argument("--methods", nargs="+", metavar="METHOD", default=None,
+                   help=f"{', '.join(METHODS)} (plain always runs; default: {','.join(DEFAULT_METHODS)})")
+    g.add_argument("--steps", type=positive_int, default=None,
+                   help=f"training steps per method and seed (default: {DEFAULT_STEPS}; {QUICK_STEPS} with --quick)")
+    g.add_argument("--batch-size", type=positive_int, default=1, help="sequences per rank per step (default: 1)")
+    g.add_argument("--model", choices=("default", "tiny"), default="default",
+                   help="GPT size: default (4.9M parameters) or tiny (43K, for smoke tests)")
+    g.add_argument("--seq-len", type=positive_int, default=DEFAULT_SEQ_LEN,
+                   help=f"bytes per sequence (default: {DEFAULT_SEQ_LEN})")
+    g.add_argument("--lr", type=float, default=None, help=f"AdamW learning rate (default: {DEFAULT_LR['adamw']:g})")
+    g.add_argument("--min-compress-numel", type=nonnegative_int, default=None,
+                   help="pycomm.fsdp's min_compress_numel (buffers below it go exact; default: the library's)")
+    g.add_argument("--seed", type=int, default=0, help="the first seed (default: 0)")
+    g.add_argument("--seeds", type=positive_int, default=1,
+                   help="train every method once per seed, seeds --seed ... --seed+N-1 (default: 1)")
+    g.add_argument("--eval-batches", type=positive_int, default=EVAL_BATCHES, metavar="N",
+                   help=f"held-out batches the final loss is the mean of (default: {EVAL_BATCHES})")
+    g.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
+                   help=f"seconds without progress before a run is stopped (default: {DEFAULT_TIMEOUT:g})")
+    g.add_argument("--no-netns", dest="netns", action="store_false",
+                   help="run every rank on plain loopback, no namespaces (unshaped only: --bandwidth none)")
+    g.add_argument("--netns-prefix", default="pycomm-fsdp",
+                   help="name prefix of the network namespaces built (leftovers with it are deleted first)")
+
+
+def combine_seeds(recs: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """One record from a method's per-seed records: the settings, ``per_seed``,
+    step times pooled over the seeds' timed steps, final loss mean/std/min/max,
+    bytes (mean) and peak memory (max over seeds)."""
+    recs = sorted(recs, key=lambda r: r["seed"])
+    out = {k: v for k, v in recs[0].items() if k not in PER_SEED_FIELDS}
+    out["seeds"] = [r["seed"] for r in recs]
+    out["per_seed"] = [{k: r.get(k) for k in PER_SEED_FIELDS} for r in recs]
+    stats = summarize([t for r in recs for t in r["step_times_s"][r["timed_from"]:]])
+    out.update(timed_steps=sum(len(r["step_times_s"]) - r["timed_from"] for r in recs),
+               step_time_median_s=stats["median_s"], step_time_p10_s=stats["p10_s"], step_time_p90_s=stats["p90_s"])
+    losses = [r["final_loss"] for r in recs]
+    out.update(final_loss=_mean(losses), final_loss_std=_stdev(losses), final_loss_min=min(losses),
+               final_loss_max=max(losses), final_loss_per_seed=losses,
+               train_loss_last=_mean([r["train_loss_last"] for r in recs]))
+    for k in ("bytes_sent_per_rank_per_step", "bytes_sent_per_rank_per_step_all_steps"):
+        vals = [r[k] for r in recs if r.get(k) is not None]
+        out[k] = _mean(vals) if vals else None
+    for k in ("peak_rss_bytes", "peak_rss_increase_bytes"):
+        out[k] = max(r[k] for r in recs)
+    out["loss_per_step"] = [_mean(xs) for xs in zip(*(r["loss_per_step"] for r in recs))]
+    out["step_times_s"] = [_mean(xs) for xs in zip(*(r["step_times_s"] for r in recs))]
+    return out
+
+
+def add_ratios(records: List[Dict[str, Any]]) -> None:
+    """``step_time_vs_<b>`` (method median / baseline median, same bandwidth:
+    below 1 is faster), ``speedup_vs_plain`` and per-seed
+    ``final_loss_vs_plain_per_seed`` (with its mean), for b in plain, bf16.
+
+    >>> recs = [dict(method=m, bandwidth=None, step_time_median_s=t, per_seed=[dict(seed=0, final_loss=l)])
+    ...         for m, t, l in (("plain", 2.0, 2.0), ("bf16", 1.0, 2.0), ("int8", 0.5, 2.2))]
+    >>> add_ratios(recs)
+    >>> recs[2]["step_time_vs_plain"], recs[2]["step_time_vs_bf16"], recs[2]["final_loss_vs_plain_mean"]
+    (0.25, 0.5, 1.1)
+    """
+    for base in ("plain", "bf16"):
+        ref = {r["bandwidth"]: r for r in records if r["method"] == base}
+        for r in records:
+            b = ref.get(r["bandwidth"])
+            r[f"step_time_vs_{base}"] = r["step_time_median_s"] / b["step_time_median_s"] if b else None
+    plain = {r["bandwidth"]: {p["seed"]: p["final_loss"] for p in r["per_seed"]}
+             for r in records if r["method"] == "plain"}
+    for r in records:
+        t = r["step_time_vs_plain"]
+        r["speedup_vs_plain"] = 1.0 / t if t else None
+        base = plain.get(r["bandwidth"], {})
+        ratios = ([round(p["final_loss"] / base[p["seed"]], 12) for p in r["per_seed"]]
+                  if all(p["seed"] in base for p in r["per_seed"]) else None)
+        r["final_loss_vs_plain_per_seed"] = ratios
+        r["final_loss_vs_plain_mean"] = _mean(ratios) if ratios else None
+
+
+def format_table(records: List[Dict[str, Any]]) -> str:
+    """One row per (method, bandwidth): step time with its ratios to plain and
+    bf16, MB sent per rank per step, peak RSS, held-out loss (x plain)."""
+    from .netem import fmt_rate
+
+    rows = []
+    for r in records:
+        vp, vb = r.get("step_time_vs_plain"), r.get("step_time_vs_bf16")
+        sent = r.get("bytes_sent_per_rank_per_step")
+        loss = f"{r['final_loss']:.3f}"
+        if len(r["seeds"]) > 1:
+            loss += f" ±{r['final_loss_std']:.3f}"
+        if r.get("final_loss_vs_plain_mean") is not None:
+            loss += f" ({r['final_loss_vs_plain_mean']:.3f})"
+        rows.append([r["method"], fmt_rate(r["bandwidth"]) if r["bandwidth"] else "unshaped",
+                     f"{r['step_time_median_s'] * 1e3:.0f}", f"{vp:.2f}" if vp else "-", f"{vb:.2f}" if vb else "-",
+                     fmt_number(sent / 1e6) if sent is not None else "-",
+                     f"{r['peak_rss_bytes'] / 2**20:.0f} (+{r['peak_rss_increase_bytes'] / 2**20:.0f})", loss])
+    headers = ["method", "link", "step ms\n(median)", "time\nx plain", "time\nx bf16", "MB sent/\nrank/step",
+               f"peak RSS MiB/rank\n(+ in training, {records[0]['memory_measure'] if records else ''})",
+               "held-out loss\n(x plain)"]
+    return table(rows, headers, tablefmt="github")
+
+
+def run_fsdp(args: argparse.Namespace, out=sys.stdout) -> List[Dict[str, Any]]:
+    """Train every method at every bandwidth; the records (one per method
+    and bandwidth, each holding every seed's results)."""
+    from .netem import LoopbackCluster, fmt_rate, link_report, make_cluster
+
+    seeds = list(range(args.seed, args.seed + args.seeds))
+    bar = progress_bar(len(args.rates) * len(seeds) * len(args.methods) * args.steps, "step", args.progress)
+    date = _dt.date.today().isoformat()
+    machine = machine_info("cpu")
+    records: List[Dict[str, Any]] = []
+    try:
+        for rate in args.rates:
+            cfg = {"workload": "lm", "model": args.model, "batch_size": args.batch_size, "seq_len": args.seq_len,
+                   "seed": seeds[0], "seeds": seeds, "methods": args.methods, "steps": args.steps,
+                   "warmup": args.warmup, "lr": args.lr, "eval_batches": args.eval_batches,
+                   "min_compress_numel": args.min_compress_numel}
+            cluster = (make_cluster(args.ranks, rate, prefix=args.netns_prefix) if args.netns
+                       else LoopbackCluster(args.ranks, reason="--no-netns"))
+            with cluster:
+                if not cluster.emulated:
+                    cfg["count_ifname"] = "lo"
+                busbw, line = link_report(cluster)
+                bar.write(line, file=out)
+                done: Dict[Tuple[str, int], int] = {}
+
+                def on_step(ev: Dict[str, Any]) -> None:
+                    if ev["event"] == "step":
+                        key = (ev["method"], ev["seed"])
+                        bar.set_postfix_str(f"{fmt_rate(rate)} {ev['method']} seed {key[1]}", refresh=False)
+                        bar.update(ev["step"] - done.get(key, 0))
+                        done[key] = ev["step"]
+
+                events = run_ranks(_rank_main, cluster, cfg, timeout=args.timeout, stall=args.timeout,
+                                   threads=threads_per_rank(args.ranks, args.threads), on_event=on_step)
+            per_method: Dict[str, List[Dict[str, Any]]] = {}
+            for rec in (e["record"] for e in events if e["event"] == "result"):
+                for k in ("bytes_sent_per_rank_per_step", "bytes_sent_per_rank_per_step_all_steps"):
+                    if rec[k] is not None and not cluster.emulated:
+                        rec[k] /= args.ranks  # loopback counts every rank's traffic once
+                rec.update({
+                    "bandwidth": rate, "link_busbw_measured": busbw, "emulated": cluster.emulated,
+                    "link": cluster.describe(), "ranks": args.ranks, "workload": "lm", "model": args.model,
+                    "optimizer": "adamw", "lr": args.lr, "batch_size": args.batch_size, "seq_len": args.seq_len,
+                    "eval_batches": args.eval_batches, "min_compress_numel": args.min_compress_numel,
+                    "tokens_per_step": args.ranks * args.batch_size * args.seq_len, "training_run": True,
+                    "date": date,
+                    "machine": {k: machine.get(k) for k in ("node", "cpu_model", "cpu_count", "torch", "pycomm")},
+                })
+                per_method.setdefault(rec["method"], []).append(rec)
+            records += [combine_seeds(per_method[m]) for m in args.methods]
+    finally:
+        bar.close()
+    for r in records:
+        r["tokens_per_s"] = r["tokens_per_step"] / r["step_time_median_s"]
+    add_ratios(records)
+    return records
+
+
+def run(args: argparse.Namespace) -> int:
+    """``pycomm-bench fsdp``: run, print the table, write JSON."""
+    t0 = time.monotonic()
+    try:
+        records = run_fsdp(args)
+    except RanksFailed as exc:
+        print(f"pycomm-bench fsdp: {exc}", file=sys.stderr)
+        return 1
+    print()
+    bad = [f"{r['method']}: non-finite held-out loss" for r in records if not math.isfinite(r["final_loss"])]
+    return finish(records, args.json, format_table(records), bad, t0)
+
+
+if __name__ == "__main__":
+    from .cli import main
+
+    sys.exit(main(["fsdp", *sys.argv[1:]]))

@@ -1,0 +1,108 @@
+"""The example scripts (examples/), run as a user runs them: 2 CPU processes
+started by torchrun or by the framework's own launcher. Each trains with
+pycomm's compressed hook, and a run resumed from a checkpoint ends with
+exactly the parameters of the uninterrupted one (bit for bit: every rank
+saved and restored its own error-feedback residuals). The hook over Gloo
+(wrapped into the engine's group) and over the pycomm backend run the same
+engine with the same settings, so they end identical too.
+
+Every run is bounded by a timeout; its process group is killed past it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from _dist import subprocess_env
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+TIMEOUT = 240  # seconds per run: a few seconds of training, imports of a framework, a shared machine
+
+
+def _run(args, timeout=TIMEOUT):
+    env = subprocess_env()
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # its own process group: the workers die with it
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{' '.join(map(str, args))} did not finish within {timeout} s:\n{out[-4000:]}")
+    assert proc.returncode == 0, f"{' '.join(map(str, args))} exited with {proc.returncode}:\n{out[-6000:]}"
+    return out
+
+
+def _torchrun(script, *args):
+    return _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                 str(EXAMPLES / script), *map(str, args)])
+
+
+def _reports(directory):
+    return [json.loads((Path(directory) / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def _check(reports, backend, iterations, buckets=(0, 1)):
+    for rank, r in enumerate(reports):
+        assert r["rank"] == rank
+        assert r["backend"] == backend or (backend.endswith("*") and r["backend"].startswith(backend[:-1])), r
+        assert r["hook_iteration"] == iterations  # the hook ran every iteration
+        assert r["residual_buckets"] == list(buckets)  # and compressed, with error feedback
+    assert reports[0]["params_sha256"] == reports[1]["params_sha256"]  # ranks identical
+
+
+def _same_model(a, b):
+    return [r["params_sha256"] for r in a] == [r["params_sha256"] for r in b]
+
+
+def test_torchrun_example(tmp_path):
+    full, resumed, ckpt = tmp_path / "full", tmp_path / "resumed", tmp_path / "ckpt"
+    out = _torchrun("torchrun_ddp.py", "--steps", 30, "--save-at", 15, "--checkpoint", ckpt, "--out", full)
+    assert "hook: 30 iterations" in out
+    assert sorted(os.listdir(ckpt)) == ["rank0.pt", "rank1.pt"]
+    # resumed over the pycomm backend: the same engine, the same settings
+    _torchrun("torchrun_ddp.py", "--steps", 30, "--resume", ckpt, "--backend", "pycomm", "--out", resumed)
+    _check(_reports(full), "gloo", 30)
+    _check(_reports(resumed), "pycomm", 30)
+    assert _same_model(_reports(full), _reports(resumed))
+
+
+def test_lightning_example(tmp_path):
+    pytest.importorskip("lightning")
+    full, resumed, ckpt = tmp_path / "full", tmp_path / "resumed", tmp_path / "ckpt"
+    # torchrun, the pycomm backend named with its settings
+    _torchrun("lightning_train.py", "--backend", "pycomm", "--epochs", 2, "--checkpoint", ckpt, "--out", full)
+    assert sorted(os.listdir(ckpt)) == ["epoch=0.ckpt", "epoch=1.ckpt"]
+    # Lightning's own launcher starts the second process
+    _run([sys.executable, str(EXAMPLES / "lightning_train.py"), "--backend", "pycomm", "--epochs", "2",
+          "--resume", str(ckpt / "epoch=0.ckpt"), "--out", str(resumed)])
+    _check(_reports(full), "pycomm_onebit_*", 16)
+    _check(_reports(resumed), "pycomm_onebit_*", 16)
+    assert _same_model(_reports(full), _reports(resumed))
+
+    import torch
+
+    saved = torch.load(ckpt / "epoch=0.ckpt", weights_only=True)["callbacks"]["pycomm.CompressionCallback"]
+    assert sorted(saved["ranks"]) == [0, 1]  # every rank's hook state, in the one file rank 0 wrote
+    assert [saved["ranks"][r]["rank"] for r in (0, 1)] == [0, 1]
+    assert all(saved["ranks"][r]["iteration"] == 8 and saved["ranks"][r]["error_feedback"] for r in (0, 1))
+
+
+def test_accelerate_example(tmp_path):
+    pytest.importorskip("accelerate")
+    full, resumed, ckpt = tmp_path / "full", tmp_path / "resumed", tmp_path / "ckpt"
+    _torchrun("accelerate_train.py", "--epochs", 2, "--checkpoint", ckpt, "--out", full)
+    assert {"pycomm_hook_rank0.pt", "pycomm_hook_rank1.pt"} <= set(os.listdir(ckpt))
+    # resumed over the pycomm backend (initialized before Accelerate): the same engine
+    _torchrun("accelerate_train.py", "--backend", "pycomm", "--epochs", 2, "--resume", ckpt, "--out", resumed)
+    _check(_reports(full), "gloo", 16)
+    _check(_reports(resumed), "pycomm", 16)
+    assert _same_model(_reports(full), _reports(resumed))
