@@ -88,7 +88,7 @@ def test_ops_check_their_inputs():
         torch.ops.pycomm.topk_compress(torch.randn(10), None, 11, False)
     with pytest.raises(RuntimeError, match="grad must be contiguous"):
         torch.ops.pycomm.topk_compress(torch.randn(10, 2).t(), None, 1, False)
-    with pytest.raises(RuntimeError, match=r"indices must lie in \[0, 10\)"):
+    with pytest.raises(RuntimeError, match=r"indices must be strictly ascending and lie in \[0, 10\)"):
         torch.ops.pycomm.topk_decompress(torch.zeros(10), torch.tensor([3, 10], dtype=torch.int32), torch.ones(2), False)
     with pytest.raises(RuntimeError, match="bits has 1 words"):
         torch.ops.pycomm.onebit_decompress(torch.zeros(40), torch.zeros(1, dtype=torch.int32), torch.ones(1), 64, False)

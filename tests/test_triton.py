@@ -611,7 +611,9 @@ ERROR_CASES = [
     ("topk_compress", lambda: (ones(64), None, 0, False), "k must be in"),
     ("topk_compress", lambda: (ones(64), None, 65, True), "k must be in"),
     ("topk_decompress", lambda: (ones(8), torch.tensor([1, 2]), ones(2), False), "indices must be"),
-    ("topk_decompress", lambda: (ones(8), _i32(1, 8), ones(2), False), r"indices must lie in \[0, 8\)"),
+    ("topk_decompress", lambda: (ones(8), _i32(1, 8), ones(2), False),
+     r"indices must be strictly ascending and lie in \[0, 8\)"),
+    ("topk_decompress", lambda: (ones(8), _i32(3, 3), ones(2), False), r"strictly ascending"),
 ]
 
 

@@ -33,7 +33,7 @@ from .. import _ext
 from ..compressors.base import INT64_MAX, check_density, check_positive_int
 from ..compressors.plugin import is_plugin, options_json
 from ..wire import MAX_BLOCK_SIZE
-from .spec import CHECK_MODES, GROUP_METHODS, check_mode
+from .spec import CHECK_MODES, DEFAULT_BLOCK_SIZE, GROUP_METHODS, check_mode
 
 BACKEND_NAME = "pycomm"
 log = logging.getLogger(__name__)
@@ -516,8 +516,13 @@ def reset_error_feedback(key: Optional[int] = None, group: Optional[dist.Process
 
 
 def options_of(group: Optional[dist.ProcessGroup] = None, device: str = "cpu") -> Dict[str, Any]:
-    """The compressor settings of a pycomm group, as a dict."""
-    return dict(_pycomm_backend(group, _device(device)).config)
+    """The compressor settings of a pycomm group, as a dict (``block_size``:
+    the block length its method runs with; None for a method without blocks
+    or for "auto", where each method uses its own default)."""
+    d = dict(_pycomm_backend(group, _device(device)).config)
+    if not d.get("block_size"):
+        d["block_size"] = DEFAULT_BLOCK_SIZE.get(d.get("method"))
+    return d
 
 
 def calibration(group: Optional[dist.ProcessGroup] = None, device: str = "cpu") -> "Calibration":

@@ -239,7 +239,12 @@ def _load(path: Optional[str], want: Dict[str, Any]) -> Optional[Calibration]:
     except (OSError, ValueError, TypeError) as exc:
         log.warning("calibration %s unreadable (%s): measuring again", path, exc)
         return None
-    if cal.key() != want:
+    try:
+        matches = cal.key() == want
+    except (TypeError, ValueError) as exc:  # e.g. "sizes" is not a list
+        log.warning("calibration %s unreadable (%s): measuring again", path, exc)
+        return None
+    if not matches:
         log.info("calibration %s was made for another setup: measuring again", path)
         return None
     bad = _bad_measurements(cal)

@@ -350,8 +350,8 @@ def topk_decompress_triton(out: Tensor, indices: Tensor, values: Tensor, accumul
     if not out.is_cuda and count:
         # As the C++ CPU op. Interpreted, a stray index would write outside
         # out; on a GPU the check would cost a host sync (the CUDA op skips it too).
-        lo, hi = torch.aminmax(indices)
-        check(int(lo) >= 0 and int(hi) < out.numel(), f"indices must lie in [0, {out.numel()})")
+        ok = bool(indices[0] >= 0) and bool(indices[-1] < out.numel()) and bool((indices[1:] > indices[:-1]).all())
+        check(ok, f"indices must be strictly ascending and lie in [0, {out.numel()})")
     if not accumulate:
         out.zero_()  # a memset; no kernel of ours beats it
     if count == 0:
