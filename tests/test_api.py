@@ -99,3 +99,20 @@ def test_payload_device_mismatch_in_decompress():
     p = c.compress(torch.randn(100))
     with pytest.raises(ValueError, match="out is on meta"):
         c.decompress(p, out=torch.zeros(100, device="meta"))
+
+
+def test_onebit_hook_warns_about_momentum_once():
+    import warnings
+
+    from pycomm.ddp import CompressionState, hook
+
+    hook._warned_onebit = False
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        CompressionState(compressor="onebit")
+        CompressionState(compressor="onebit")
+        CompressionState(compressor="int4")
+        CompressionState(compressor="onebit", error_feedback=False)
+    msgs = [str(w.message) for w in caught if "momentum" in str(w.message)]
+    assert msgs == [hook.ONEBIT_MOMENTUM_WARNING]  # once, and only for onebit with error feedback
+    assert "OneBitSGD" in msgs[0] and "int8" in msgs[0]

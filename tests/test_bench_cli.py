@@ -143,3 +143,12 @@ def test_peer_bit_packing_matches_reference(n):
         assert torch.equal(pack(signs), want)
     for unpack in (kernels._unpackbits, kernels._unpackbits_torch):
         assert torch.equal(unpack(want, n), signs)
+
+
+@pytest.mark.parametrize("bench", ["kernels", "allreduce", "ddp", "fsdp", "hierarchy", "all"])
+def test_every_benchmark_prints_its_help(bench, capsys):
+    # argparse formats each help string with %: a stray "%" breaks --help.
+    with pytest.raises(SystemExit) as exc:
+        main([bench, "--help"])
+    assert exc.value.code == 0
+    assert "usage:" in capsys.readouterr().out

@@ -603,7 +603,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "and spread over seeds and per seed relative to allreduce (default: 1)")
     g.add_argument("--optim-warmup", type=positive_int, default=None, metavar="STEPS",
                    help="optim-* methods: steps of exact averaging before the momentum is compressed "
-                        f"(default: {OPTIM_WARMUP_FRACTION:.0%} of --steps, at least --start-iter)")
+                        f"(default: {OPTIM_WARMUP_FRACTION * 100:.0f}%% of --steps, at least --start-iter)")
     g.add_argument("--eval-every", type=nonnegative_int, default=0, metavar="STEPS",
                    help="also record the held-out loss every STEPS training steps (untimed; 0: only at the end)")
     g.add_argument("--eval-batches", type=positive_int, default=EVAL_BATCHES, metavar="N",

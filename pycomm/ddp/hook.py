@@ -75,6 +75,26 @@ _ENGINE_FIELDS = ("compressor", "density", "approx", "block_size", "chunk_numel"
 _RESIDUAL_FIELDS = ("numel", "world_size", "chunk_numel", "method", "worker", "server")
 
 
+#: What onebit with error feedback on gradients cost with momentum optimizers
+#: (pycomm-bench ddp, 4 ranks, the benchmark's GPT; README, "Which method with
+#: which optimizer"): the residual's delay feeds the momentum.
+ONEBIT_MOMENTUM_WARNING = (
+    "pycomm: compressor='onebit' with error feedback on gradients costs final loss with momentum "
+    "optimizers: measured (4 ranks, benchmark GPT, block 256) with SGD momentum 0.9, 2.85x plain all-reduce's "
+    "held-out loss after 60 steps; with AdamW, +3.3% and +6.2% after 400 steps (2 seeds). With "
+    "momentum, prefer compressor='int8' (AdamW: within 0.3% in the same runs) or 'int4', or compress "
+    "the momentum instead: pycomm.optim.OneBitAdam / OneBitSGD."
+)
+_warned_onebit = False
+
+
+def _warn_onebit_with_momentum() -> None:
+    global _warned_onebit
+    if not _warned_onebit:
+        _warned_onebit = True
+        warnings.warn(ONEBIT_MOMENTUM_WARNING, UserWarning, stacklevel=3)
+
+
 class CompressionState:
     """State of :func:`compressed_hook`: configuration, iteration count, the
     bucket layout, and the engine group that runs the buckets.
@@ -194,6 +214,8 @@ class CompressionState:
         #: copies, handed to the engine when its group is attached).
         self._pending_ef: Optional[Dict[int, Any]] = None
         self._init_runtime()
+        if compressor == "onebit" and error_feedback:
+            _warn_onebit_with_momentum()
 
     # -- configuration ---------------------------------------------------------
     def _set_config(self, cfg: Dict[str, Any]) -> None:
