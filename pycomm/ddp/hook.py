@@ -81,8 +81,8 @@ _RESIDUAL_FIELDS = ("numel", "world_size", "chunk_numel", "method", "worker", "s
 ONEBIT_MOMENTUM_WARNING = (
     "pycomm: compressor='onebit' with error feedback on gradients costs final loss with momentum "
     "optimizers: measured (4 ranks, benchmark GPT, block 256) with SGD momentum 0.9, 2.85x plain all-reduce's "
-    "held-out loss after 60 steps; with AdamW, +3.3% and +6.2% after 400 steps (2 seeds). With "
-    "momentum, prefer compressor='int8' (AdamW: within 0.3% in the same runs) or 'int4', or compress "
+    "held-out loss after 60 steps; with AdamW, +3.3%, +6.2% and +10.5% after 400 steps (3 seeds). With "
+    "momentum, prefer compressor='int8' (AdamW: within 0.8% in the same runs) or 'int4', or compress "
     "the momentum instead: pycomm.optim.OneBitAdam / OneBitSGD."
 )
 _warned_onebit = False
