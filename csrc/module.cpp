@@ -160,5 +160,27 @@ PYBIND11_MODULE(_C, m) {
           },
           py::arg("state"), py::arg("replace") = true)
       .def("reset_error_feedback", &CompressedBackend::reset_error_feedback,
-           py::arg("key") = py::none(), py::call_guard<py::gil_scoped_release>());
+           py::arg("key") = py::none(), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "profile",
+          [](CompressedBackend& b, bool reset) {
+            pycomm::dist::Profile p;
+            {
+              py::gil_scoped_release no_gil;
+              p = b.profile(reset);
+            }
+            py::dict d;
+            d["calls"] = p.calls;
+            d["collectives"] = p.collectives;
+            d["forwarded"] = p.forwarded;
+            d["queued_s"] = p.queued_s;
+            d["run_s"] = p.run_s;
+            d["check_s"] = p.check_s;
+            d["encode_s"] = p.encode_s;
+            d["wire_s"] = p.wire_s;
+            d["decode_s"] = p.decode_s;
+            d["forwarded_s"] = p.forwarded_s;
+            return d;
+          },
+          py::arg("reset") = false);
 }

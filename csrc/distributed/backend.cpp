@@ -362,7 +362,10 @@ WorkPtr CompressedBackend::submit(c10d::OpType type, std::vector<at::Tensor> res
   {
     std::lock_guard<std::mutex> lock(queue_mutex_);
     TORCH_CHECK(!stopping_, "pycomm backend is shutting down");
-    queue_.emplace_back([work, body = std::move(body)] {
+    queue_.emplace_back([this, work, body = std::move(body),
+                         queued = std::chrono::steady_clock::now()] {
+      profile_.queued_s +=
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - queued).count();
       try {
         body();
         work->complete();
@@ -377,7 +380,11 @@ WorkPtr CompressedBackend::submit(c10d::OpType type, std::vector<at::Tensor> res
 
 WorkPtr CompressedBackend::forward(c10d::OpType type, std::vector<at::Tensor> result,
                                    std::function<WorkPtr()> issue) {
-  return submit(type, std::move(result), [issue = std::move(issue)] { issue()->wait(); });
+  return submit(type, std::move(result), [this, issue = std::move(issue)] {
+    ++profile_.forwarded;
+    Span span(profile_.forwarded_s);
+    issue()->wait();
+  });
 }
 
 std::string CompressedBackend::method_for(int64_t numel) const {
@@ -484,6 +491,8 @@ WorkPtr CompressedBackend::forward_allreduce(std::vector<at::Tensor>& tensors,
     sum_opts.reduceOp = c10d::ReduceOp::SUM;
     const int world = getSize();
     return submit(c10d::OpType::ALLREDUCE, tensors, [this, tensors, sum_opts, world]() mutable {
+      ++profile_.forwarded;
+      Span span(profile_.forwarded_s);
       inner_->allreduce(tensors, sum_opts)->wait();
       for (auto& t : tensors) {
         if (t.is_floating_point() || t.is_complex()) {
@@ -643,6 +652,7 @@ std::string CompressedBackend::describe_call(const at::Tensor& tensor, std::opti
 void CompressedBackend::check_call(const at::Tensor& tensor, std::optional<int64_t> key,
                                    bool average, const std::string& method, bool refused) {
   if (config_.check_calls == 0) return;
+  Span span(profile_.check_s);
   const int64_t numel = tensor.numel();
   const int dtype = static_cast<int>(tensor.scalar_type());
   const auto signature = std::make_tuple(numel, dtype + 256 * collective_, average);
@@ -667,6 +677,7 @@ void CompressedBackend::check_call(const at::Tensor& tensor, std::optional<int64
   const auto opts = tensor.options().dtype(at::kLong);
   at::Tensor in = at::tensor(mine, at::kLong).to(tensor.device());
   at::Tensor out = at::empty({world * kFields}, opts);
+  ++profile_.collectives;  // its wait counts as the check's, not the wire's
   inner_->_allgather_base(out, in, c10d::AllgatherOptions())->wait();
   const at::Tensor all = out.cpu().view({world, kFields});
   const int64_t* a = all.data_ptr<int64_t>();
@@ -700,6 +711,8 @@ void CompressedBackend::check_call(const at::Tensor& tensor, std::optional<int64
 
 void CompressedBackend::run_compressed(const at::Tensor& tensor, std::optional<int64_t> key,
                                        bool average, const std::string& m) {
+  ++profile_.calls;
+  Span span(profile_.run_s);
   try {
     check_call(tensor, key, average, m);
     // Work on a flat, contiguous float32 view (a copy only when needed).
@@ -732,14 +745,14 @@ void CompressedBackend::run_compressed(const at::Tensor& tensor, std::optional<i
       lo = std::min(n, l * S);
       if (intra_allreduce) {
         std::vector<at::Tensor> ts{x};
-        intra_->allreduce(ts, c10d::AllreduceOptions())->wait();  // SUM
+        wait_wire(intra_->allreduce(ts, c10d::AllreduceOptions()));  // SUM
         y = x.narrow(0, lo, len);
       } else {
         padded = n == L * S ? x : at::cat({x, at::zeros({L * S - n}, x.options())});
         shard = at::empty({S}, x.options());
         c10d::ReduceScatterOptions rs;
         rs.reduceOp = c10d::ReduceOp::SUM;
-        intra_->_reduce_scatter_base(shard, padded, rs)->wait();
+        wait_wire(intra_->_reduce_scatter_base(shard, padded, rs));
         y = shard.narrow(0, 0, len);
       }
       g = Group{inter_.get(), inter_->getRank(), inter_->getSize()};
@@ -763,9 +776,9 @@ void CompressedBackend::run_compressed(const at::Tensor& tensor, std::optional<i
         x.narrow(0, 0, lo).zero_();
         x.narrow(0, lo + y.numel(), n - lo - y.numel()).zero_();
         std::vector<at::Tensor> ts{x};
-        intra_->allreduce(ts, c10d::AllreduceOptions())->wait();
+        wait_wire(intra_->allreduce(ts, c10d::AllreduceOptions()));
       } else {
-        intra_->_allgather_base(padded, shard, c10d::AllgatherOptions())->wait();
+        wait_wire(intra_->_allgather_base(padded, shard, c10d::AllgatherOptions()));
         if (padded.data_ptr() != x.data_ptr()) x.copy_(padded.narrow(0, 0, n));
       }
       // Each node's shard group saw only its shard; the whole result is the
@@ -802,11 +815,16 @@ std::string CompressedBackend::failure_context(const at::Tensor& tensor,
 
 void CompressedBackend::run_cast(const at::Tensor& x, bool average, const std::string& method) {
   // Divide first (as PyTorch's fp16 hook does) so the sum cannot overflow.
-  at::Tensor y = (average ? x / getSize() : x).to(method == "fp16" ? at::kHalf : at::kBFloat16);
+  at::Tensor y;
+  {
+    Span span(profile_.encode_s);
+    y = (average ? x / getSize() : x).to(method == "fp16" ? at::kHalf : at::kBFloat16);
+  }
   std::vector<at::Tensor> ts{y};
   c10d::AllreduceOptions opts;
   opts.reduceOp = c10d::ReduceOp::SUM;
-  inner_->allreduce(ts, opts)->wait();
+  wait_wire(inner_->allreduce(ts, opts));
+  Span span(profile_.decode_s);
   x.copy_(y);
 }
 
@@ -814,7 +832,8 @@ void CompressedBackend::run_exact(const at::Tensor& x, bool average) {
   std::vector<at::Tensor> ts{x};
   c10d::AllreduceOptions opts;
   opts.reduceOp = c10d::ReduceOp::SUM;
-  inner_->allreduce(ts, opts)->wait();
+  wait_wire(inner_->allreduce(ts, opts));
+  Span span(profile_.decode_s);
   if (average) x.div_(getSize());
 }
 
@@ -853,6 +872,7 @@ bool CompressedBackend::run_blocks(const at::Tensor& x, ErrorFeedback* ef, bool 
 
   // Stage 1: worker compress, all_to_all of segment payloads.
   auto stage1 = [&](int64_t i) {
+    Span span(profile_.encode_s);
     const int64_t begin = i * C, m = std::min(C, n - begin);
     st.push_back(Chunk{begin, BlockLayout(m, world, B, codec.bits), {}, {}, {}, {}});
     Chunk& ch = st.back();
@@ -877,7 +897,7 @@ bool CompressedBackend::run_blocks(const at::Tensor& x, ErrorFeedback* ef, bool 
   auto stage2 = [&](int64_t i) {
     Chunk& ch = st[i];
     const BlockLayout& lay = ch.lay;
-    ch.a2a->wait();
+    wait_wire(ch.a2a);
     at::Tensor mine = at::zeros({lay.size[0]}, int_opts);
     const int64_t len = lay.len[rank];
     if (len > 0) {
@@ -885,13 +905,18 @@ bool CompressedBackend::run_blocks(const at::Tensor& x, ErrorFeedback* ef, bool 
       // buffer to fault in per chunk. (Starting from +0 instead would only
       // change the sign of zero sums, which encode alike.)
       at::Tensor acc = at::empty({len}, x.options().dtype(at::kFloat));
-      for (int src = 0; src < world; ++src)
-        codec.decompress(acc, ch.recv, src * lay.size[rank], /*accumulate=*/src > 0);
+      {
+        Span span(profile_.decode_s);
+        for (int src = 0; src < world; ++src)
+          codec.decompress(acc, ch.recv, src * lay.size[rank], /*accumulate=*/src > 0);
+      }
+      Span span(profile_.encode_s);
       if (average) acc.div_(world);
       auto [sd, ss] = ef ? compress_ef(acc, ef->server[i], ef->server_backup[i])
                          : codec.compress(acc, std::nullopt);
       mine.narrow(0, 0, lay.size[rank]).copy_(at::cat(codec.segment(sd, ss, 0, len)));
     }
+    Span span(profile_.encode_s);
     ch.gathered = at::empty({world * lay.size[0]}, int_opts);
     ch.ag = g.pg->_allgather_base(ch.gathered, mine, c10d::AllgatherOptions());
   };
@@ -900,7 +925,8 @@ bool CompressedBackend::run_blocks(const at::Tensor& x, ErrorFeedback* ef, bool 
   auto stage3 = [&](int64_t i) {
     Chunk& ch = st[i];
     const BlockLayout& lay = ch.lay;
-    ch.ag->wait();
+    wait_wire(ch.ag);
+    Span span(profile_.decode_s);
     for (int j = 0; j < world; ++j) {
       if (lay.len[j] == 0) continue;
       codec.decompress(x.narrow(0, ch.begin + j * lay.seg, lay.len[j]), ch.gathered,
@@ -921,6 +947,7 @@ bool CompressedBackend::run_blocks(const at::Tensor& x, ErrorFeedback* ef, bool 
   }
   stage2(chunks - 1);
   for (int64_t i = std::max<int64_t>(0, chunks - 2); i < chunks; ++i) stage3(i);
+  Span span(profile_.decode_s);
   return finite.empty() || at::stack(finite).all().item<bool>();
 }
 
@@ -943,6 +970,7 @@ bool CompressedBackend::run_topk(const at::Tensor& x, ErrorFeedback* ef, bool av
   std::vector<at::Tensor> sums;
 
   auto stage1 = [&](int64_t i) {
+    Span span(profile_.encode_s);
     const int64_t begin = i * C, m = std::min(C, n - begin);
     const int64_t k = topk_k(m, config_.density);
     const int64_t cap = config_.approx ? topk_capacity(k) : k;
@@ -961,7 +989,8 @@ bool CompressedBackend::run_topk(const at::Tensor& x, ErrorFeedback* ef, bool av
 
   auto stage2 = [&](int64_t i) {
     Chunk& ch = st[i];
-    ch.ag->wait();
+    wait_wire(ch.ag);
+    Span span(profile_.decode_s);
     at::Tensor out = x.narrow(0, ch.begin, ch.m);
     out.zero_();
     const at::Tensor counts = ch.gathered.view({world, 1 + 2 * ch.cap}).select(1, 0).cpu();
@@ -983,6 +1012,7 @@ bool CompressedBackend::run_topk(const at::Tensor& x, ErrorFeedback* ef, bool av
     if (i >= 1) stage2(i - 1);
   }
   stage2(chunks - 1);
+  Span span(profile_.decode_s);
   return all_finite(sums, x);
 }
 
@@ -1009,6 +1039,7 @@ bool CompressedBackend::run_plugin(const at::Tensor& x, ErrorFeedback* ef, bool 
   // payload has a fixed layout for a given element count (its contract), so
   // every rank's bytes split like this rank's own.
   auto stage1 = [&](int64_t i) {
+    Span span(profile_.encode_s);
     const int64_t begin = i * C, m = std::min(C, n - begin);
     std::optional<at::Tensor> residual;
     if (ef) residual = ef->worker.narrow(0, begin, m);
@@ -1036,7 +1067,8 @@ bool CompressedBackend::run_plugin(const at::Tensor& x, ErrorFeedback* ef, bool 
   // Decode rank 0's payload into the chunk, add the others' in rank order.
   auto stage2 = [&](int64_t i) {
     Chunk& ch = st[i];
-    ch.ag->wait();
+    wait_wire(ch.ag);
+    Span span(profile_.decode_s);
     at::Tensor out = x.narrow(0, ch.begin, ch.m);
     for (int src = 0; src < world; ++src) {
       std::vector<at::Tensor> payload;
@@ -1059,6 +1091,7 @@ bool CompressedBackend::run_plugin(const at::Tensor& x, ErrorFeedback* ef, bool 
     if (i >= 1) stage2(i - 1);
   }
   stage2(chunks - 1);
+  Span span(profile_.decode_s);
   return all_finite(sums, x);
 }
 
@@ -1122,6 +1155,8 @@ void CompressedBackend::run_reduce_scatter(const at::Tensor& output, const at::T
     int& c;
     ~Restore() { c = 0; }
   } restore{collective_};
+  ++profile_.calls;
+  Span span(profile_.run_s);
   try {
     check_call(input, key, average, m);
     const int world = getSize();
@@ -1137,7 +1172,7 @@ void CompressedBackend::run_reduce_scatter(const at::Tensor& output, const at::T
       at::Tensor y = at::empty({S}, x.options());
       c10d::ReduceScatterOptions rs;
       rs.reduceOp = c10d::ReduceOp::SUM;
-      inner_->_reduce_scatter_base(y, x, rs)->wait();
+      wait_wire(inner_->_reduce_scatter_base(y, x, rs));
       out.copy_(y);
       if (average && m == "none") out.div_(world);
       if (!direct) output.copy_(out.view(output.sizes()));
@@ -1161,6 +1196,7 @@ void CompressedBackend::run_reduce_scatter(const at::Tensor& output, const at::T
     st.reserve(chunks);
     std::vector<at::Tensor> sums;
     auto stage1 = [&](int64_t i) {
+      Span span(profile_.encode_s);
       const int64_t c0 = i * C, len = std::min(C, S - c0);
       codec.plugin_layout.clear();  // the last chunk may be shorter: learned per chunk
       std::vector<at::Tensor> sends;
@@ -1182,7 +1218,8 @@ void CompressedBackend::run_reduce_scatter(const at::Tensor& output, const at::T
     };
     auto stage2 = [&](int64_t i) {
       Chunk& ch = st[i];
-      ch.a2a->wait();
+      wait_wire(ch.a2a);
+      Span span(profile_.decode_s);
       at::Tensor dst = out.narrow(0, ch.begin, ch.len);
       for (int src = 0; src < world; ++src)
         codec.decode(ch.recv.narrow(0, src * ch.nbytes, ch.nbytes), dst, src > 0, ch.layout);
@@ -1205,7 +1242,7 @@ void CompressedBackend::run_reduce_scatter(const at::Tensor& output, const at::T
       std::vector<at::Tensor> ts{flag};
       c10d::AllreduceOptions mn;
       mn.reduceOp = c10d::ReduceOp::MIN;
-      inner_->allreduce(ts, mn)->wait();
+      wait_wire(inner_->allreduce(ts, mn));
       if (flag.item<int32_t>() == 1) guard.release();  // else the guard restores them
     }
   } catch (...) {
@@ -1242,6 +1279,8 @@ void CompressedBackend::run_all_gather(const at::Tensor& output, const at::Tenso
     int& c;
     ~Restore() { c = 0; }
   } restore{collective_};
+  ++profile_.calls;
+  Span span(profile_.run_s);
   try {
     check_call(input, key, false, m);
     const int world = getSize();
@@ -1253,7 +1292,7 @@ void CompressedBackend::run_all_gather(const at::Tensor& output, const at::Tenso
     if (m == "none" || m == "fp16" || m == "bf16") {
       const auto dt = m == "none" ? at::kFloat : m == "fp16" ? at::kHalf : at::kBFloat16;
       at::Tensor x = in.to(dt), y = at::empty({world * S}, x.options());
-      inner_->_allgather_base(y, x, c10d::AllgatherOptions())->wait();
+      wait_wire(inner_->_allgather_base(y, x, c10d::AllgatherOptions()));
       out.copy_(y);
       if (!direct) output.copy_(out.view(output.sizes()));
       return;
@@ -1275,6 +1314,7 @@ void CompressedBackend::run_all_gather(const at::Tensor& output, const at::Tenso
     std::vector<Chunk> st;
     st.reserve(chunks);
     auto stage1 = [&](int64_t i) {
+      Span span(profile_.encode_s);
       const int64_t c0 = i * C, len = std::min(C, S - c0);
       codec.plugin_layout.clear();
       std::optional<at::Tensor> r;
@@ -1287,7 +1327,8 @@ void CompressedBackend::run_all_gather(const at::Tensor& output, const at::Tenso
     };
     auto stage2 = [&](int64_t i) {
       Chunk& ch = st[i];
-      ch.ag->wait();
+      wait_wire(ch.ag);
+      Span span(profile_.decode_s);
       for (int j = 0; j < world; ++j)
         codec.decode(ch.gathered.narrow(0, j * ch.nbytes, ch.nbytes),
                      out.narrow(0, j * S + ch.begin, ch.len), false, ch.layout);
@@ -1390,6 +1431,21 @@ void CompressedBackend::load_error_feedback_state(std::map<int64_t, ErrorFeedbac
       for (auto& [key, ef] : state) error_feedback_.insert_or_assign(key, std::move(ef));
     }
   })->wait();
+}
+
+void CompressedBackend::wait_wire(const WorkPtr& work) {
+  ++profile_.collectives;
+  Span span(profile_.wire_s);
+  work->wait();
+}
+
+Profile CompressedBackend::profile(bool reset) {
+  Profile copy;
+  submit(c10d::OpType::UNKNOWN, {}, [this, reset, &copy] {
+    copy = profile_;
+    if (reset) profile_ = Profile();
+  })->wait();
+  return copy;
 }
 
 void CompressedBackend::reset_error_feedback(std::optional<int64_t> key) {

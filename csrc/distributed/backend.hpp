@@ -10,6 +10,7 @@
 // matched by tag, not order, and go straight to the inner backend.
 #pragma once
 
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -72,6 +73,36 @@ struct ErrorFeedback {
   // (see CompressedBackend::double_buffered); not part of the saved state.
   at::Tensor worker_backup;
   std::vector<at::Tensor> server_backup;
+};
+
+// Where the worker thread's time goes (docs/performance.md): wall seconds
+// summed over the calls since the group was created or last reset. On an
+// accelerator the kernels run asynchronously, so encode/decode then count
+// their launches and `wire` also the kernels a collective waits for.
+struct Profile {
+  int64_t calls = 0;         // compressed collectives run
+  int64_t collectives = 0;   // inner collectives they issued
+  int64_t forwarded = 0;     // collectives forwarded unchanged
+  double queued_s = 0;       // submitted -> started: the hand-off, and waiting behind earlier calls
+  double run_s = 0;          // compressed calls, start to end
+  double check_s = 0;        // the cross-rank call check
+  double encode_s = 0;       // compress (worker and server), payload assembly, issuing
+  double wire_s = 0;         // waiting for the inner collectives
+  double decode_s = 0;       // decompress, sums, finiteness
+  double forwarded_s = 0;    // forwarded collectives, start to end
+};
+
+// Adds the wall time of a scope to a Profile field.
+class Span {
+ public:
+  explicit Span(double& into) : into_(into), t0_(std::chrono::steady_clock::now()) {}
+  ~Span() { into_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count(); }
+  Span(const Span&) = delete;
+  Span& operator=(const Span&) = delete;
+
+ private:
+  double& into_;
+  std::chrono::steady_clock::time_point t0_;
 };
 
 // A Work completed by the worker thread; its future holds the result tensors.
@@ -139,6 +170,9 @@ class CompressedBackend : public c10d::Backend {
   // (replace) or only the keys it holds (another owner's keys stay).
   void load_error_feedback_state(std::map<int64_t, ErrorFeedback> state, bool replace = true);
   void reset_error_feedback(std::optional<int64_t> key);
+  // A copy of the worker's Profile (read between collectives); `reset`
+  // starts a new one.
+  Profile profile(bool reset = false);
 
   // ---- every collective of c10d::Backend ----
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
@@ -195,6 +229,8 @@ class CompressedBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> forward(c10d::OpType type, std::vector<at::Tensor> result,
                                          std::function<c10::intrusive_ptr<c10d::Work>()> issue);
   void run_worker();
+  // Waits for an inner collective of a compressed call (Profile::wire_s).
+  void wait_wire(const c10::intrusive_ptr<c10d::Work>& work);
   c10::intrusive_ptr<c10d::Work> forward_allreduce(std::vector<at::Tensor>& tensors,
                                                    const c10d::AllreduceOptions& opts);
 
@@ -262,6 +298,8 @@ class CompressedBackend : public c10d::Backend {
   // The collective the worker is running (index into kCollectives), for the
   // call check and error messages.
   int collective_ = 0;
+  // Written by the worker thread only; read through the queue.
+  Profile profile_;
 };
 
 }  // namespace dist

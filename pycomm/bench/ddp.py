@@ -374,14 +374,40 @@ class _RankTrainer:
             evals = [float(loss_fn(module, batch_fn(EVAL_RANK + i, 0))) for i in range(n)]
         return sum(evals) / len(evals)
 
+    def _engine_of(self, m: Method, state, opt):
+        """The pycomm group that runs ``m``'s compressed collectives (None:
+        the method does not use the engine, or has not yet: an optimizer
+        in its warm-up)."""
+        if m.entry == "backend":
+            return self._pycomm_group(m)
+        for owner in (state, opt):
+            engine = getattr(owner, "_engine", None)
+            if engine is not None:
+                return engine
+        return None
+
+    @staticmethod
+    def _engine_profile(engine, steps: int) -> Dict[str, float]:
+        """This rank's engine profile over the timed steps (pd.profile), in
+        milliseconds (counts: per step)."""
+        import pycomm.distributed as pd
+
+        p = pd.profile(engine)
+        keys = ("calls", "collectives", "run_s") + pd.PROFILE_PHASES
+        return {k.replace("_s", "_ms") if k.endswith("_s") else k:
+                p[k] / max(1, steps) * (1000.0 if k.endswith("_s") else 1.0) for k in keys}
+
     def train(self, m: Method, steps: int, start_iter: int, timed_from: int, report_every: int,
               seed: int, eval_every: int = 0) -> Dict[str, Any]:
+        import pycomm.distributed as pd
+
         ddp, opt, loss_fn, batch_fn, state = self._setup(m, start_iter, seed)
         numel = sum(p.numel() for p in ddp.parameters())
         times: List[float] = []
         losses: List[float] = []
         curve: List[List[float]] = []
         tx0 = tx1 = None
+        engine = None
         self.dist.barrier()
         tx_start = self.me.tx_bytes()
         for step in range(steps):
@@ -393,6 +419,9 @@ class _RankTrainer:
                 self.dist.barrier()
             if step == timed_from:
                 tx0 = self.me.tx_bytes()
+                engine = self._engine_of(m, state, opt)
+                if engine is not None:
+                    pd.profile(engine, reset=True)
             if self.cfg.get("lr_schedule", "constant") != "constant":
                 for group in opt.param_groups:
                     group["lr"] = lr_at(self.cfg["lr"], step, steps, self.cfg["lr_schedule"])
@@ -444,6 +473,8 @@ class _RankTrainer:
             "step_times_s": times,
             "params_identical": self._params_identical(ddp),
         }
+        if engine is not None:
+            rec["engine_profile_ms_per_step"] = self._engine_profile(engine, len(timed))
         rec["compress_time_s"] = self._compress_time(m, numel)
         if m.compressor == "auto":
             import pycomm.distributed as pd
@@ -716,7 +747,7 @@ def run_ddp(args: argparse.Namespace, out=sys.stdout) -> List[Dict[str, Any]]:
 PER_SEED_FIELDS = ("seed", "final_loss", "train_loss_last", "bytes_sent_per_rank_per_step",
                    "bytes_sent_per_rank_per_step_all_steps", "step_time_median_s",
                    "params_identical", "compress_time_s", "timed_from", "loss_per_step", "step_times_s",
-                   "eval_loss_curve", "optim_bytes_per_step")
+                   "eval_loss_curve", "optim_bytes_per_step", "engine_profile_ms_per_step")
 #: Settings that must agree between runs whose seeds are combined (--merge).
 SAME_FOR_EVERY_SEED = ("method", "bandwidth", "ranks", "workload", "model", "optimizer", "lr", "lr_schedule",
                        "batch_size", "eval_batches",
@@ -778,6 +809,9 @@ def combine_seeds(recs: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
     ct = [r["compress_time_s"] for r in recs if r.get("compress_time_s") is not None]
     out["compress_time_s"] = median(ct) if ct else None
     out["timed_from"] = recs[0]["timed_from"]
+    profiles = [r["engine_profile_ms_per_step"] for r in recs if r.get("engine_profile_ms_per_step")]
+    if profiles:
+        out["engine_profile_ms_per_step"] = {k: _mean([p[k] for p in profiles]) for k in profiles[0]}
     if recs[0].get("optim_bytes_per_step") is not None:
         out["optim_bytes_per_step"] = recs[0]["optim_bytes_per_step"]
     if all(r.get("loss_per_step") for r in recs):
@@ -1136,6 +1170,38 @@ def format_flattening(records: List[Dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def format_profile(records: List[Dict[str, Any]]) -> str:
+    """Where the engine's thread spent each timed step (rank 0, ms per step,
+    ``pycomm.distributed.profile``), one row per method and link that ran
+    the engine; "" when none did.
+
+    >>> p = dict(calls=3.0, collectives=7.0, run_ms=20.0, queued_ms=1.0, check_ms=0.0,
+    ...          encode_ms=6.0, wire_ms=11.0, decode_ms=2.5, other_ms=0.5)
+    >>> print(format_profile([dict(method="onebit", bandwidth=1e9, step_time_median_s=0.1,
+    ...                            engine_profile_ms_per_step=p)]))
+    engine thread per step (rank 0, ms):
+    method    link        step    calls    collectives    run    queued    check    encode    wire    decode    other
+    onebit    1 Gbit/s     100        3              7     20         1        0         6      11       2.5      0.5
+    """
+    from tabulate import tabulate
+
+    rows = []
+    for r in records:
+        p = r.get("engine_profile_ms_per_step")
+        if not p:
+            continue
+        link = "unshaped" if not r.get("bandwidth") else f"{r['bandwidth'] / 1e9:g} Gbit/s"
+        rows.append([r["method"], link, round(r["step_time_median_s"] * 1e3, 1), round(p["calls"], 1),
+                     round(p["collectives"], 1)] +
+                    [round(p[k], 2) for k in ("run_ms", "queued_ms", "check_ms", "encode_ms", "wire_ms",
+                                              "decode_ms", "other_ms")])
+    if not rows:
+        return ""
+    head = ["method", "link", "step", "calls", "collectives", "run", "queued", "check", "encode", "wire",
+            "decode", "other"]
+    return "engine thread per step (rank 0, ms):\n" + tabulate(rows, head, tablefmt="plain")
+
+
 def run(args: argparse.Namespace) -> int:
     """``pycomm-bench ddp``: run (or ``--merge``), print the table, write JSON (and plots)."""
     t0 = time.monotonic()
@@ -1150,8 +1216,8 @@ def run(args: argparse.Namespace) -> int:
     print()
     bad = sorted({r["method"] for r in records if not r["params_identical"]})
     text = format_table(records)
-    flat = format_flattening(records)
-    status = finish(records, args.json, text + ("\n\n" + flat if flat else ""),
+    extra = [t for t in (format_flattening(records), format_profile(records)) if t]
+    status = finish(records, args.json, "\n\n".join([text] + extra),
                     [f"{m}: ranks ended with different parameters" for m in bad], t0)
     if args.plots:
         try:

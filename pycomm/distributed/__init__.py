@@ -525,6 +525,43 @@ def options_of(group: Optional[dist.ProcessGroup] = None, device: str = "cpu") -
     return d
 
 
+#: The phases of :func:`profile` (seconds), in the order a call passes them.
+PROFILE_PHASES = ("queued_s", "check_s", "encode_s", "wire_s", "decode_s", "other_s")
+
+
+def profile(group: Optional[dist.ProcessGroup] = None, device: str = "cpu", reset: bool = False) -> Dict[str, Any]:
+    """Where the engine's worker thread spent its time since the group was
+    created or last reset (docs/performance.md): wall seconds summed over
+    the calls, per phase, this rank only.
+
+    ``calls``: compressed collectives run; ``collectives``: the inner
+    collectives they waited for; ``queued_s``: submitted to started (the
+    hand-off to the worker thread, and waiting behind earlier calls);
+    ``run_s``: the compressed calls from start to end, split into
+    ``check_s`` (the cross-rank call check), ``encode_s`` (compressing, the
+    error feedback, building payloads, issuing collectives), ``wire_s``
+    (waiting for the inner collectives: the link and the slowest peer),
+    ``decode_s`` (decompressing, sums, finiteness) and ``other_s`` (the rest:
+    copies to and from other dtypes, allocation). ``forwarded`` /
+    ``forwarded_s``: collectives passed to the inner backend unchanged. On an
+    accelerator kernels are asynchronous: encode and decode then count
+    launches, and the waits include the kernels before them.
+    ``reset=True`` starts a new count after reading this one.
+
+    Example::
+
+        pd.profile(reset=True)
+        train_a_few_steps()
+        p = pd.profile()
+        print(p["calls"], p["wire_s"] / p["run_s"])   # the share spent waiting
+    """
+    if not isinstance(reset, bool):
+        raise TypeError(f"reset must be a bool, got {reset!r}")
+    d = dict(_pycomm_backend(group, _device(device)).profile(reset))
+    d["other_s"] = max(0.0, d["run_s"] - d["check_s"] - d["encode_s"] - d["wire_s"] - d["decode_s"])
+    return d
+
+
 def calibration(group: Optional[dist.ProcessGroup] = None, device: str = "cpu") -> "Calibration":
     """The calibration of a ``compressor="auto"`` group: what was measured,
     the model, and the method of each size (``print(calibration().format())``).
@@ -555,6 +592,7 @@ __all__ = [
     "is_pycomm_group",
     "load_error_feedback_state",
     "options_of",
+    "profile",
     "reduce_scatter",
     "register_backend",
     "reset_error_feedback",
