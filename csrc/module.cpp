@@ -50,6 +50,7 @@ py::dict spec_dict() {
   d["methods"] = py::tuple(methods);
   d["call_fields"] = py::tuple(fields);
   d["default_chunk_numel"] = kDefaultChunkNumel;
+  d["tag_words"] = kTagWords;
   py::dict blocks, bits;
   for (const char* m : kMethods) {
     if (!is_block_method(m)) continue;

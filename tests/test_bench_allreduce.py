@@ -105,12 +105,14 @@ def test_bytes_follow_the_algorithms():
         onebit = bytes_sent(parse_method("onebit"), n, w, mi)
         signs = 2 * (w - 1) * n // (8 * w)
         assert signs < onebit < 1.1 * (2 * n / 8)
-        # topk: the padded 1 + 2 cap int32 buffer of each chunk to each of W-1 peers.
+        # topk: the padded 1 + 2 cap int32 buffer and the 2-word call tag of
+        # each chunk to each of W-1 peers.
         k = math.ceil(0.01 * mi)
-        per_chunk = 1 + 2 * (k + k // 4)
+        per_chunk = 1 + 2 * (k + k // 4) + 2
         assert bytes_sent(parse_method("topk-0.01"), n, w, mi) == 4 * (n // mi) * (w - 1) * per_chunk
-    # 2 (W-1) segment payloads of 8192 words + 128 scales, 4 bytes each.
-    assert bytes_sent(parse_method("onebit"), 1 << 20, 4, 1 << 20) == 2 * 3 * (8192 + 128) * 4
+    # 2 (W-1) segment payloads of 8192 words + 128 scales, 4 bytes each, and
+    # W-1 call tags of 2 words with the all-gathered server payloads.
+    assert bytes_sent(parse_method("onebit"), 1 << 20, 4, 1 << 20) == (2 * 3 * (8192 + 128) + 3 * 2) * 4
 
 
 def test_defaults_and_quick():

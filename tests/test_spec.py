@@ -25,6 +25,7 @@ def test_names_and_codes_match(cpp):
     assert cpp["methods"] == spec.METHODS
     assert cpp["call_fields"] == spec.CALL_FIELDS
     assert cpp["default_chunk_numel"] == spec.DEFAULT_CHUNK_NUMEL
+    assert cpp["tag_words"] == spec.TAG_WORDS
     assert cpp["collectives"] == spec.COLLECTIVES
     assert cpp["reduce_scatter_suffix"] == spec.REDUCE_SCATTER_SUFFIX
     assert cpp["all_gather_suffix"] == spec.ALL_GATHER_SUFFIX

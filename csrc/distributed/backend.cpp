@@ -715,6 +715,7 @@ void CompressedBackend::run_compressed(const at::Tensor& tensor, std::optional<i
   Span span(profile_.run_s);
   try {
     check_call(tensor, key, average, m);
+    set_tag(tensor, key, average);
     // Work on a flat, contiguous float32 view (a copy only when needed).
     const bool direct = tensor.scalar_type() == at::kFloat && tensor.is_contiguous();
     at::Tensor x = direct ? tensor.view({-1}) : tensor.reshape({-1}).to(at::kFloat).contiguous();
@@ -868,7 +869,7 @@ bool CompressedBackend::run_blocks(const at::Tensor& x, ErrorFeedback* ef, bool 
   // every gathered server scale is (a read of n / B floats; a non-finite
   // block decodes to NaN or +-Inf in every codec). Only error feedback
   // needs to know; the flags stay on the device until the end.
-  std::vector<at::Tensor> finite;
+  std::vector<at::Tensor> finite, tags;
 
   // Stage 1: worker compress, all_to_all of segment payloads.
   auto stage1 = [&](int64_t i) {
@@ -898,7 +899,10 @@ bool CompressedBackend::run_blocks(const at::Tensor& x, ErrorFeedback* ef, bool 
     Chunk& ch = st[i];
     const BlockLayout& lay = ch.lay;
     wait_wire(ch.a2a);
-    at::Tensor mine = at::zeros({lay.size[0]}, int_opts);
+    // This rank's server payload, padded to segment 0's, then the tag.
+    const int64_t slot = lay.size[0] + kTagWords;
+    at::Tensor mine = at::zeros({slot}, int_opts);
+    mine.narrow(0, lay.size[0], kTagWords).copy_(tag_);
     const int64_t len = lay.len[rank];
     if (len > 0) {
       // The first payload is written, the others added: no zero-filled
@@ -917,7 +921,7 @@ bool CompressedBackend::run_blocks(const at::Tensor& x, ErrorFeedback* ef, bool 
       mine.narrow(0, 0, lay.size[rank]).copy_(at::cat(codec.segment(sd, ss, 0, len)));
     }
     Span span(profile_.encode_s);
-    ch.gathered = at::empty({world * lay.size[0]}, int_opts);
+    ch.gathered = at::empty({world * slot}, int_opts);
     ch.ag = g.pg->_allgather_base(ch.gathered, mine, c10d::AllgatherOptions());
   };
 
@@ -927,11 +931,13 @@ bool CompressedBackend::run_blocks(const at::Tensor& x, ErrorFeedback* ef, bool 
     const BlockLayout& lay = ch.lay;
     wait_wire(ch.ag);
     Span span(profile_.decode_s);
+    const int64_t slot = lay.size[0] + kTagWords;
+    tags.push_back(tags_match(ch.gathered, world, slot));
     for (int j = 0; j < world; ++j) {
       if (lay.len[j] == 0) continue;
       codec.decompress(x.narrow(0, ch.begin + j * lay.seg, lay.len[j]), ch.gathered,
-                       j * lay.size[0], false);
-      if (ef) finite.push_back(codec.finite_at(ch.gathered, j * lay.size[0], lay.len[j]));
+                       j * slot, false);
+      if (ef) finite.push_back(codec.finite_at(ch.gathered, j * slot, lay.len[j]));
     }
     ch.recv = at::Tensor();
     ch.gathered = at::Tensor();
@@ -948,6 +954,7 @@ bool CompressedBackend::run_blocks(const at::Tensor& x, ErrorFeedback* ef, bool 
   stage2(chunks - 1);
   for (int64_t i = std::max<int64_t>(0, chunks - 2); i < chunks; ++i) stage3(i);
   Span span(profile_.decode_s);
+  require_tags(tags);
   return finite.empty() || at::stack(finite).all().item<bool>();
 }
 
@@ -967,7 +974,7 @@ bool CompressedBackend::run_topk(const at::Tensor& x, ErrorFeedback* ef, bool av
   st.reserve(chunks);
   // Sums of finite values can overflow, so the output itself is checked (a
   // sum per chunk, small next to the selection); only for error feedback.
-  std::vector<at::Tensor> sums;
+  std::vector<at::Tensor> sums, tags;
 
   auto stage1 = [&](int64_t i) {
     Span span(profile_.encode_s);
@@ -978,12 +985,14 @@ bool CompressedBackend::run_topk(const at::Tensor& x, ErrorFeedback* ef, bool av
     if (ef) residual = ef->worker.narrow(0, begin, m);
     auto [idx, vals] = topk_compress(x.narrow(0, begin, m), residual, k, config_.approx);
     const int64_t count = idx.numel();
-    // [count, indices, values as float bits], zero-padded to 1 + 2 cap.
-    at::Tensor buf = at::zeros({1 + 2 * cap}, int_opts);
+    // [count, indices, values as float bits], zero-padded to 1 + 2 cap, tag.
+    const int64_t slot = topk_wire_numel(m, config_.density, config_.approx);
+    at::Tensor buf = at::zeros({slot}, int_opts);
     buf.narrow(0, 0, 1).fill_(count);
     buf.narrow(0, 1, count).copy_(idx);
     buf.narrow(0, 1 + count, count).copy_(vals.view(at::kInt));
-    st.push_back(Chunk{begin, m, cap, at::empty({world * (1 + 2 * cap)}, int_opts), {}});
+    buf.narrow(0, slot - kTagWords, kTagWords).copy_(tag_);
+    st.push_back(Chunk{begin, m, cap, at::empty({world * slot}, int_opts), {}});
     st.back().ag = g.pg->_allgather_base(st.back().gathered, buf, c10d::AllgatherOptions());
   };
 
@@ -993,9 +1002,11 @@ bool CompressedBackend::run_topk(const at::Tensor& x, ErrorFeedback* ef, bool av
     Span span(profile_.decode_s);
     at::Tensor out = x.narrow(0, ch.begin, ch.m);
     out.zero_();
-    const at::Tensor counts = ch.gathered.view({world, 1 + 2 * ch.cap}).select(1, 0).cpu();
+    const int64_t slot = 1 + 2 * ch.cap + kTagWords;
+    tags.push_back(tags_match(ch.gathered, world, slot));
+    const at::Tensor counts = ch.gathered.view({world, slot}).select(1, 0).cpu();
     for (int src = 0; src < world; ++src) {
-      const int64_t off = src * (1 + 2 * ch.cap);
+      const int64_t off = src * slot;
       const int64_t count = counts[src].item<int32_t>();
       TORCH_CHECK(count >= 0 && count <= ch.cap, "rank ", src, " sent a top-k payload of ", count,
                   " entries, capacity ", ch.cap, ": ranks disagree on the tensor or density");
@@ -1013,6 +1024,7 @@ bool CompressedBackend::run_topk(const at::Tensor& x, ErrorFeedback* ef, bool av
   }
   stage2(chunks - 1);
   Span span(profile_.decode_s);
+  require_tags(tags);
   return all_finite(sums, x);
 }
 
@@ -1032,7 +1044,7 @@ bool CompressedBackend::run_plugin(const at::Tensor& x, ErrorFeedback* ef, bool 
   };
   std::vector<Chunk> st;
   st.reserve(chunks);
-  std::vector<at::Tensor> sums;
+  std::vector<at::Tensor> sums, tags;
 
   // Compress (error feedback: the residual kept in the second buffer first),
   // then gather every rank's payload as bytes. A registered compressor's
@@ -1058,9 +1070,11 @@ bool CompressedBackend::run_plugin(const at::Tensor& x, ErrorFeedback* ef, bool 
         nbytes += pad;
       }
     }
-    at::Tensor send = bytes.empty() ? at::empty({0}, x.options().dtype(at::kByte)) : at::cat(bytes);
+    bytes.push_back(tag_.view(at::kByte));  // then the call's tag
+    at::Tensor send = at::cat(bytes);
+    const int64_t slot = nbytes + kTagWords * 4;
     st.push_back(Chunk{begin, m, std::move(payload), nbytes,
-                       at::empty({world * nbytes}, x.options().dtype(at::kByte)), {}});
+                       at::empty({world * slot}, x.options().dtype(at::kByte)), {}});
     st.back().ag = g.pg->_allgather_base(st.back().gathered, send, c10d::AllgatherOptions());
   };
 
@@ -1070,9 +1084,11 @@ bool CompressedBackend::run_plugin(const at::Tensor& x, ErrorFeedback* ef, bool 
     wait_wire(ch.ag);
     Span span(profile_.decode_s);
     at::Tensor out = x.narrow(0, ch.begin, ch.m);
+    const int64_t slot = ch.nbytes + kTagWords * 4;
+    tags.push_back(tags_match(ch.gathered, world, slot));
     for (int src = 0; src < world; ++src) {
       std::vector<at::Tensor> payload;
-      int64_t off = src * ch.nbytes;
+      int64_t off = src * slot;
       for (const auto& p : ch.mine) {
         const int64_t len = p.numel() * p.element_size();
         payload.push_back(ch.gathered.narrow(0, off, len).view(p.scalar_type()).view(p.sizes()));
@@ -1092,6 +1108,7 @@ bool CompressedBackend::run_plugin(const at::Tensor& x, ErrorFeedback* ef, bool 
   }
   stage2(chunks - 1);
   Span span(profile_.decode_s);
+  require_tags(tags);
   return all_finite(sums, x);
 }
 
@@ -1159,6 +1176,7 @@ void CompressedBackend::run_reduce_scatter(const at::Tensor& output, const at::T
   Span span(profile_.run_s);
   try {
     check_call(input, key, average, m);
+    set_tag(input, key, average);
     const int world = getSize();
     const bool direct = input.scalar_type() == at::kFloat && input.is_contiguous() &&
                         output.is_contiguous();
@@ -1194,7 +1212,7 @@ void CompressedBackend::run_reduce_scatter(const at::Tensor& output, const at::T
     };
     std::vector<Chunk> st;
     st.reserve(chunks);
-    std::vector<at::Tensor> sums;
+    std::vector<at::Tensor> sums, tags;
     auto stage1 = [&](int64_t i) {
       Span span(profile_.encode_s);
       const int64_t c0 = i * C, len = std::min(C, S - c0);
@@ -1211,9 +1229,16 @@ void CompressedBackend::run_reduce_scatter(const at::Tensor& output, const at::T
         TORCH_CHECK(b.numel() == nbytes, "compressor '", m, "' made payloads of ", nbytes, " and ",
                     b.numel(), " bytes for segments of ", len, " elements: payload sizes must "
                     "depend on the element count alone");
-      at::Tensor send = at::cat(sends);
-      st.push_back(Chunk{c0, len, nbytes, at::empty({world * nbytes}, byte_opts), {}, codec.plugin_layout});
-      std::vector<int64_t> splits(world, nbytes);
+      // Each segment's payload, then the call's tag.
+      std::vector<at::Tensor> parts;
+      for (const auto& b : sends) {
+        parts.push_back(b);
+        parts.push_back(tag_.view(at::kByte));
+      }
+      at::Tensor send = at::cat(parts);
+      const int64_t slot = nbytes + kTagWords * 4;
+      st.push_back(Chunk{c0, len, nbytes, at::empty({world * slot}, byte_opts), {}, codec.plugin_layout});
+      std::vector<int64_t> splits(world, slot);
       st.back().a2a = g.pg->alltoall_base(st.back().recv, send, splits, splits, c10d::AllToAllOptions());
     };
     auto stage2 = [&](int64_t i) {
@@ -1221,8 +1246,10 @@ void CompressedBackend::run_reduce_scatter(const at::Tensor& output, const at::T
       wait_wire(ch.a2a);
       Span span(profile_.decode_s);
       at::Tensor dst = out.narrow(0, ch.begin, ch.len);
+      const int64_t slot = ch.nbytes + kTagWords * 4;
+      tags.push_back(tags_match(ch.recv, world, slot));
       for (int src = 0; src < world; ++src)
-        codec.decode(ch.recv.narrow(0, src * ch.nbytes, ch.nbytes), dst, src > 0, ch.layout);
+        codec.decode(ch.recv.narrow(0, src * slot, ch.nbytes), dst, src > 0, ch.layout);
       if (average) dst.div_(world);
       if (ef) sums.push_back(dst.sum());
       ch.recv = at::Tensor();
@@ -1232,6 +1259,7 @@ void CompressedBackend::run_reduce_scatter(const at::Tensor& output, const at::T
       if (i >= 1) stage2(i - 1);
     }
     stage2(chunks - 1);
+    require_tags(tags);
     if (!direct) output.copy_(out.view(output.sizes()));
     if (ef) {
       // Each rank holds another shard: they agree on finiteness (one MIN)
@@ -1283,6 +1311,7 @@ void CompressedBackend::run_all_gather(const at::Tensor& output, const at::Tenso
   Span span(profile_.run_s);
   try {
     check_call(input, key, false, m);
+    set_tag(input, key, false);
     const int world = getSize();
     const bool direct = input.scalar_type() == at::kFloat && input.is_contiguous() &&
                         output.is_contiguous();
@@ -1313,15 +1342,17 @@ void CompressedBackend::run_all_gather(const at::Tensor& output, const at::Tenso
     };
     std::vector<Chunk> st;
     st.reserve(chunks);
+    std::vector<at::Tensor> tags;
     auto stage1 = [&](int64_t i) {
       Span span(profile_.encode_s);
       const int64_t c0 = i * C, len = std::min(C, S - c0);
       codec.plugin_layout.clear();
       std::optional<at::Tensor> r;
       if (ef) r = ef->worker.narrow(0, c0, len);
-      at::Tensor send = codec.encode(in.narrow(0, c0, len), r);
-      const int64_t nbytes = send.numel();
-      st.push_back(Chunk{c0, len, nbytes, at::empty({world * nbytes}, codec.byte_opts), {},
+      at::Tensor payload = codec.encode(in.narrow(0, c0, len), r);
+      const int64_t nbytes = payload.numel(), slot = nbytes + kTagWords * 4;
+      at::Tensor send = at::cat({payload, tag_.view(at::kByte)});  // then the call's tag
+      st.push_back(Chunk{c0, len, nbytes, at::empty({world * slot}, codec.byte_opts), {},
                          codec.plugin_layout});
       st.back().ag = g.pg->_allgather_base(st.back().gathered, send, c10d::AllgatherOptions());
     };
@@ -1329,8 +1360,10 @@ void CompressedBackend::run_all_gather(const at::Tensor& output, const at::Tenso
       Chunk& ch = st[i];
       wait_wire(ch.ag);
       Span span(profile_.decode_s);
+      const int64_t slot = ch.nbytes + kTagWords * 4;
+      tags.push_back(tags_match(ch.gathered, world, slot));
       for (int j = 0; j < world; ++j)
-        codec.decode(ch.gathered.narrow(0, j * ch.nbytes, ch.nbytes),
+        codec.decode(ch.gathered.narrow(0, j * slot, ch.nbytes),
                      out.narrow(0, j * S + ch.begin, ch.len), false, ch.layout);
       ch.gathered = at::Tensor();
     };
@@ -1339,6 +1372,7 @@ void CompressedBackend::run_all_gather(const at::Tensor& output, const at::Tenso
       if (i >= 1) stage2(i - 1);
     }
     stage2(chunks - 1);
+    require_tags(tags);
     if (!direct) output.copy_(out.view(output.sizes()));
     // The output is the same on every rank, so every rank decides alike: a
     // non-finite one leaves the residuals as they were.
@@ -1437,6 +1471,33 @@ void CompressedBackend::wait_wire(const WorkPtr& work) {
   ++profile_.collectives;
   Span span(profile_.wire_s);
   work->wait();
+}
+
+void CompressedBackend::set_tag(const at::Tensor& tensor, std::optional<int64_t> key,
+                                bool average) {
+  const uint64_t h = call_tag(collective_, key ? *key : -1, tensor.numel(),
+                              static_cast<int>(tensor.scalar_type()), average);
+  int32_t words[kTagWords];
+  static_assert(sizeof(words) == sizeof(h), "a tag is 64 bits");
+  memcpy(words, &h, sizeof(h));
+  tag_ = at::tensor(std::vector<int32_t>(words, words + kTagWords), at::kInt).to(tensor.device());
+}
+
+at::Tensor CompressedBackend::tags_match(const at::Tensor& buf, int world, int64_t slot) const {
+  const at::Tensor tag = buf.scalar_type() == at::kByte ? tag_.view(at::kByte) : tag_;
+  const int64_t t = tag.numel();
+  return buf.view({world, slot}).narrow(1, slot - t, t).eq(tag).all();
+}
+
+void CompressedBackend::require_tags(const std::vector<at::Tensor>& match) const {
+  if (match.empty()) return;
+  TORCH_CHECK(at::stack(match).all().item<bool>(),
+              "the ranks ran different compressed calls at the same position (another key, "
+              "size, dtype or op: the payloads' call tags differ), so their results were "
+              "discarded and the residuals kept. The engine runs each rank's calls in the order "
+              "they were submitted: calls submitted from several threads must reach it in the "
+              "same order on every rank (issue the compressed calls of a group from one thread; "
+              "check_calls=\"every\" names the difference)");
 }
 
 Profile CompressedBackend::profile(bool reset) {

@@ -229,6 +229,14 @@ class CompressedBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> forward(c10d::OpType type, std::vector<at::Tensor> result,
                                          std::function<c10::intrusive_ptr<c10d::Work>()> issue);
   void run_worker();
+  // The running call's tag (spec.h, kTagWords int32s on its device), set
+  // before its payloads are built.
+  void set_tag(const at::Tensor& tensor, std::optional<int64_t> key, bool average);
+  // Whether each of the `world` slots of `slot` elements (int32 words or
+  // bytes) of an exchanged buffer ends with the running call's tag.
+  at::Tensor tags_match(const at::Tensor& buf, int world, int64_t slot) const;
+  // Raises, naming the cause, unless every check of `match` holds.
+  void require_tags(const std::vector<at::Tensor>& match) const;
   // Waits for an inner collective of a compressed call (Profile::wire_s).
   void wait_wire(const c10::intrusive_ptr<c10d::Work>& work);
   c10::intrusive_ptr<c10d::Work> forward_allreduce(std::vector<at::Tensor>& tensors,
@@ -300,6 +308,7 @@ class CompressedBackend : public c10d::Backend {
   int collective_ = 0;
   // Written by the worker thread only; read through the queue.
   Profile profile_;
+  at::Tensor tag_;  // the running call's (set_tag)
 };
 
 }  // namespace dist

@@ -68,6 +68,21 @@ inline constexpr int kNumCollectives = sizeof(kCollectives) / sizeof(kCollective
 inline constexpr const char* kReduceScatterSuffix = "/reduce_scatter";
 inline constexpr const char* kAllGatherSuffix = "/all_gather";
 
+// Every compressed payload that a rank all-gathers, or sends to every rank
+// in an all_to_all, ends with the call's tag: kTagWords int32 words
+// (spec.TAG_WORDS) of a hash of what the ranks' calls at one position must
+// share (collective, key, size, dtype, op). Each rank receives every rank's
+// tag in the same exchange, so when the ranks ran different calls there
+// (calls submitted from two threads in a different order on each rank),
+// every rank sees a tag that is not its own and raises.
+inline constexpr int64_t kTagWords = 2;
+inline uint64_t call_tag(int collective, int64_t key, int64_t numel, int dtype, bool average) {
+  uint64_t h = 1469598103934665603ull;  // FNV-1a over the fields' bytes
+  for (int64_t v : {int64_t(collective), key, numel, int64_t(dtype), int64_t(average)})
+    for (int b = 0; b < 8; ++b) h = (h ^ ((uint64_t(v) >> (8 * b)) & 0xff)) * 1099511628211ull;
+  return h;
+}
+
 // Length of the chunks an n-element tensor is cut into (spec.chunk_length):
 // round(n / chunk_numel) chunks, at least one, all of this length but the
 // last. No sliver of a tail chunk costing a full chunk's collectives.
@@ -106,10 +121,10 @@ struct BlockLayout {
 };
 
 // int32 elements of a topk chunk payload [count, indices, values] padded to
-// 1 + 2 cap (spec.topk_wire_numel).
+// 1 + 2 cap, then the call's tag (spec.topk_wire_numel).
 inline int64_t topk_wire_numel(int64_t m, double density, bool approx) {
   const int64_t k = topk_k(m, density);
-  return 1 + 2 * (approx ? topk_capacity(k) : k);
+  return 1 + 2 * (approx ? topk_capacity(k) : k) + kTagWords;
 }
 
 }  // namespace dist

@@ -47,6 +47,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from ..distributed.spec import TAG_WORDS, topk_wire_numel
 from .launch import Rank, RanksFailed, run_ranks, threads_per_rank
 from .methods import ALLREDUCE_BASES, Method, parse_method as _parse_method
 from .report import (default_json_path, finish, fmt_number, loadavg, machine_info, ms, progress_bar, size_label,
@@ -148,14 +149,6 @@ class OnebitLayout:
             self.size.append(self.words[-1] + self.blocks[-1])
 
 
-def topk_wire_numel(m: int, density: float, approx: bool) -> int:
-    """int32 elements of a topk chunk payload: ``1 + 2 cap``."""
-    from pycomm.compressors.topk import topk_capacity, topk_k
-
-    k = topk_k(m, density)
-    return 1 + 2 * (topk_capacity(k) if approx else k)
-
-
 def bytes_sent(method: Method, numel: int, world: int, chunk_numel: int,
                block_size: int = 2048, approx: bool = True) -> int:
     """Bytes one rank puts on the wire per all-reduce of ``numel`` float32
@@ -166,18 +159,18 @@ def bytes_sent(method: Method, numel: int, world: int, chunk_numel: int,
     on 2-byte elements, half that. onebit, per chunk: the all_to_all sends
     segment j's payload (S_j int32s) to rank j for every j != r, i.e. (W-1)/W
     of one compressed copy, and the all_gather sends this rank's server
-    payload, padded to S_0, to each of the W-1 peers (a ring all_gather also
-    sends W-1 blocks of S_0). topk, per chunk: the padded 1 + 2 cap int32
-    buffer to each of the W-1 peers. The piece a rank "sends" to itself never
-    reaches the wire and is not counted.
+    payload, padded to S_0, and the call's 2-word tag to each of the W-1
+    peers (a ring all_gather also sends W-1 blocks). topk, per chunk: the
+    padded 1 + 2 cap int32 buffer and the tag to each of the W-1 peers. The
+    piece a rank "sends" to itself never reaches the wire and is not counted.
 
     Example::
 
         >>> bytes_sent(parse_method("plain"), 1 << 20, 4, 1 << 20)   # 1.5 * 4 MiB
         6291456
-        >>> # 2 (W-1) segment payloads of 8192 words + 128 scales, 4 bytes each
+        >>> # 2 (W-1) segment payloads of 8192 words + 128 scales, 4 bytes each, 3 tags
         >>> bytes_sent(parse_method("onebit"), 1 << 20, 4, 1 << 20)
-        199680
+        199704
     """
     if world < 2:
         return 0
@@ -191,7 +184,7 @@ def bytes_sent(method: Method, numel: int, world: int, chunk_numel: int,
             lay = OnebitLayout(m, world, block_size)
             for r in range(world):
                 a2a = sum(lay.size[j] for j in range(world) if j != r)
-                total[r] += 4 * (a2a + (world - 1) * lay.size[0])
+                total[r] += 4 * (a2a + (world - 1) * (lay.size[0] + TAG_WORDS))
         else:
             wire = topk_wire_numel(m, float(method.density), approx)
             for r in range(world):
@@ -470,8 +463,8 @@ class _RankBench:
             bufs = [
                 (torch.zeros(sum(lay.size), dtype=torch.int32),  # all_to_all send
                  torch.empty(W * lay.size[r], dtype=torch.int32),  # all_to_all receive
-                 torch.zeros(lay.size[0], dtype=torch.int32),  # server payload, padded to S_0
-                 torch.empty(W * lay.size[0], dtype=torch.int32))  # all_gather output
+                 torch.zeros(lay.size[0] + TAG_WORDS, dtype=torch.int32),  # server payload to S_0, tag
+                 torch.empty(W * (lay.size[0] + TAG_WORDS), dtype=torch.int32))  # all_gather output
                 for lay in lays
             ]
 

@@ -49,6 +49,13 @@ DEFAULT_CHUNK_NUMEL = 1 << 20
 #: each key and keyless (numel, dtype, op), or every call. The index is the
 #: engine's code. ``PYCOMM_DEBUG=detail`` in the environment means "every".
 CHECK_MODES = ("off", "first", "every")
+#: int32 words of the tag that ends every compressed payload a rank
+#: all-gathers or sends to every rank in an all_to_all: a hash of the call
+#: (collective, key, size, dtype, op). Every rank receives every rank's tag
+#: in the same exchange, so ranks that ran different calls at one position
+#: (calls submitted from several threads in a different order on each rank)
+#: all raise (docs/allreduce.md, "Call tags").
+TAG_WORDS = 2
 #: The fields of the call descriptor the ranks compare, in wire order.
 CALL_FIELDS = ("numel", "dtype", "op", "key", "compressor", "chunk_numel", "block_size", "density",
                "approx", "device type", "collective")
@@ -148,10 +155,10 @@ def block_wire_numel(length: int, block_size: int, bits: int = 0) -> int:
 
 def topk_wire_numel(m: int, density: float, approx: bool) -> int:
     """int32 elements of a topk chunk payload ``[count, indices, values]``
-    padded to ``1 + 2 * cap``."""
+    padded to ``1 + 2 * cap``, then the call's tag (:data:`TAG_WORDS`)."""
     k = topk_k(m, density)
     cap = topk_capacity(k) if approx else k
-    return 1 + 2 * cap
+    return 1 + 2 * cap + TAG_WORDS
 
 
 def normalize_op(op: Any) -> str:

@@ -708,19 +708,20 @@ def _compressed_bytes(method: str, settings: Dict[str, Any], numel: int, world: 
         if method in block_bits:
             # Per chunk: the all_to_all sends segment j's payload to rank j
             # (j != r), the all_gather this rank's server payload, padded to
-            # segment 0's, to each of the W-1 peers.
+            # segment 0's, and the call's tag to each of the W-1 peers.
             block = _block_size(method, settings.get("block_size"))
             segments = getattr(spec, "block_segments", None) or spec.onebit_segments
             _, segs = segments(m, world, block)
             sizes = [_block_wire_numel(e - b, block, block_bits[method]) for b, e in segs]
             for r in range(world):
-                total[r] += 4 * (sum(sizes[j] for j in range(world) if j != r) + (world - 1) * sizes[0])
+                total[r] += 4 * (sum(sizes[j] for j in range(world) if j != r)
+                                 + (world - 1) * (sizes[0] + spec.TAG_WORDS))
         elif method == "topk":
             wire = spec.topk_wire_numel(m, settings.get("density", 0.01), settings.get("approx", True))
             for r in range(world):
                 total[r] += 4 * (world - 1) * wire
-        else:  # a registered compressor: every rank's payload gathered by every rank
-            payload = _payload_nbytes(method, settings, m)
+        else:  # a registered compressor: every rank's payload and tag gathered by every rank
+            payload = _payload_nbytes(method, settings, m) + 4 * spec.TAG_WORDS
             for r in range(world):
                 total[r] += (world - 1) * payload
     return max(total)
