@@ -95,3 +95,47 @@ def test_topk_approx_compress(benchmark, data, impl):
 
     _time(benchmark, lambda: compress(g, r), r, r0, K.topk_bytes(N, idx.numel()))
     benchmark.extra_info.update(k=k, count=idx.numel())
+
+
+QUANT_BLOCK = 256
+
+
+@pytest.mark.parametrize("impl", ["cpu", "reference"])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quant_compress(benchmark, data, bits, impl):
+    """int8 / int4 compress with error feedback, round to nearest (the
+    engine's), checked bit for bit against the reference first."""
+    import pycomm
+    from pycomm.compressors import quant as quant_ref
+
+    benchmark.group = f"int{bits} compress b={QUANT_BLOCK}, EF, 4M"
+    g, r0 = data
+    comp = pycomm.get_compressor(f"int{bits}", block_size=QUANT_BLOCK, impl=impl)
+    want_r = r0.clone()
+    want_data, want_scales = quant_ref.compress_reference(g, want_r, bits, QUANT_BLOCK, -1)
+    r = r0.clone()
+    payload = comp.compress(g, r)
+    K.check_equal("data", payload.data, want_data)
+    K.check_equal("scales", payload.scales, want_scales)
+    K.check_equal("residual", r, want_r)
+    payload_bytes = want_data.numel() + 4 * want_scales.numel()
+    _time(benchmark, lambda: comp.compress(g, r), r, r0, 12 * N + payload_bytes)
+
+
+@pytest.mark.parametrize("impl", ["cpu", "reference"])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quant_decompress_accumulate(benchmark, data, bits, impl):
+    import pycomm
+
+    benchmark.group = f"int{bits} decompress (accumulate) b={QUANT_BLOCK}, 4M"
+    g, r0 = data
+    comp = pycomm.get_compressor(f"int{bits}", block_size=QUANT_BLOCK, impl=impl)
+    payload = pycomm.get_compressor(f"int{bits}", block_size=QUANT_BLOCK, impl="reference").compress(g)
+    want = r0.clone()
+    pycomm.get_compressor(f"int{bits}", block_size=QUANT_BLOCK, impl="reference").decompress(
+        payload, want, accumulate=True)
+    out = r0.clone()
+    comp.decompress(payload, out, accumulate=True)
+    K.check_equal("out", out, want)
+    payload_bytes = payload.data.numel() + 4 * payload.scales.numel()
+    _time(benchmark, lambda: comp.decompress(payload, out, accumulate=True), out, r0, 8 * N + payload_bytes)

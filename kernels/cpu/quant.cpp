@@ -2,10 +2,13 @@
 //
 // Two passes per block: pass 1 forms c = grad + residual (written to the
 // residual buffer, so pass 2 re-reads it from cache) and its absmax; pass 2
-// quantizes, packs and writes the new residual. Without error feedback pass
-// 2 re-reads grad instead. The rules are compress_math.h's, element by
-// element, so every block can run on any thread in any order.
+// quantizes a tile of 256 at a time (levels and new residual in one loop,
+// then packed). Without error feedback pass 2 loads grad into a scratch
+// tile instead. The rules are compress_math.h's, element by element, so
+// every block can run on any thread in any order; every loop vectorizes
+// (tests/test_vectorized.py).
 #include <math.h>
+#include <string.h>
 
 #include "pycomm/compress_math.h"
 #include "pycomm/cpu.h"
@@ -14,6 +17,17 @@
 namespace pycomm {
 namespace cpu {
 namespace {
+
+// Elements quantized per tile of pass 2 (even, so int4 bytes never straddle
+// two tiles); +1 leaves room for an odd tile's zero high nibble.
+constexpr int64_t kTile = 256;
+
+// Level i of an int4 payload: its nibble, sign-extended (shifted to the top
+// of an int8, then back).
+inline int int4_at(const uint8_t* data, int64_t i) {
+  const int nib = (data[i / 2] >> ((i & 1) * 4)) & 0xf;
+  return (int8_t)(nib << 4) >> 4;
+}
 
 template <typename Load>
 void compress_blocks(Load g, const float* r_in, float* r, uint8_t* data, float* scales, int64_t n,
@@ -48,20 +62,40 @@ void compress_blocks(Load g, const float* r_in, float* r, uint8_t* data, float* 
     const float scale = amax / (float)qmax;
     const float inv = quant_inv(amax, qmax);
     scales[b] = scale;
-    auto c_of = [&](int64_t i) { return r ? r[i] : g(i); };
-    auto emit = [&](int64_t i, float c) {
-      const int q = quant_level(c, inv, qmax, seed, (uint32_t)i);
-      if (r) r[i] = c - (float)q * scale;
-      return q;
-    };
-    if (bits == 8) {
-      for (int64_t i = begin; i < end; ++i) data[i] = (uint8_t)(int8_t)emit(i, c_of(i));
-    } else {
-      // begin is even (block_size is): byte i/2 holds elements i and i+1.
-      for (int64_t i = begin; i < end; i += 2) {
-        const int lo = emit(i, c_of(i));
-        const int hi = i + 1 < end ? emit(i + 1, c_of(i + 1)) : 0;
-        data[i / 2] = (uint8_t)((lo & 0xf) | ((hi & 0xf) << 4));
+    // Pass 2, a tile at a time: the levels (and the new residual) in a loop
+    // without branches that vectorizes, then packed into bytes.
+    int8_t q[kTile + 1];
+    for (int64_t t = begin; t < end; t += kTile) {
+      const int64_t len = end - t < kTile ? end - t : kTile;
+      // Without error feedback the tile is loaded into a scratch residual
+      // first: one loop shape for both (it vectorizes; the scratch
+      // residual it writes is thrown away).
+      float scratch[kTile];
+      float* rt = r ? r + t : scratch;
+      if (!r) {
+#pragma omp simd
+        for (int64_t i = 0; i < len; ++i) scratch[i] = g(t + i);
+      }
+#pragma omp simd
+      for (int64_t i = 0; i < len; ++i) {
+        const float c = rt[i];
+        const int level = quant_level(c, inv, qmax, seed, (uint32_t)(t + i));
+        rt[i] = c - (float)level * scale;
+        q[i] = (int8_t)level;
+      }
+      if (bits == 8) {
+        memcpy(data + t, q, (size_t)len);
+      } else {
+        // t is even (block_size and kTile are): byte j of the tile holds
+        // levels 2j and 2j+1; an odd last level leaves the high nibble 0.
+        if (len & 1) q[len] = 0;
+        uint8_t* d = data + t / 2;
+        const uint8_t* u = reinterpret_cast<const uint8_t*>(q);
+        const int64_t bytes = (len + 1) / 2;
+#pragma omp simd
+        for (int64_t j = 0; j < bytes; ++j) {
+          d[j] = (uint8_t)((u[2 * j] & 0xf) | (u[2 * j + 1] << 4));
+        }
       }
     }
   }
@@ -96,11 +130,28 @@ void quant_decompress_blocks(const uint8_t* data, const float* scales, int64_t n
         for (int64_t i = begin; i < end; ++i) out[i] = (float)q[i] * scale;
       }
     } else {
-      for (int64_t i = begin; i < end; ++i) {
-        // Sign-extend the nibble: shift it to the top of an int8, then back.
-        const int nib = (data[i / 2] >> ((i & 1) * 4)) & 0xf;
-        const float v = (float)((int8_t)(nib << 4) >> 4) * scale;
-        out[i] = accumulate ? out[i] + v : v;
+      // A byte at a time (begin is even): both nibbles, sign-extended by
+      // shifting them to the top of an int8 and back; an odd last element
+      // on its own.
+      const int64_t pairs = (end - begin) / 2;
+      const uint8_t* d = data + begin / 2;
+      float* o = out + begin;
+      if (accumulate) {
+#pragma omp simd
+        for (int64_t j = 0; j < pairs; ++j) {
+          o[2 * j] += (float)((int8_t)(d[j] << 4) >> 4) * scale;
+          o[2 * j + 1] += (float)((int8_t)d[j] >> 4) * scale;
+        }
+      } else {
+#pragma omp simd
+        for (int64_t j = 0; j < pairs; ++j) {
+          o[2 * j] = (float)((int8_t)(d[j] << 4) >> 4) * scale;
+          o[2 * j + 1] = (float)((int8_t)d[j] >> 4) * scale;
+        }
+      }
+      if ((end - begin) & 1) {
+        const float v = (float)int4_at(data, end - 1) * scale;
+        out[end - 1] = accumulate ? out[end - 1] + v : v;
       }
     }
   }

@@ -80,10 +80,10 @@ _RESIDUAL_FIELDS = ("numel", "world_size", "chunk_numel", "method", "worker", "s
 #: which optimizer"): the residual's delay feeds the momentum.
 ONEBIT_MOMENTUM_WARNING = (
     "pycomm: compressor='onebit' with error feedback on gradients costs final loss with momentum "
-    "optimizers: measured (4 ranks, benchmark GPT, block 256) with SGD momentum 0.9, 2.85x plain all-reduce's "
-    "held-out loss after 60 steps; with AdamW, +3.3%, +6.2% and +10.5% after 400 steps (3 seeds). With "
-    "momentum, prefer compressor='int8' (AdamW: within 0.8% in the same runs) or 'int4', or compress "
-    "the momentum instead: pycomm.optim.OneBitAdam / OneBitSGD."
+    "optimizers: measured (4 ranks, benchmark GPT, block 256, 400 steps, 3 seeds) with SGD momentum 0.9 "
+    "it diverged (2.3x to 68x plain all-reduce's held-out loss); with AdamW, +3.3%, +6.2% and +10.5%. "
+    "With momentum, prefer compressor='int8' (within 0.8% in the same runs, SGD and AdamW) or 'int4' "
+    "(SGD: within 1%), or compress the momentum instead: pycomm.optim.OneBitAdam / OneBitSGD."
 )
 _warned_onebit = False
 
