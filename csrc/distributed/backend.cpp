@@ -1072,7 +1072,7 @@ bool CompressedBackend::run_plugin(const at::Tensor& x, ErrorFeedback* ef, bool 
     }
     bytes.push_back(tag_.view(at::kByte));  // then the call's tag
     at::Tensor send = at::cat(bytes);
-    const int64_t slot = nbytes + kTagWords * 4;
+    const int64_t slot = nbytes + kTagBytes;
     st.push_back(Chunk{begin, m, std::move(payload), nbytes,
                        at::empty({world * slot}, x.options().dtype(at::kByte)), {}});
     st.back().ag = g.pg->_allgather_base(st.back().gathered, send, c10d::AllgatherOptions());
@@ -1084,7 +1084,7 @@ bool CompressedBackend::run_plugin(const at::Tensor& x, ErrorFeedback* ef, bool 
     wait_wire(ch.ag);
     Span span(profile_.decode_s);
     at::Tensor out = x.narrow(0, ch.begin, ch.m);
-    const int64_t slot = ch.nbytes + kTagWords * 4;
+    const int64_t slot = ch.nbytes + kTagBytes;
     tags.push_back(tags_match(ch.gathered, world, slot));
     for (int src = 0; src < world; ++src) {
       std::vector<at::Tensor> payload;
@@ -1236,7 +1236,7 @@ void CompressedBackend::run_reduce_scatter(const at::Tensor& output, const at::T
         parts.push_back(tag_.view(at::kByte));
       }
       at::Tensor send = at::cat(parts);
-      const int64_t slot = nbytes + kTagWords * 4;
+      const int64_t slot = nbytes + kTagBytes;
       st.push_back(Chunk{c0, len, nbytes, at::empty({world * slot}, byte_opts), {}, codec.plugin_layout});
       std::vector<int64_t> splits(world, slot);
       st.back().a2a = g.pg->alltoall_base(st.back().recv, send, splits, splits, c10d::AllToAllOptions());
@@ -1246,7 +1246,7 @@ void CompressedBackend::run_reduce_scatter(const at::Tensor& output, const at::T
       wait_wire(ch.a2a);
       Span span(profile_.decode_s);
       at::Tensor dst = out.narrow(0, ch.begin, ch.len);
-      const int64_t slot = ch.nbytes + kTagWords * 4;
+      const int64_t slot = ch.nbytes + kTagBytes;
       tags.push_back(tags_match(ch.recv, world, slot));
       for (int src = 0; src < world; ++src)
         codec.decode(ch.recv.narrow(0, src * slot, ch.nbytes), dst, src > 0, ch.layout);
@@ -1350,7 +1350,7 @@ void CompressedBackend::run_all_gather(const at::Tensor& output, const at::Tenso
       std::optional<at::Tensor> r;
       if (ef) r = ef->worker.narrow(0, c0, len);
       at::Tensor payload = codec.encode(in.narrow(0, c0, len), r);
-      const int64_t nbytes = payload.numel(), slot = nbytes + kTagWords * 4;
+      const int64_t nbytes = payload.numel(), slot = nbytes + kTagBytes;
       at::Tensor send = at::cat({payload, tag_.view(at::kByte)});  // then the call's tag
       st.push_back(Chunk{c0, len, nbytes, at::empty({world * slot}, codec.byte_opts), {},
                          codec.plugin_layout});
@@ -1360,7 +1360,7 @@ void CompressedBackend::run_all_gather(const at::Tensor& output, const at::Tenso
       Chunk& ch = st[i];
       wait_wire(ch.ag);
       Span span(profile_.decode_s);
-      const int64_t slot = ch.nbytes + kTagWords * 4;
+      const int64_t slot = ch.nbytes + kTagBytes;
       tags.push_back(tags_match(ch.gathered, world, slot));
       for (int j = 0; j < world; ++j)
         codec.decode(ch.gathered.narrow(0, j * slot, ch.nbytes),

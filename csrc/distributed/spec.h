@@ -76,6 +76,7 @@ inline constexpr const char* kAllGatherSuffix = "/all_gather";
 // (calls submitted from two threads in a different order on each rank),
 // every rank sees a tag that is not its own and raises.
 inline constexpr int64_t kTagWords = 2;
+inline constexpr int64_t kTagBytes = 4 * kTagWords;
 inline uint64_t call_tag(int collective, int64_t key, int64_t numel, int dtype, bool average) {
   uint64_t h = 1469598103934665603ull;  // FNV-1a over the fields' bytes
   for (int64_t v : {int64_t(collective), key, numel, int64_t(dtype), int64_t(average)})
