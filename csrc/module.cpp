@@ -160,6 +160,8 @@ PYBIND11_MODULE(_C, m) {
             b.load_error_feedback_state(std::move(parsed), replace);
           },
           py::arg("state"), py::arg("replace") = true)
+      .def("undo_error_feedback", &CompressedBackend::undo_error_feedback, py::arg("keys"),
+           py::call_guard<py::gil_scoped_release>())
       .def("reset_error_feedback", &CompressedBackend::reset_error_feedback,
            py::arg("key") = py::none(), py::call_guard<py::gil_scoped_release>())
       .def(

@@ -21,7 +21,7 @@ RECORD_KEYS = (
     "peak_rss_bytes", "peak_rss_increase_bytes", "memory_measure", "final_loss", "final_loss_std",
     "final_loss_per_seed", "final_loss_vs_plain_per_seed", "final_loss_vs_plain_mean", "train_loss_last",
     "seeds", "per_seed", "loss_per_step", "step_times_s", "tokens_per_s", "compressor", "weights",
-    "reduce_dtype", "error_feedback", "parameters", "optimizer", "lr",
+    "reduce_dtype", "error_feedback", "parameters", "optimizer", "lr", "lr_schedule",
 )
 
 
@@ -89,7 +89,7 @@ def test_end_to_end_tiny_run(tmp_path):
     methods = "plain,bf16,int8-weights"
     cmd = [sys.executable, "-m", "pycomm.bench", "fsdp", "--ranks", "2", "--model", "tiny", "--bandwidth", "none",
            "--no-netns", "--no-progress", "--methods", methods, "--steps", "4", "--warmup", "1",
-           "--eval-batches", "2", "--min-compress-numel", "1", "--json", str(out)]
+           "--eval-batches", "2", "--min-compress-numel", "1", "--lr-schedule", "cosine", "--json", str(out)]
     proc = subprocess.run(cmd, cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     recs = json.loads(out.read_text())
@@ -104,6 +104,7 @@ def test_end_to_end_tiny_run(tmp_path):
         assert r["bytes_sent_per_rank_per_step"] > 0 and r["peak_rss_bytes"] > 0
         # the whole (unsharded) model: the tiny GPT with --seq-len's 64 positions instead of its 32
         assert r["optimizer"] == "adamw" and r["parameters"] == 42880 + 32 * (64 - 32)
+        assert r["lr_schedule"] == "cosine"
     by = {r["method"]: r for r in recs}
     assert by["plain"]["step_time_vs_plain"] == 1.0 and by["bf16"]["step_time_vs_bf16"] == 1.0
     assert by["plain"]["final_loss_vs_plain_per_seed"] == [1.0]

@@ -320,17 +320,22 @@ def _local_grads(net, rank, step):
     return [p.grad.clone() if p.grad is not None else None for p in net.parameters()]
 
 
-def _replay(kind, hyper, method, steps=STEPS):
+def _replay(kind, hyper, method, steps=STEPS, buckets=None, unused=True):
     """The algorithm of docs/optim.md in one process: torch's optimizer on
     averaged gradients for WARMUP steps, then every rank's local momentum,
-    the simulated compressed all-reduce, and the update with it."""
+    the simulated compressed all-reduce, and the update with it.
+    ``buckets``: lists of parameter indices, one compressed all-reduce (and
+    residuals) per list, in its order (``attach(model, overlap=True)``);
+    None: one for all. Returns the residuals per rank (per bucket, per rank
+    with ``buckets``)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the ranks: the same matmul bits
     try:
-        net = Net()
+        net = Net(unused=unused)
         ref = (torch.optim.AdamW if kind == "adam" else torch.optim.SGD)(_groups(net), **hyper)
         index = {id(p): i for i, p in enumerate(net.parameters())}
-        efs = [ErrorFeedback() for _ in range(WORLD)]
+        calls = [None] if buckets is None else buckets
+        efs = [[ErrorFeedback() for _ in range(WORLD)] for _ in calls]
         seen, frozen_at = {}, {}
         for step in range(steps):
             grads = [_local_grads(net, r, step) for r in range(WORLD)]
@@ -369,15 +374,21 @@ def _replay(kind, hyper, method, steps=STEPS):
                             d_p = g.add(p, alpha=group["weight_decay"]) if group["weight_decay"] else g
                             local.append(torch.mul(state["momentum_buffer"], group["momentum"]).add_(d_p))
                     entries.append((group, p, mask.reshape(-1), local))
-            bufs = [torch.cat([e[3][r].reshape(-1)[e[2]] for e in entries]) for r in range(WORLD)]
-            avg = simulate_allreduce(bufs, method, op="avg", chunk_numel=SETTINGS["chunk_numel"], efs=efs,
-                                     impl="cpu", block_size=SETTINGS["block_size"])[0]
-            offset = 0
-            for group, p, mask, local in entries:
-                new = local[0].clone()  # frozen elements: the same on every rank
-                count = int(mask.sum())
-                new.view(-1)[mask] = avg[offset:offset + count]
-                offset += count
+            by_index = {index[id(e[1])]: e for e in entries}
+            updates = []
+            for call, call_efs in zip(calls, efs, strict=True):
+                part = entries if call is None else [by_index[i] for i in call if i in by_index]
+                bufs = [torch.cat([e[3][r].reshape(-1)[e[2]] for e in part]) for r in range(WORLD)]
+                avg = simulate_allreduce(bufs, method, op="avg", chunk_numel=SETTINGS["chunk_numel"], efs=call_efs,
+                                         impl="cpu", block_size=SETTINGS["block_size"])[0]
+                offset = 0
+                for group, p, mask, local in part:
+                    new = local[0].clone()  # frozen elements: the same on every rank
+                    count = int(mask.sum())
+                    new.view(-1)[mask] = avg[offset:offset + count]
+                    offset += count
+                    updates.append((group, p, new))
+            for group, p, new in updates:
                 state = ref.state[p]
                 if kind == "adam":
                     beta1, beta2 = group["betas"]
@@ -397,7 +408,7 @@ def _replay(kind, hyper, method, steps=STEPS):
                     else:
                         buf.copy_(new)
                         p.data.add_(buf, alpha=-group["lr"])
-        return net, ref, efs
+        return net, ref, (efs[0] if buckets is None else efs)
     finally:
         torch.set_num_threads(threads)
 

@@ -530,6 +530,7 @@ ErrorFeedback* CompressedBackend::error_feedback_for(int64_t key, const at::Tens
     it = error_feedback_.emplace(key, std::move(ef)).first;
   }
   ErrorFeedback& ef = it->second;
+  ef.undoable = false;  // this call will change the residuals or fail
   // Hierarchical: x is this rank's shard and the world its inter-node group.
   TORCH_CHECK(ef.numel == x.numel() && ef.world_size == g.world &&
                   ef.chunk_numel == config_.chunk_numel && ef.method == method,
@@ -797,6 +798,7 @@ void CompressedBackend::run_compressed(const at::Tensor& tensor, std::optional<i
     // them if finite; copied: the old ones are, restore them if not.
     guard.release();
     if (ef && finite == double_buffered(x, m)) swap_residuals(*ef);
+    if (ef) ef->undoable = finite;
   } catch (...) {
     rethrow_with_context(failure_context(tensor, key, average, m));
   }
@@ -1271,7 +1273,10 @@ void CompressedBackend::run_reduce_scatter(const at::Tensor& output, const at::T
       c10d::AllreduceOptions mn;
       mn.reduceOp = c10d::ReduceOp::MIN;
       wait_wire(inner_->allreduce(ts, mn));
-      if (flag.item<int32_t>() == 1) guard.release();  // else the guard restores them
+      if (flag.item<int32_t>() == 1) {
+        guard.release();  // else the guard restores them
+        ef->undoable = true;
+      }
     }
   } catch (...) {
     rethrow_with_context(failure_context(input, key, average, m));
@@ -1379,7 +1384,10 @@ void CompressedBackend::run_all_gather(const at::Tensor& output, const at::Tenso
     if (ef) {
       bool finite = all_finite({out.sum()}, out);
       if (finite && !direct) finite = all_finite({output.sum(at::kFloat)}, output);
-      if (finite) guard.release();  // else the guard restores them
+      if (finite) {
+        guard.release();  // else the guard restores them
+        ef->undoable = true;
+      }
     }
   } catch (...) {
     rethrow_with_context(failure_context(input, key, false, m));
@@ -1507,6 +1515,33 @@ Profile CompressedBackend::profile(bool reset) {
     if (reset) profile_ = Profile();
   })->wait();
   return copy;
+}
+
+void CompressedBackend::undo_error_feedback(const std::vector<int64_t>& keys) {
+  std::string error;
+  submit(c10d::OpType::UNKNOWN, {}, [this, &keys, &error] {
+    for (size_t i = 0; i < keys.size(); ++i) {
+      auto it = error_feedback_.find(keys[i]);
+      if (it == error_feedback_.end() || !it->second.undoable) {
+        error = "error-feedback key " + std::to_string(keys[i]) +
+                (it == error_feedback_.end()
+                     ? " holds no residuals"
+                     : " cannot be undone: its last call did not keep new residuals, or was "
+                       "undone already, or the residuals were loaded since");
+        return;
+      }
+      if (std::find(keys.begin(), keys.begin() + i, keys[i]) != keys.begin() + i) {
+        error = "error-feedback key " + std::to_string(keys[i]) + " is given twice";
+        return;
+      }
+    }
+    for (int64_t key : keys) {
+      ErrorFeedback& ef = error_feedback_.at(key);
+      swap_residuals(ef);
+      ef.undoable = false;
+    }
+  })->wait();
+  TORCH_CHECK(error.empty(), error);
 }
 
 void CompressedBackend::reset_error_feedback(std::optional<int64_t> key) {

@@ -73,6 +73,9 @@ struct ErrorFeedback {
   // (see CompressedBackend::double_buffered); not part of the saved state.
   at::Tensor worker_backup;
   std::vector<at::Tensor> server_backup;
+  // The last call on this key kept its new residuals and the second buffers
+  // still hold the ones before it: undo_error_feedback can put them back.
+  bool undoable = false;
 };
 
 // Where the worker thread's time goes (docs/performance.md): wall seconds
@@ -170,6 +173,12 @@ class CompressedBackend : public c10d::Backend {
   // (replace) or only the keys it holds (another owner's keys stay).
   void load_error_feedback_state(std::map<int64_t, ErrorFeedback> state, bool replace = true);
   void reset_error_feedback(std::optional<int64_t> key);
+  // Puts back the residuals of `keys` as they were before each key's last
+  // call (a swap, no copy): one owner of several keys (a compressed step
+  // whose calls run per bucket) undoes the calls that kept their residuals
+  // when another call of the step was not finite. All keys are checked
+  // before any changes.
+  void undo_error_feedback(const std::vector<int64_t>& keys);
   // A copy of the worker's Profile (read between collectives); `reset`
   // starts a new one.
   Profile profile(bool reset = false);

@@ -23,7 +23,8 @@ Methods, side by side in the same rank processes (same seed, same batches):
 * ``auto`` (``auto-noef``): the hook over a ``compressor="auto"`` pycomm
   group, which calibrates itself when created and then runs, per bucket
   size, the method it predicts fastest (docs/auto.md);
-* ``optim-C`` (C one of onebit, int8, int4): no gradient compression but
+* ``optim-C`` (C one of onebit, int8, int4; ``optim-C-overlap``: the
+  momenta sent per DDP bucket during backward): no gradient compression but
   pycomm's compressed-momentum optimizer matching ``--optimizer``
   (:class:`pycomm.optim.OneBitAdam` for adamw, :class:`pycomm.optim.OneBitSGD`
   for sgd), attached to the DDP model: exact averaged gradients for
@@ -131,7 +132,7 @@ def parse_method(name: str) -> Method:
     (:mod:`pycomm.bench.methods`, the names this benchmark trains with).
 
     >>> parse_method("topk-0.01-noef")
-    Method(name='topk-0.01-noef', entry='hook', compressor='topk', error_feedback=False, density=0.01, rank=None)
+    Method(name='topk-0.01-noef', entry='hook', compressor='topk', error_feedback=False, density=0.01, rank=None, overlap=False)
     """
     return _parse_method(name, bases=DDP_BASES)
 
@@ -190,7 +191,7 @@ def _optimizer(model, cfg: Dict[str, Any], m: Optional[Method] = None, warmup: i
             opt = OneBitSGD(model.parameters(), lr=cfg["lr"], momentum=0.9, **kw)
         else:
             opt = OneBitAdam(model.parameters(), lr=cfg["lr"], weight_decay=0.0, **kw)
-        opt.attach(model)
+        opt.attach(model, overlap=m.overlap)
         return opt
     if cfg["optimizer"] == "sgd":
         return torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=0.9, fused=True)

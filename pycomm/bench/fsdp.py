@@ -60,9 +60,11 @@ from .ddp import (
     EVAL_BATCHES,
     EVAL_RANK,
     FINAL_LOSS_WINDOW,
+    LR_SCHEDULES,
     _mean,
     _stdev,
     _workload,
+    lr_at,
 )
 from .launch import Rank, RanksFailed, run_ranks, threads_per_rank
 from .report import finish, fmt_number, machine_info, progress_bar, table
@@ -207,6 +209,9 @@ def _train(rank: Rank, method: str, seed: int) -> Dict[str, Any]:
         if step == timed_from:
             tx0 = rank.tx_bytes()
         t0 = time.perf_counter()
+        if cfg["lr_schedule"] != "constant":
+            for group in opt.param_groups:
+                group["lr"] = lr_at(cfg["lr"], step, steps, cfg["lr_schedule"])
         loss = loss_fn(model, batch_fn(rank.rank, step))
         loss.backward()
         opt.step()
@@ -340,6 +345,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seq-len", type=positive_int, default=DEFAULT_SEQ_LEN,
                    help=f"bytes per sequence (default: {DEFAULT_SEQ_LEN})")
     g.add_argument("--lr", type=float, default=None, help=f"AdamW learning rate (default: {DEFAULT_LR['adamw']:g})")
+    g.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="constant",
+                   help="constant, or cosine: decayed from --lr to 0 over the --steps of the run "
+                        "(as pycomm-bench ddp; default: constant)")
     g.add_argument("--min-compress-numel", type=nonnegative_int, default=None,
                    help="pycomm.fsdp's min_compress_numel (buffers below it go exact; default: the library's)")
     g.add_argument("--seed", type=int, default=0, help="the first seed (default: 0)")
@@ -446,7 +454,8 @@ def run_fsdp(args: argparse.Namespace, out=sys.stdout) -> List[Dict[str, Any]]:
         for rate in args.rates:
             cfg = {"workload": "lm", "model": args.model, "batch_size": args.batch_size, "seq_len": args.seq_len,
                    "seed": seeds[0], "seeds": seeds, "methods": args.methods, "steps": args.steps,
-                   "warmup": args.warmup, "lr": args.lr, "eval_batches": args.eval_batches,
+                   "warmup": args.warmup, "lr": args.lr, "lr_schedule": args.lr_schedule,
+                   "eval_batches": args.eval_batches,
                    "min_compress_numel": args.min_compress_numel}
             cluster = (make_cluster(args.ranks, rate, prefix=args.netns_prefix) if args.netns
                        else LoopbackCluster(args.ranks, reason="--no-netns"))
@@ -474,7 +483,8 @@ def run_fsdp(args: argparse.Namespace, out=sys.stdout) -> List[Dict[str, Any]]:
                 rec.update({
                     "bandwidth": rate, "link_busbw_measured": busbw, "emulated": cluster.emulated,
                     "link": cluster.describe(), "ranks": args.ranks, "workload": "lm", "model": args.model,
-                    "optimizer": "adamw", "lr": args.lr, "batch_size": args.batch_size, "seq_len": args.seq_len,
+                    "optimizer": "adamw", "lr": args.lr, "lr_schedule": args.lr_schedule,
+                    "batch_size": args.batch_size, "seq_len": args.seq_len,
                     "eval_batches": args.eval_batches, "min_compress_numel": args.min_compress_numel,
                     "tokens_per_step": args.ranks * args.batch_size * args.seq_len, "training_run": True,
                     "date": date,

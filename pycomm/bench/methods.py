@@ -11,7 +11,9 @@ Grammar: ``<base>[-noef][-backend]``, base one of
 * ``optim-<compressor>`` (``optim-onebit``, ``optim-int8``, ``optim-int4``):
   no gradient compression at all, but pycomm's compressed-momentum optimizer
   (:mod:`pycomm.optim`: OneBitAdam for AdamW, OneBitSGD for momentum SGD)
-  all-reducing its momentum with that compressor after an exact warm-up;
+  all-reducing its momentum with that compressor after an exact warm-up
+  (``optim-<compressor>-overlap``: sent from DDP's hook per bucket while
+  backward runs, ``attach(model, overlap=True)``);
 
 ``-noef`` turns error feedback off and ``-backend`` runs the compression in
 a ``"pycomm"`` process group instead of the hook (both for onebit, topk,
@@ -21,11 +23,11 @@ of it that it can run (:data:`ALLREDUCE_BASES`, :data:`DDP_BASES`).
 Example::
 
     >>> parse_method("topk-0.01-noef")
-    Method(name='topk-0.01-noef', entry='hook', compressor='topk', error_feedback=False, density=0.01, rank=None)
+    Method(name='topk-0.01-noef', entry='hook', compressor='topk', error_feedback=False, density=0.01, rank=None, overlap=False)
     >>> parse_method("plain").compressed, parse_method("onebit", bases=ALLREDUCE_BASES).density
     (False, None)
     >>> parse_method("int4-noef"), parse_method("optim-onebit").entry
-    (Method(name='int4-noef', entry='hook', compressor='int4', error_feedback=False, density=None, rank=None), 'optim')
+    (Method(name='int4-noef', entry='hook', compressor='int4', error_feedback=False, density=None, rank=None, overlap=False), 'optim')
 """
 
 from __future__ import annotations
@@ -45,10 +47,10 @@ SUFFIX_BASES = ("onebit", "topk", "int8", "int4", "auto")
 #: What ``optim-<compressor>`` may name: the momentum's compressor.
 OPTIM_COMPRESSORS = ("onebit", "int8", "int4")
 
-_PARAM = {"powersgd": "powersgd-<rank>", "topk": "topk-<density>", "optim": "optim-<onebit|int8|int4>"}
+_PARAM = {"powersgd": "powersgd-<rank>", "topk": "topk-<density>", "optim": "optim-<onebit|int8|int4>[-overlap]"}
 _METHOD_RE = re.compile(
     r"^(?P<base>plain|allreduce|fp16|bf16|auto|int8|int4|powersgd-(?P<rank>[0-9]+)|onebit"
-    r"|topk-(?P<density>[0-9.eE+-]+?)|optim-(?P<optim>[a-z0-9]+?))"
+    r"|topk-(?P<density>[0-9.eE+-]+?)|optim-(?P<optim>[a-z0-9]+?)(?P<overlap>-overlap)?)"
     r"(?P<noef>-noef)?(?P<backend>-backend)?$"
 )
 
@@ -68,6 +70,9 @@ class Method:
     error_feedback: bool = False
     density: Optional[float] = None
     rank: Optional[int] = None
+    #: "optim" only: the momenta sent from DDP's hook, per bucket, during
+    #: backward (``attach(model, overlap=True)``)
+    overlap: bool = False
 
     @property
     def pycomm(self) -> bool:
@@ -126,7 +131,7 @@ def parse_method(name: str, bases: Sequence[str] = ALL_BASES, suffixes: bool = T
         if comp not in OPTIM_COMPRESSORS:
             raise ValueError(f"method {name!r}: the optimizer's compressor must be one of "
                              f"{', '.join(OPTIM_COMPRESSORS)}")
-        return Method(name, "optim", comp, True)
+        return Method(name, "optim", comp, True, overlap=bool(m.group("overlap")))
     entry = "backend" if m.group("backend") or base == "auto" else "hook"
     ef = not m.group("noef")
     if base != "topk":

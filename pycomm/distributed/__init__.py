@@ -509,6 +509,30 @@ def load_error_feedback_state(state: Dict[int, dict], group: Optional[dist.Proce
     _pycomm_backend(group, _device(device)).load_error_feedback_state(dict(state), replace)
 
 
+def undo_error_feedback(keys: Sequence[int], group: Optional[dist.ProcessGroup] = None, device: str = "cpu") -> None:
+    """Put the residuals of ``keys`` back as they were before each key's
+    last call, which must have kept new residuals (a finite all-reduce,
+    reduce-scatter or all-gather since the last undo or load). For an owner
+    of several keys whose calls make up one step: when one call of the step
+    is not finite (the engine leaves that key's residuals as they were), it
+    undoes the others, so that the skipped step changes no residual. Every
+    key is checked before any is changed; a swap, no copy. Call it on every
+    rank alike.
+
+    Example::
+
+        pd.undo_error_feedback([3, 4], pg)
+    """
+    if isinstance(keys, (str, bytes)) or not hasattr(keys, "__iter__"):
+        raise TypeError(f"keys must be a sequence of ints, got {keys!r}")
+    keys = list(keys)
+    for k in keys:
+        if k is None:
+            raise ValueError("keys: None is not a key")
+        _check_key(k)
+    _pycomm_backend(group, _device(device)).undo_error_feedback(keys)
+
+
 def reset_error_feedback(key: Optional[int] = None, group: Optional[dist.ProcessGroup] = None, device: str = "cpu") -> None:
     """Forget the residuals of ``key`` (all keys when None)."""
     _check_key(key)
@@ -596,5 +620,6 @@ __all__ = [
     "reduce_scatter",
     "register_backend",
     "reset_error_feedback",
+    "undo_error_feedback",
     "wrap",
 ]

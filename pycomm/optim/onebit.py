@@ -36,9 +36,12 @@ Design decisions (docs/optim.md has the long form):
   average during the warm-up, no communication at all after it (DDP's
   all-reduce is skipped; the gradients stay local), and the optimizer then
   does not all-reduce gradients itself. Without DDP, ``step()`` averages the
-  gradients during the warm-up (one flat all-reduce per step).
+  gradients during the warm-up (one flat all-reduce per step). With
+  ``attach(model, overlap=True)`` the hook sends each bucket's momenta,
+  compressed, while backward runs, and ``step()`` applies them.
 * **Keys.** The residuals live in the engine under the key ``key_base``
-  (default :data:`KEY_BASE`, far above the DDP hook's bucket indices).
+  (default :data:`KEY_BASE`, far above the DDP hook's bucket indices), and
+  with ``overlap=True`` under ``key_base + 1 + i`` for DDP bucket ``i``.
 * **Zero gradients need no mask.** Elements whose gradient was exactly zero
   (or absent) during the whole warm-up on every rank are *frozen*: Adam's
   frozen variance is exactly 0 there (SGD tracks a ``grad_seen`` mask during
@@ -55,7 +58,8 @@ Design decisions (docs/optim.md has the long form):
   buffer non-finite on EVERY rank (docs/allreduce.md, "Non-finite
   results"); the engine then rolls its residuals back, and the step is
   skipped on every rank: parameters, ``m``, ``v``, step counts and residuals
-  stay as they were. The optimizer sets ``_step_supports_amp_scaling``, so
+  stay as they were (with ``overlap=True``, the buckets whose calls were
+  finite are undone: :func:`pycomm.distributed.undo_error_feedback`). The optimizer sets ``_step_supports_amp_scaling``, so
   ``GradScaler.step`` always calls ``step()`` (a rank that skipped alone
   would leave its peers waiting in the collective); ``step()`` unscales the
   gradients itself and, when called from ``GradScaler.step``, records the
@@ -85,12 +89,17 @@ from .. import distributed as pd
 from ..compressors.plugin import is_plugin
 from ..distributed import spec
 
-__all__ = ["KEY_BASE", "OneBitAdam", "OneBitSGD"]
+__all__ = ["KEY_BASE", "KEY_SPAN", "OneBitAdam", "OneBitSGD"]
 
 #: Default engine key of the momentum buffer's residuals: 2^40, far above
 #: the DDP hook's keys (bucket indices). Two of these optimizers sharing ONE
 #: pycomm group need different ``key_base`` values.
 KEY_BASE = 1 << 40
+#: Keys an optimizer uses: ``key_base`` (the momentum buffer of ``step()``)
+#: and, with ``attach(model, overlap=True)``, ``key_base + 1 + i`` for DDP's
+#: bucket ``i``. Two optimizers on one pycomm group need ``key_base`` values
+#: at least this far apart.
+KEY_SPAN = 1 << 20
 _STATE_VERSION = 1
 
 
@@ -169,6 +178,9 @@ class _CompressedMomentum(Optimizer):
         self.skipped_steps = 0
         self._pending_ef: Optional[Dict[int, Any]] = None  # residuals loaded before the engine exists
         self._saved_world: Optional[Tuple[int, int]] = None
+        self._saved_overlap: Optional[bool] = None  # how the loaded residuals were keyed
+        #: overlap=True: DDP bucket index -> positions of its parameters (saved with the residuals)
+        self._bucket_pos: Dict[int, Tuple[int, ...]] = {}
         self._init_runtime()
 
     def _init_runtime(self) -> None:
@@ -178,9 +190,18 @@ class _CompressedMomentum(Optimizer):
         self._ddp_param_ids: frozenset = frozenset()
         self._attached = False
         self._flat: Optional[torch.Tensor] = None  # the communicated buffer, reused
+        # attach(model, overlap=True): the momenta go out per DDP bucket,
+        # from the DDP hook, while backward runs.
+        self._overlap = False
+        self._scaler: Any = None
+        # DDP bucket index -> (its parameters' ids, their layout entries, the buffer sent)
+        self._buckets: Dict[int, Tuple[Tuple[int, ...], List[Any], torch.Tensor]] = {}
+        self._sent: Dict[int, Tuple[Optional[torch.Tensor], List[Any], Optional[int], Any]] = {}  # this step's
+        self._hold = False  # after a refused backward, until step()
+        self._backwards = 0  # backward passes DDP ran in this process (its buckets are rebuilt after the first)
 
     _CONFIG = ("warmup_steps", "compressor", "compressor_settings", "key_base", "step_count", "skipped_steps",
-               "_saved_world")
+               "_saved_world", "_saved_overlap", "_bucket_pos")
 
     def __getstate__(self) -> Dict[str, Any]:
         # torch keeps defaults, state and param_groups; add the configuration
@@ -189,6 +210,8 @@ class _CompressedMomentum(Optimizer):
         d = super().__getstate__()
         d.update({k: getattr(self, k) for k in self._CONFIG})
         d["_pending_ef"] = self._ef() or None
+        if self._engine is not None:
+            d["_saved_overlap"] = self._overlap if d["_pending_ef"] else None
         return d
 
     def __setstate__(self, d: Dict[str, Any]) -> None:
@@ -279,9 +302,19 @@ class _CompressedMomentum(Optimizer):
             engine = pd.wrap(base, compressor=self.compressor, **self.compressor_settings)
         self._engine = engine
         if self._pending_ef is not None:
+            self._check_overlap()
             pending, self._pending_ef = self._pending_ef, None
             self._load_ef(pending)
         return engine
+
+    def _check_overlap(self) -> None:
+        saved, self._saved_overlap = self._saved_overlap, None
+        if saved is not None and saved != self._overlap:
+            raise ValueError(
+                f"{type(self).__name__}'s residuals were saved with attach(model, overlap={saved}) and this "
+                f"optimizer runs overlap={self._overlap}: they are keyed per DDP bucket only with overlap=True; "
+                f"attach the same way, or load with reset_error_feedback=True"
+            )
 
     def _check_pycomm_group(self, group: dist.ProcessGroup) -> None:
         method = pd.options_of(group, self._device().type)["method"]
@@ -309,13 +342,16 @@ class _CompressedMomentum(Optimizer):
         if self._engine is None:
             return dict(self._pending_ef or {})
         full = pd.error_feedback_state(self._engine, self._device().type)
-        return {k - self.key_base: v for k, v in full.items() if k == self.key_base}
+        return {k - self.key_base: v for k, v in full.items() if self._owns(k)}
+
+    def _owns(self, key: int) -> bool:
+        return self.key_base <= key < self.key_base + KEY_SPAN
 
     def _load_ef(self, mine: Dict[int, Any]) -> None:
         """Replace this optimizer's residuals in the engine, keeping any other
         key's (the engine's load replaces its whole store)."""
         dev = self._device().type
-        full = {k: v for k, v in pd.error_feedback_state(self._engine, dev).items() if k != self.key_base}
+        full = {k: v for k, v in pd.error_feedback_state(self._engine, dev).items() if not self._owns(k)}
         full.update({self.key_base + int(k): v for k, v in mine.items()})
         pd.load_error_feedback_state(full, self._engine, dev)
 
@@ -346,9 +382,23 @@ class _CompressedMomentum(Optimizer):
                 loss = closure()
         found_inf = getattr(self, "found_inf", None)
         grad_scale = getattr(self, "grad_scale", None)
-        if grad_scale is not None:
-            self._unscale(grad_scale)
-        ok = self._warmup_step(found_inf) if self.in_warmup else self._compressed_step(found_inf)
+        try:
+            if grad_scale is not None and self._overlap and not self.in_warmup and self._scaler is None:
+                self._undo_sent()
+                raise ValueError(
+                    f"{type(self).__name__} was attached with overlap=True and no scaler, but is stepped by a "
+                    f"GradScaler: the momenta were sent from scaled gradients. Pass the scaler: "
+                    f"attach(model, overlap=True, scaler=scaler). Nothing was changed by this step."
+                )
+            if grad_scale is not None:
+                self._unscale(grad_scale)
+            ok = self._warmup_step(found_inf) if self.in_warmup else self._compressed_step(found_inf)
+        except BaseException:
+            # GradScaler.step removes these only when step() returns: a later
+            # step() must not see them.
+            for name in ("grad_scale", "found_inf"):
+                self.__dict__.pop(name, None)
+            raise
         if ok:
             self.step_count += 1
         else:
@@ -490,40 +540,47 @@ class _CompressedMomentum(Optimizer):
             offset += count
         return layout
 
-    def _compressed_step(self, found_inf: Optional[torch.Tensor]) -> bool:
-        if self._layout is None:
-            self._layout = self._build_layout()
-        layout = self._layout
-        total = sum(e[6] for e in layout)
-        buf = self._buffer(total)
-        locals_: List[Optional[torch.Tensor]] = []
-        for group, p, state, kind, masks, offset, count in layout:
-            grad = p.grad
+    def _pack(self, entries: List[Any], grads: Dict[int, torch.Tensor], inv_scale: Optional[torch.Tensor] = None,
+              buf: Optional[torch.Tensor] = None) -> Tuple[Optional[torch.Tensor], List[torch.Tensor]]:
+        """The local momenta of the layout ``entries`` (from ``grads`` by
+        parameter id; a missing gradient counts as zero): one flat buffer of
+        their communicated elements (``buf`` when given; None when there are
+        none) and each parameter's full local momentum (the buffer's views
+        for "all")."""
+        total = sum(e[6] for e in entries)
+        if not total:
+            buf = None
+        elif buf is None:
+            buf = torch.empty(total, dtype=torch.float32, device=self._device())
+        outs: List[torch.Tensor] = []
+        offset = 0
+        for group, p, state, kind, masks, _, count in entries:
+            grad = grads.get(id(p))
+            if grad is not None and inv_scale is not None:
+                grad = grad * inv_scale.to(grad.dtype)
             if kind == "all":
                 g = grad if grad is not None else torch.zeros_like(p)
                 out = buf[offset:offset + count].view_as(p)
-                self._local_momentum(group, p, state, g, out)
-                locals_.append(out)
-                continue
-            # Frozen elements: a zero gradient, the same on every rank.
-            if grad is None or kind is None:
-                g = torch.zeros_like(p)
+                self._local_momentum(group, p, state, g.view_as(p), out)
             else:
-                g = grad.masked_fill(~masks[0].view_as(grad), 0)
-            out = torch.empty_like(p, memory_format=torch.contiguous_format)
-            self._local_momentum(group, p, state, g, out)
-            if kind == "some":
-                flat = out.reshape(-1)
-                src = flat if masks[1] is None else flat.index_select(0, masks[1])
-                buf[offset:offset + count].copy_(src)
-            locals_.append(out)
-        if total:
-            self._poison(buf, found_inf)
-            key = self.key_base if self._uses_ef() else None
-            pd.all_reduce(buf, key=key, group=self._engine_group(), op="avg")
-            if not bool(torch.isfinite(buf).all()):
-                return False  # the engine rolled its residuals back on every rank
-        for (group, p, state, kind, masks, offset, count), m in zip(layout, locals_, strict=True):
+                # Frozen elements: a zero gradient, the same on every rank.
+                if grad is None or kind is None:
+                    g = torch.zeros_like(p)
+                else:
+                    g = grad.view_as(p).masked_fill(~masks[0].view_as(p), 0)
+                out = torch.empty_like(p, memory_format=torch.contiguous_format)
+                self._local_momentum(group, p, state, g, out)
+                if kind == "some":
+                    flat = out.reshape(-1)
+                    buf[offset:offset + count].copy_(flat if masks[1] is None else flat.index_select(0, masks[1]))
+            outs.append(out)
+            offset += count
+        return buf, outs
+
+    def _unpack_apply(self, entries: List[Any], buf: Optional[torch.Tensor], outs: List[torch.Tensor]) -> None:
+        """Step the parameters of ``entries`` with the averaged momenta."""
+        offset = 0
+        for (group, p, state, kind, masks, _, count), m in zip(entries, outs, strict=True):
             if kind == "some":
                 part = buf[offset:offset + count]
                 if masks[1] is None:
@@ -531,15 +588,172 @@ class _CompressedMomentum(Optimizer):
                 else:
                     m.view(-1).index_copy_(0, masks[1], part.to(m.dtype))
             self._apply(group, p, state, m)
+            offset += count
+
+    def _compressed_step(self, found_inf: Optional[torch.Tensor]) -> bool:
+        if self._layout is None:
+            self._layout = self._build_layout()
+        if self._overlap:
+            return self._overlapped_step(found_inf)
+        layout = self._layout
+        grads = {id(p): p.grad for _, p in self._params() if p.grad is not None}
+        buf, outs = self._pack(layout, grads, buf=self._buffer(sum(e[6] for e in layout)))
+        if buf is not None:
+            self._poison(buf, found_inf)
+            key = self.key_base if self._uses_ef() else None
+            pd.all_reduce(buf, key=key, group=self._engine_group(), op="avg")
+            if not bool(torch.isfinite(buf).all()):
+                return False  # the engine rolled its residuals back on every rank
+        self._unpack_apply(layout, buf, outs)
+        return True
+
+    # -- overlap with DDP's backward ---------------------------------------------
+    def _send_bucket(self, bucket: dist.GradBucket, stable: bool) -> Any:
+        """From the DDP hook after the warm-up, with ``overlap=True``: the
+        local momenta of the bucket's parameters, averaged by the compressed
+        all-reduce under the bucket's key while backward goes on. Returns the
+        Work (None when nothing in the bucket is communicated now).
+        ``stable``: DDP has rebuilt its buckets in this process (after its
+        first backward); before that (a resumed run) the bucket is not one
+        the residuals belong to, and step() sends its parameters instead."""
+        index = bucket.index()
+        if self._hold:
+            return None  # a refused backward: step() sends what it needs
+        if index in self._sent:
+            # Nothing of this step stays sent; the rest of this backward
+            # sends nothing, and step() averages what it finds in .grad.
+            self._undo_sent()
+            self._hold = True
+            raise RuntimeError(
+                f"{type(self).__name__} with attach(model, overlap=True) sends each DDP bucket once per step, "
+                f"but bucket {index} came twice before step(): accumulate gradients under model.no_sync() "
+                f"(the last backward of the step outside it), or attach with overlap=False"
+            )
+        if not stable:
+            return None
+        if self._layout is None:
+            self._layout = self._build_layout()
+        params = bucket.parameters()
+        positions = self._positions()
+        pos = tuple(positions[id(p)] for p in params)
+        known = self._bucket_pos.get(index)
+        if known is None:
+            self._bucket_pos[index] = pos
+        elif known != pos:
+            raise ValueError(
+                f"DDP bucket {index} holds parameters {list(pos)}, but {type(self).__name__}'s residuals of "
+                f"bucket {index} were saved for parameters {list(known)}: another model or bucket_cap_mb? "
+                f"Load the state with reset_error_feedback=True to start the residuals over"
+            )
+        entries, buf = self._bucket_entries(index)
+        grads = {id(p): g for p, g in zip(params, bucket.gradients(), strict=True)}
+        inv = None
+        if self._scaler is not None and getattr(self._scaler, "_scale", None) is not None:
+            inv = self._scaler._scale.double().reciprocal().float()
+        buf, outs = self._pack(entries, grads, inv, buf=buf)
+        key = work = None
+        if buf is not None:
+            key = self.key_base + 1 + index if self._uses_ef() else None
+            work = pd.all_reduce(buf, key=key, group=self._engine_group(), op="avg", async_op=True)
+        self._sent[index] = (buf, outs, key, work)
+        return work
+
+    def _positions(self) -> Dict[int, int]:
+        """Parameter id -> its position in the parameter groups (the same in
+        every process that builds the same optimizer)."""
+        return {id(p): i for i, (_, p) in enumerate(self._params())}
+
+    def _bucket_entries(self, index: int) -> Tuple[List[Any], torch.Tensor]:
+        """The layout entries of bucket ``index``'s parameters, in its
+        order, and the buffer its momenta go out in (kept between steps)."""
+        pos = self._bucket_pos[index]
+        cached = self._buckets.get(index)
+        if cached is None or cached[0] != pos:
+            by_pos = {self._positions()[id(e[1])]: e for e in self._layout}
+            entries = [by_pos[i] for i in pos if i in by_pos]
+            total = sum(e[6] for e in entries)
+            cached = self._buckets[index] = (pos, entries, torch.empty(total, device=self._device()))
+        return cached[1], cached[2]
+
+    def _undo_sent(self) -> None:
+        """Forget this step's bucket calls, putting their residuals back."""
+        sent, self._sent = self._sent, {}
+        keys = []
+        for buf, _, key, work in sent.values():
+            if work is not None:
+                work.wait()
+                if key is not None and bool(torch.isfinite(buf).all()):
+                    keys.append(key)  # a non-finite call kept its old residuals itself
+        if keys:
+            pd.undo_error_feedback(keys, self._engine_group(), self._device().type)
+
+    def _overlapped_step(self, found_inf: Optional[torch.Tensor]) -> bool:
+        """The buckets' momenta came from the DDP hook. What no hook sent is
+        sent here: the parameters of each known bucket that did not come
+        (DDP's first backward in a resumed process), under its key, then
+        the parameters no bucket holds, in one call under ``key_base``. A
+        step that is not finite everywhere undoes every call's residuals,
+        so that it changes nothing."""
+        self._hold = False
+        for _, _, _, work in self._sent.values():
+            if work is not None:
+                work.wait()
+        sent = [(self._buckets[i][1], buf, outs, key) for i, (buf, outs, key, _) in sorted(self._sent.items())]
+        done = {id(e[1]) for entries, *_ in sent for e in entries}
+        missing = {self._positions()[id(e[1])] for e in self._layout if id(e[1]) not in done}
+        calls = [(self.key_base + 1 + i, self._bucket_entries(i)[0]) for i, pos in sorted(self._bucket_pos.items())
+                 if i not in self._sent and set(pos) <= missing]
+        covered = {id(e[1]) for _, entries in calls for e in entries}
+        rest = [e for e in self._layout if id(e[1]) not in done and id(e[1]) not in covered]
+        if rest:
+            calls.append((self.key_base, rest))
+        carried = False
+        grads = {id(p): p.grad for _, p in self._params() if p.grad is not None}
+        for key, entries in calls:
+            buf, outs = self._pack(entries, grads)
+            if buf is not None:
+                self._poison(buf, found_inf)  # tells every rank through the result
+                key = key if self._uses_ef() else None
+                pd.all_reduce(buf, key=key, group=self._engine_group(), op="avg")
+                carried = True
+            sent.append((entries, buf, outs, key if buf is not None else None))
+        skip = False
+        if not carried and found_inf is not None:
+            # No call of this step carried this rank's GradScaler flag: agree on it.
+            flag = found_inf.detach().reshape(1).float().clone()
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._plain_group())
+            skip = bool(flag[0] > 0)
+        finite = [b is None or bool(torch.isfinite(b).all()) for _, b, _, _ in sent]
+        if skip or not all(finite):
+            keys = [key for (_, _, _, key), ok in zip(sent, finite, strict=True) if ok and key is not None]
+            self._sent = {}
+            if keys:
+                pd.undo_error_feedback(keys, self._engine_group(), self._device().type)
+            return False
+        self._sent = {}
+        for entries, buf, outs, _ in sent:
+            self._unpack_apply(entries, buf, outs)
         return True
 
     # -- DDP ---------------------------------------------------------------------
-    def attach(self, model: Any) -> Any:
+    def attach(self, model: Any, overlap: bool = False, scaler: Any = None) -> Any:
         """Couple this optimizer with a DDP model (call once, on every rank,
         before the first backward): registers a DDP communication hook that
         averages the gradients exactly during the warm-up and skips DDP's
         all-reduce after it (the gradients stay local; this optimizer
         all-reduces the momenta, compressed). Returns ``model``.
+
+        ``overlap=True`` sends the momenta from the hook instead, per DDP
+        bucket, while backward runs (as DDP overlaps its gradient all-reduce;
+        each bucket's residuals under its own key, ``key_base + 1 + i``):
+        ``step()`` then only applies them. The momentum is taken from the
+        gradient as backward leaves it, so what changes ``.grad`` between
+        backward and ``step()`` (gradient clipping) has no effect, and a
+        GradScaler must be passed as ``scaler`` (its scale divides the
+        gradients in the hook). Gradient accumulation: the backwards before
+        the last under ``model.no_sync()``. Needs ``warmup_steps >= 2`` (DDP
+        rebuilds its buckets after the first step). Like
+        ``ZeroRedundancyOptimizer(overlap_with_ddp=True)``, it is opt-in.
 
         Every parameter DDP reduces must be in this optimizer (after the
         warm-up nothing else averages them). Parameters of this optimizer that
@@ -550,7 +764,7 @@ class _CompressedMomentum(Optimizer):
 
             model = DDP(net)
             opt = OneBitAdam(model.parameters(), lr=1e-3, warmup_steps=100)
-            opt.attach(model)
+            opt.attach(model)                  # or attach(model, overlap=True)
         """
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -559,6 +773,19 @@ class _CompressedMomentum(Optimizer):
                             f"got {type(model).__name__}")
         if self._attached:
             raise ValueError(f"this {type(self).__name__} is already attached to a DDP model")
+        if not isinstance(overlap, bool):
+            raise TypeError(f"overlap must be a bool, got {overlap!r}")
+        if scaler is not None:
+            from torch.amp import GradScaler
+
+            if not isinstance(scaler, GradScaler):
+                raise TypeError(f"scaler must be a torch.amp.GradScaler or None, got {type(scaler).__name__}")
+            if not overlap:
+                raise ValueError("scaler= is for overlap=True (without overlap, step() unscales the gradients "
+                                 "GradScaler.step hands it)")
+        if overlap and self.warmup_steps < 2:
+            raise ValueError(f"overlap=True needs warmup_steps >= 2 (DDP rebuilds its buckets after the first "
+                             f"step), got {self.warmup_steps}")
         ddp_params = getattr(model, "_module_parameters", None)
         if ddp_params is None:
             ignore = getattr(model, "parameters_to_ignore", set())
@@ -580,6 +807,15 @@ class _CompressedMomentum(Optimizer):
                 f"the DDP model reduces over ranks {dist.get_process_group_ranks(ddp_group)}, this "
                 f"optimizer over {dist.get_process_group_ranks(group)}: pass process_group=model.process_group"
             )
+        if overlap:
+            # The engine group now, on every rank alike, rather than from a
+            # hook in the middle of backward.
+            self._overlap, self._scaler = True, scaler
+            try:
+                self._engine_group()
+            except BaseException:
+                self._overlap, self._scaler = False, None
+                raise
         model.register_comm_hook(_DDPCoupling(self, ddp_group), _onebit_ddp_hook)
         self._ddp_param_ids = frozenset(id(p) for p in ddp_params)
         self._attached = True
@@ -592,7 +828,8 @@ class _CompressedMomentum(Optimizer):
         ``compressed=False``: the exact ring all-reduce of every gradient
         (the warm-up, or plain DDP); ``True``: the compressed all-reduce of
         the communicated momentum elements (before the layout is known: every
-        element); None: the current phase. Methods with no count of their
+        element; with ``overlap=True``, once the buckets have been sent: one
+        call per bucket); None: the current phase. Methods with no count of their
         own in the spec (registered compressors) are counted as the engine's
         all-gather of their payload (``payload_nbytes`` or one compress of
         each chunk length)."""
@@ -605,6 +842,11 @@ class _CompressedMomentum(Optimizer):
             numel = sum(e[6] for e in self._layout)
         else:
             numel = sum(p.numel() for _, p in self._params())
+        if self._overlap and self._buckets:
+            # One call per bucket (as sent in the last step), and one for the rest.
+            sizes = [b[2].numel() for b in self._buckets.values()]
+            sizes.append(numel - sum(sizes))
+            return sum(_compressed_bytes(self.compressor, self.compressor_settings, n, world) for n in sizes)
         return _compressed_bytes(self.compressor, self.compressor_settings, numel, world)
 
     # -- state -------------------------------------------------------------------
@@ -624,6 +866,8 @@ class _CompressedMomentum(Optimizer):
             "step_count": self.step_count,
             "warmup_steps": self.warmup_steps,
             "compressor": self.compressor,
+            "overlap": self._overlap,
+            "buckets": {int(i): list(pos) for i, pos in self._bucket_pos.items()},
             "world_size": world,
             "rank": rank,
             "error_feedback": self._ef(),
@@ -660,6 +904,10 @@ class _CompressedMomentum(Optimizer):
                 if saved_world != (world, rank):
                     problems.append(f"it holds rank {saved_world[1]} of {saved_world[0]}'s residuals, "
                                     f"this is rank {rank} of {world}")
+            saved_overlap = bool(extra.get("overlap", False))
+            if ef and self._engine is not None and saved_overlap != self._overlap:
+                problems.append(f"its residuals were keyed with attach(model, overlap={saved_overlap}), this "
+                                f"optimizer runs overlap={self._overlap}")
             if problems and not reset_error_feedback:
                 raise ValueError(
                     f"cannot load this {type(self).__name__} state: " + "; ".join(problems)
@@ -678,7 +926,12 @@ class _CompressedMomentum(Optimizer):
         self._layout = None
         self._flat = None
         self._saved_world = saved_world if ef else None
+        self._saved_overlap = bool(extra.get("overlap", False)) if ef and extra is not None else None
+        self._buckets, self._sent = {}, {}
+        self._bucket_pos = ({int(i): tuple(int(x) for x in pos) for i, pos in (extra.get("buckets") or {}).items()}
+                            if extra is not None and not reset_error_feedback else {})
         if self._engine is not None:
+            self._saved_overlap = None  # checked above
             self._check_world()
             self._load_ef(ef)
         else:
@@ -766,14 +1019,29 @@ class _DDPCoupling:
 
 def _onebit_ddp_hook(state: _DDPCoupling, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Exact average during the optimizer's warm-up; afterwards the local
-    gradient as it is, with no communication."""
+    gradient as it is, with no communication of gradients (with
+    ``overlap=True``: the bucket's momenta are sent, compressed)."""
     tensor = bucket.buffer()
-    if state.optimizer.in_warmup:
+    opt = state.optimizer
+    if opt.in_warmup:
+        if bucket.is_last():
+            opt._backwards += 1
         try:
-            work = state.optimizer._exact_average(tensor, state.process_group)
+            work = opt._exact_average(tensor, state.process_group)
             return work.get_future().then(lambda _: tensor)
         except Exception as exc:  # noqa: BLE001 - surfaces from backward()
             return _failed(exc)
+    stable = opt._backwards >= 1
+    if bucket.is_last():
+        opt._backwards += 1
+    if opt._overlap:
+        try:
+            work = opt._send_bucket(bucket, stable)
+        except Exception as exc:  # noqa: BLE001 - surfaces from backward()
+            return _failed(exc)
+        if work is not None:
+            # DDP waits for it at the end of backward; the gradients stay local.
+            return work.get_future().then(lambda _: tensor)
     done: torch.futures.Future = torch.futures.Future()
     done.set_result(tensor)
     return done
