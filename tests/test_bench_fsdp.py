@@ -114,3 +114,5 @@ def test_end_to_end_tiny_run(tmp_path):
     # int8 gradients and weights (every buffer compressed here) send far less than float32.
     assert w["bytes_sent_per_rank_per_step"] < 0.6 * by["plain"]["bytes_sent_per_rank_per_step"]
     assert "x plain" in proc.stdout and "int8-weights" in proc.stdout
+    for kind in ("step-time", "loss-vs-steps", "loss-vs-seconds"):
+        assert (tmp_path / "r" / f"f-{kind}.png").stat().st_size > 0, kind

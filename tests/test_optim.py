@@ -498,6 +498,13 @@ def test_attach_refusals(runs):
 
 @pytest.mark.parametrize("name", ["ddp-scaler", "scaler"])
 def test_nonfinite_step_changes_nothing_on_every_rank(runs, name):
+    assert_skipped_unchanged(runs, name)
+    assert runs[0][0][name + " scale"] == runs[0][1][name + " scale"]
+
+
+def assert_skipped_unchanged(runs, name):
+    """Every Inf iteration of run ``name`` changed nothing and backed the
+    GradScaler off, on every rank."""
     for rank in range(WORLD):
         record = runs[0][rank][name + " record"]
         assert len(record) == len(BAD_STEPS)
@@ -505,7 +512,6 @@ def test_nonfinite_step_changes_nothing_on_every_rank(runs, name):
             assert r["same"], (rank, name)  # params, m, v, steps, residuals: untouched
             assert r["scale"][1] == r["scale"][0] / 2  # backed off, on the rank with finite gradients too
         assert runs[0][rank][name + " skipped"] == len(BAD_STEPS)
-    assert runs[0][0][name + " scale"] == runs[0][1][name + " scale"]
 
 
 def test_nonfinite_step_without_scaler_is_skipped_with_a_warning(runs):
@@ -517,6 +523,11 @@ def test_nonfinite_step_without_scaler_is_skipped_with_a_warning(runs):
 
 @pytest.mark.parametrize("name", [n for n, c in SIM_CONFIGS.items() if c[3] is not None] + ["ddp-scaler"])
 def test_resume_is_bit_exact(runs, name):
+    assert_resumed_exactly(runs, name)
+
+
+def assert_resumed_exactly(runs, name):
+    """The resumed run's ``name`` (second job) equals the uninterrupted one's."""
     for rank in range(WORLD):
         full, resumed = runs[0][rank][name], runs[1][rank][name]
         _assert_params_equal(resumed["params"], full["params"], f"rank {rank} {name}")

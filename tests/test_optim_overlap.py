@@ -36,6 +36,8 @@ from test_optim import (
     _run,
     _same,
     _snapshot,
+    assert_resumed_exactly,
+    assert_skipped_unchanged,
 )
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -51,6 +53,12 @@ def _ddp(net):
     return DDP(net, bucket_cap_mb=BUCKET_MB)
 
 
+def _setup(kind, hyper, method):
+    """(net, its DDP model in several buckets, an unattached optimizer)."""
+    net = Net(unused=False)
+    return net, _ddp(net), _make(kind, hyper, method, net=net)
+
+
 def _buckets(opt, net):
     """The optimizer's buckets (saved as positions in its parameter groups)
     as lists of indices into ``net.parameters()``, by bucket index."""
@@ -64,9 +72,7 @@ def _buckets(opt, net):
 def _rank_overlap(rank, world, directory):
     out = {}
     for name, (kind, hyper, method) in CONFIGS.items():
-        net = Net(unused=False)
-        model = _ddp(net)
-        opt = _make(kind, hyper, method, net=net)
+        net, model, opt = _setup(kind, hyper, method)
         opt.attach(model, overlap=True)
         for step in range(STEPS):
             if step == SAVE:
@@ -77,9 +83,7 @@ def _rank_overlap(rank, world, directory):
         out[name + " bytes"] = (opt.bytes_per_step(), opt.bytes_per_step(compressed=False))
 
     # With a GradScaler and Inf iterations.
-    net = Net(unused=False)
-    model = _ddp(net)
-    opt = _make("adam", ADAM, "onebit", net=net)
+    net, model, opt = _setup("adam", ADAM, "onebit")
     scaler = torch.amp.GradScaler("cpu", growth_interval=1000)
     opt.attach(model, overlap=True, scaler=scaler)
     record = []
@@ -90,9 +94,7 @@ def _rank_overlap(rank, world, directory):
 
     errors = {}
     # A GradScaler the optimizer was not given: refused, nothing changed.
-    net = Net(unused=False)
-    model = _ddp(net)
-    opt = _make("adam", ADAM, "onebit", net=net)
+    net, model, opt = _setup("adam", ADAM, "onebit")
     opt.attach(model, overlap=True)
     _run(rank, model, opt, 0, 4)
     before = _snapshot(model, opt)
@@ -139,9 +141,7 @@ def _rank_overlap(rank, world, directory):
 def _rank_resumed(rank, world, directory):
     out = {}
     for name, (kind, hyper, method) in CONFIGS.items():
-        net = Net(unused=False)
-        model = _ddp(net)
-        opt = _make(kind, hyper, method, net=net)
+        net, model, opt = _setup(kind, hyper, method)
         ck = torch.load(f"{directory}/{name}_{rank}.pt", weights_only=True)
         net.load_state_dict(ck["model"])
         opt.load_state_dict(ck["opt"])  # before attach: checked when attached
@@ -149,9 +149,7 @@ def _rank_resumed(rank, world, directory):
         _run(rank, model, opt, SAVE, STEPS)
         out[name] = _result(net, opt)
     # Overlap's residuals are per bucket: an optimizer without overlap refuses them.
-    net = Net(unused=False)
-    model = _ddp(net)
-    opt = _make("adam", ADAM, "onebit", net=net)
+    net, model, opt = _setup("adam", ADAM, "onebit")
     opt.attach(model)
     _run(rank, model, opt, 0, 4)  # past the warm-up, the engine exists: refused at load
     saved = torch.load(f"{directory}/adam-onebit_{rank}.pt", weights_only=True)["opt"]
@@ -161,9 +159,7 @@ def _rank_resumed(rank, world, directory):
     except ValueError as exc:
         out["mismatch"] = str(exc)
     # Before the engine exists, the check waits for the first compressed step.
-    net = Net(unused=False)
-    model = _ddp(net)
-    opt = _make("adam", ADAM, "onebit", net=net)
+    net, model, opt = _setup("adam", ADAM, "onebit")
     opt.attach(model)
     opt.load_state_dict(saved)
     try:
@@ -212,21 +208,12 @@ def test_scaler_run_is_the_same_and_nonfinite_steps_change_nothing(runs):
         _assert_params_equal(scaled["params"], plain["params"], f"rank {rank} scaler")
         assert _same(scaled["state"], plain["state"])
         assert _same(scaled["pycomm"]["error_feedback"], plain["pycomm"]["error_feedback"])
-        record = runs[0][rank]["scaler record"]
-        assert len(record) == len(BAD_STEPS)
-        for r in record:
-            assert r["same"], rank  # params, m, v, steps, every bucket's residuals
-            assert r["scale"][1] == r["scale"][0] / 2
-        assert runs[0][rank]["scaler skipped"] == len(BAD_STEPS)
+    assert_skipped_unchanged(runs, "scaler")  # every bucket's residuals too
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_resume_is_bit_exact(runs, name):
-    for rank in range(WORLD):
-        full, resumed = runs[0][rank][name], runs[1][rank][name]
-        _assert_params_equal(resumed["params"], full["params"], f"rank {rank} {name}")
-        assert _same(resumed["state"], full["state"])
-        assert _same(resumed["pycomm"], full["pycomm"])
+    assert_resumed_exactly(runs, name)
 
 
 def test_refusals(runs):

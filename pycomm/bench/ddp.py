@@ -1085,9 +1085,10 @@ def _loss_cell(t: Dict[str, Any], train: Dict[str, Dict[str, Any]], plain_loss: 
     return f"{loss:.3f} ({loss / plain_loss:.3f})" if plain_loss else "-"
 
 
-def plot(records: List[Dict[str, Any]], prefix: str) -> List[str]:
+def plot(records: List[Dict[str, Any]], prefix: str, what: str = "DDP", baseline: str = "allreduce") -> List[str]:
     """PNG plots next to the JSON: step time vs bandwidth, loss vs steps and
-    loss vs seconds at the training bandwidth. Returns the paths written."""
+    loss vs seconds at the (first) training bandwidth, ``baseline`` drawn
+    bold. Returns the paths written."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -1107,12 +1108,12 @@ def plot(records: List[Dict[str, Any]], prefix: str) -> List[str]:
     for m in methods:
         pts = sorted((_effective_bw(r), r["step_time_median_s"]) for r in records if r["method"] == m)
         ax.plot([p[0] / 1e9 for p in pts], [p[1] * 1e3 for p in pts], style[m], marker="o", label=m,
-                linewidth=2.5 if m == "allreduce" else 1.2)
+                linewidth=2.5 if m == baseline else 1.2)
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("link bandwidth, Gbit/s (unshaped: measured)")
     ax.set_ylabel("median step time, ms")
-    ax.set_title(f"DDP step time vs bandwidth, {ranks} ranks")
+    ax.set_title(f"{what} step time vs bandwidth, {ranks} ranks")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
@@ -1123,6 +1124,7 @@ def plot(records: List[Dict[str, Any]], prefix: str) -> List[str]:
     train = [r for r in records if r.get("training_run") and r.get("loss_per_step")]
     if train:
         rate = train[0]["bandwidth"]
+        train = [r for r in train if r["bandwidth"] == rate]
         for kind in ("steps", "seconds"):
             fig, ax = plt.subplots(figsize=(8, 5))
             for r in train:
@@ -1134,10 +1136,10 @@ def plot(records: List[Dict[str, Any]], prefix: str) -> List[str]:
                     for t in r["step_times_s"]:
                         acc += t
                         x.append(acc)
-                ax.plot(x, loss, style[r["method"]], label=r["method"], linewidth=2.5 if r["method"] == "allreduce" else 1.2)
+                ax.plot(x, loss, style[r["method"]], label=r["method"], linewidth=2.5 if r["method"] == baseline else 1.2)
             ax.set_xlabel("step" if kind == "steps" else "wall-clock seconds (sum of measured step times)")
             ax.set_ylabel("training loss (mean over ranks, smoothed)")
-            ax.set_title(f"loss vs {kind} at {fmt_rate(rate) if rate else 'unshaped'}, {ranks} ranks")
+            ax.set_title(f"{what} loss vs {kind} at {fmt_rate(rate) if rate else 'unshaped'}, {ranks} ranks")
             ax.grid(True, alpha=0.3)
             ax.legend(fontsize=7, ncol=2)
             fig.tight_layout()

@@ -25,7 +25,8 @@ shared ``lo`` count divided by the ranks), the peak resident memory per
 rank during the training steps (below), the held-out loss of the trained
 model (the full parameters gathered into an unsharded copy, evaluated on
 the same batches as ``pycomm-bench ddp``'s ``final_loss``) and the ratios
-to ``plain`` and ``bf16``.
+to ``plain`` and ``bf16``; PNG plots next to the JSON (as ``pycomm-bench
+ddp``'s: step time vs bandwidth, loss vs steps and vs seconds).
 
 Peak memory: the process's resident-set high-water mark (``VmHWM``), reset
 through ``/proc/self/clear_refs`` (Linux) after the method's model and
@@ -50,6 +51,7 @@ import argparse
 import datetime as _dt
 import gc
 import math
+import os
 import sys
 import time
 from typing import Any, Dict, List, Optional, Tuple
@@ -65,6 +67,7 @@ from .ddp import (
     _stdev,
     _workload,
     lr_at,
+    plot,
 )
 from .launch import Rank, RanksFailed, run_ranks, threads_per_rank
 from .report import finish, fmt_number, machine_info, progress_bar, table
@@ -357,6 +360,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help=f"held-out batches the final loss is the mean of (default: {EVAL_BATCHES})")
     g.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
                    help=f"seconds without progress before a run is stopped (default: {DEFAULT_TIMEOUT:g})")
+    g.add_argument("--no-plots", dest="plots", action="store_false",
+                   help="do not write PNG plots (step time vs bandwidth, loss vs steps and seconds)")
     g.add_argument("--no-netns", dest="netns", action="store_false",
                    help="run every rank on plain loopback, no namespaces (unshaped only: --bandwidth none)")
     g.add_argument("--netns-prefix", default="pycomm-fsdp",
@@ -510,7 +515,14 @@ def run(args: argparse.Namespace) -> int:
         return 1
     print()
     bad = [f"{r['method']}: non-finite held-out loss" for r in records if not math.isfinite(r["final_loss"])]
-    return finish(records, args.json, format_table(records), bad, t0)
+    status = finish(records, args.json, format_table(records), bad, t0)
+    if args.plots:
+        try:
+            for p in plot(records, os.path.splitext(args.json)[0], what="FSDP2", baseline="plain"):
+                print(f"wrote {p}")
+        except ImportError:
+            print("matplotlib is not installed: no plots", file=sys.stderr)
+    return status
 
 
 if __name__ == "__main__":
