@@ -22,6 +22,7 @@ RECORD_KEYS = (
     "final_loss_per_seed", "final_loss_vs_plain_per_seed", "final_loss_vs_plain_mean", "train_loss_last",
     "seeds", "per_seed", "loss_per_step", "step_times_s", "tokens_per_s", "compressor", "weights",
     "reduce_dtype", "error_feedback", "parameters", "optimizer", "lr", "lr_schedule",
+    "residual_bytes",
 )
 
 
@@ -86,7 +87,7 @@ def test_ratios_and_table():
 
 def test_end_to_end_tiny_run(tmp_path):
     out = tmp_path / "r" / "f.json"
-    methods = "plain,bf16,int8-weights"
+    methods = "plain,bf16,int8-weights,int4-ef"
     cmd = [sys.executable, "-m", "pycomm.bench", "fsdp", "--ranks", "2", "--model", "tiny", "--bandwidth", "none",
            "--no-netns", "--no-progress", "--methods", methods, "--steps", "4", "--warmup", "1",
            "--eval-batches", "2", "--min-compress-numel", "1", "--lr-schedule", "cosine", "--json", str(out)]
@@ -111,6 +112,11 @@ def test_end_to_end_tiny_run(tmp_path):
     assert by["bf16"]["reduce_dtype"] == "bfloat16" and by["plain"]["compressor"] is None
     w = by["int8-weights"]
     assert (w["compressor"], w["weights"], w["error_feedback"]) == ("int8", "int8", False)
+    # Error feedback: a float32 residual and its rollback buffer of each module's
+    # unsharded gradient (padded to the ranks), nothing for the others.
+    p = by["int4-ef"]["parameters"]
+    assert 8 * p <= by["int4-ef"]["residual_bytes"] <= 8.1 * p and by["int4-ef"]["error_feedback"] is True
+    assert by["plain"]["residual_bytes"] == by["int8-weights"]["residual_bytes"] == 0
     # int8 gradients and weights (every buffer compressed here) send far less than float32.
     assert w["bytes_sent_per_rank_per_step"] < 0.6 * by["plain"]["bytes_sent_per_rank_per_step"]
     assert "x plain" in proc.stdout and "int8-weights" in proc.stdout

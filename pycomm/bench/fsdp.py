@@ -13,7 +13,10 @@ same batches, AdamW):
   its default settings (no error feedback, buffers below
   ``min_compress_numel`` exact);
 * ``int8-weights``, ``int4-weights``: the same with ``weights=`` that
-  compressor (the parameter all-gather compressed too).
+  compressor (the parameter all-gather compressed too);
+* ``int8-ef``, ``int4-ef``: int8/int4 gradients with error feedback (a
+  float32 residual of each module's unsharded gradient and its rollback
+  buffer: ``residual_bytes`` in the record, and in the peak memory).
 
 Links are emulated as in ``pycomm-bench ddp`` (:mod:`pycomm.bench.netem`:
 one namespace per rank, tbf-shaped; loopback without root, labelled so).
@@ -83,7 +86,11 @@ METHODS: Dict[str, Tuple[Optional[str], Optional[str], Optional[str]]] = {
     "int4": ("int4", None, None),
     "int8-weights": ("int8", "int8", None),
     "int4-weights": ("int4", "int4", None),
+    "int8-ef": ("int8", None, None),
+    "int4-ef": ("int4", None, None),
 }
+#: Methods that turn error feedback on (the residuals' memory shows in the peak).
+EF_METHODS = ("int8-ef", "int4-ef")
 DEFAULT_METHODS = ["plain", "bf16", "int8", "int4", "int8-weights"]
 DEFAULT_BANDWIDTHS = ["1gbit"]
 DEFAULT_STEPS = 60
@@ -160,7 +167,7 @@ def _setup(cfg: Dict[str, Any], method: str, seed: int):
     if compressor is not None:
         import pycomm.fsdp
 
-        settings = {}
+        settings = {"error_feedback": True} if method in EF_METHODS else {}
         if cfg.get("min_compress_numel") is not None:
             settings["min_compress_numel"] = cfg["min_compress_numel"]
         comp = pycomm.fsdp.compress(model, compressor, weights=weights, **settings)
@@ -246,6 +253,8 @@ def _train(rank: Rank, method: str, seed: int) -> Dict[str, Any]:
         "weights": weights,
         "reduce_dtype": reduce_dtype,
         "error_feedback": comp.error_feedback if comp is not None else None,
+        # pycomm's own tensors: the residuals and their rollback buffers.
+        "residual_bytes": 2 * comp.residual_bytes() if comp is not None else 0,
         "seed": seed,
         "parameters": numel,
         "steps": steps,
@@ -438,10 +447,11 @@ def format_table(records: List[Dict[str, Any]]) -> str:
         rows.append([r["method"], fmt_rate(r["bandwidth"]) if r["bandwidth"] else "unshaped",
                      f"{r['step_time_median_s'] * 1e3:.0f}", f"{vp:.2f}" if vp else "-", f"{vb:.2f}" if vb else "-",
                      fmt_number(sent / 1e6) if sent is not None else "-",
-                     f"{r['peak_rss_bytes'] / 2**20:.0f} (+{r['peak_rss_increase_bytes'] / 2**20:.0f})", loss])
+                     f"{r['peak_rss_bytes'] / 2**20:.0f} (+{r['peak_rss_increase_bytes'] / 2**20:.0f})",
+                     f"{r.get('residual_bytes', 0) / 2**20:.0f}", loss])
     headers = ["method", "link", "step ms\n(median)", "time\nx plain", "time\nx bf16", "MB sent/\nrank/step",
                f"peak RSS MiB/rank\n(+ in training, {records[0]['memory_measure'] if records else ''})",
-               "held-out loss\n(x plain)"]
+               "residuals\nMiB/rank", "held-out loss\n(x plain)"]
     return table(rows, headers, tablefmt="github")
 
 

@@ -672,7 +672,8 @@ class _CompressedMomentum(Optimizer):
             by_pos = {self._positions()[id(e[1])]: e for e in self._layout}
             entries = [by_pos[i] for i in pos if i in by_pos]
             total = sum(e[6] for e in entries)
-            cached = self._buckets[index] = (pos, entries, torch.empty(total, device=self._device()))
+            buf = torch.empty(total, dtype=torch.float32, device=self._device())
+            cached = self._buckets[index] = (pos, entries, buf)
         return cached[1], cached[2]
 
     def _undo_sent(self) -> None:
