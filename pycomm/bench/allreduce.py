@@ -47,7 +47,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from ..distributed.spec import TAG_WORDS, topk_wire_numel
+from ..distributed.spec import TAG_WORDS, block_segments, block_wire_numel, topk_wire_numel
 from .launch import Rank, RanksFailed, run_ranks, threads_per_rank
 from .methods import ALLREDUCE_BASES, Method, parse_method as _parse_method
 from .report import (default_json_path, finish, fmt_number, loadavg, machine_info, ms, progress_bar, size_label,
@@ -140,13 +140,13 @@ class OnebitLayout:
     size: List[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.seg = _cdiv(_cdiv(self.m, self.world), self.block) * self.block
-        for j in range(self.world):
-            n = min(self.m, (j + 1) * self.seg) - min(self.m, j * self.seg)
+        self.seg, bounds = block_segments(self.m, self.world, self.block)
+        for lo, hi in bounds:
+            n = hi - lo
             self.length.append(n)
             self.words.append(_cdiv(n, 32))
             self.blocks.append(_cdiv(n, self.block))
-            self.size.append(self.words[-1] + self.blocks[-1])
+            self.size.append(block_wire_numel(n, self.block))
 
 
 def bytes_sent(method: Method, numel: int, world: int, chunk_numel: int,
