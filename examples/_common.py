@@ -28,19 +28,24 @@ def dataset(rows: int = 256):
 
 
 def report(out_dir, rank, model, loss, state) -> dict:
-    """What a run ends with; rank 0 prints it, ``out_dir`` gets every rank's."""
+    """What a run ends with; rank 0 prints it, ``out_dir`` gets every rank's.
+    ``state``: the hook's CompressionState, or a pycomm.optim optimizer."""
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     saved = state.state_dict()
+    if "pycomm" in saved:  # a compressed-momentum optimizer: its steps, its residuals
+        who, saved, iterations = type(state).__name__, saved["pycomm"], saved["pycomm"]["step_count"]
+    else:
+        who, iterations = "hook", state.iteration
     result = {
         "rank": rank,
         "backend": dist.get_backend() if dist.is_initialized() else None,
         "loss": float(loss),
-        "hook_iteration": state.iteration,
+        "hook_iteration": iterations,
         "residual_buckets": sorted(saved["error_feedback"]),
         "params_sha256": hashlib.sha256(params.numpy().tobytes()).hexdigest(),
     }
     if rank == 0:
-        print(f"backend {result['backend']}; final loss {result['loss']:.5f}; hook: {state.iteration} iterations, "
+        print(f"backend {result['backend']}; final loss {result['loss']:.5f}; {who}: {iterations} iterations, "
               f"error-feedback residuals of buckets {result['residual_buckets']}", flush=True)
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)

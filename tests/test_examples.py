@@ -75,6 +75,17 @@ def test_torchrun_example(tmp_path):
     assert _same_model(_reports(full), _reports(resumed))
 
 
+def test_onebit_adam_example(tmp_path):
+    full, resumed, ckpt = tmp_path / "full", tmp_path / "resumed", tmp_path / "ckpt"
+    out = _torchrun("torchrun_onebit_adam.py", "--steps", 30, "--save-at", 15, "--checkpoint", ckpt, "--out", full)
+    assert "OneBitAdam: 30 iterations" in out
+    _torchrun("torchrun_onebit_adam.py", "--steps", 30, "--resume", ckpt, "--out", resumed)
+    # With overlap the residuals are per DDP bucket: keys 1 + bucket index.
+    _check(_reports(full), "gloo", 30, buckets=(1, 2))
+    _check(_reports(resumed), "gloo", 30, buckets=(1, 2))
+    assert _same_model(_reports(full), _reports(resumed))
+
+
 def test_lightning_example(tmp_path):
     pytest.importorskip("lightning")
     full, resumed, ckpt = tmp_path / "full", tmp_path / "resumed", tmp_path / "ckpt"

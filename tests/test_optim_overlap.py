@@ -146,6 +146,11 @@ def _rank_resumed(rank, world, directory):
         net.load_state_dict(ck["model"])
         opt.load_state_dict(ck["opt"])  # before attach: checked when attached
         opt.attach(model, overlap=True)
+        if name == "adam-onebit":
+            # Loading again into the attached optimizer keeps its engine and coupling.
+            engine = opt._engine
+            opt.load_state_dict(ck["opt"])
+            out["kept"] = opt._engine is engine and opt._overlap and opt._attached and bool(opt._ddp_param_ids)
         _run(rank, model, opt, SAVE, STEPS)
         out[name] = _result(net, opt)
     # Overlap's residuals are per bucket: an optimizer without overlap refuses them.
@@ -214,6 +219,10 @@ def test_scaler_run_is_the_same_and_nonfinite_steps_change_nothing(runs):
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_resume_is_bit_exact(runs, name):
     assert_resumed_exactly(runs, name)
+
+
+def test_load_into_an_attached_optimizer_keeps_it_attached(runs):
+    assert all(runs[1][rank]["kept"] for rank in range(WORLD))
 
 
 def test_refusals(runs):

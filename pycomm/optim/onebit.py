@@ -215,9 +215,13 @@ class _CompressedMomentum(Optimizer):
         return d
 
     def __setstate__(self, d: Dict[str, Any]) -> None:
+        # Unpickling fills a new object; torch's load_state_dict calls this
+        # too, on a live one, whose engine group and DDP coupling stay.
+        unpickled = "_engine" not in self.__dict__
         super().__setstate__(d)
-        self.process_group = None
-        self._init_runtime()
+        if unpickled:
+            self.process_group = None
+            self._init_runtime()
 
     # -- hooks for the subclasses -----------------------------------------------
     def _check_group(self, group: Dict[str, Any]) -> None:

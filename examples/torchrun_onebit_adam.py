@@ -1,0 +1,76 @@
+"""OneBitAdam over DDP, started by torchrun (2 CPU processes): AdamW on
+exactly averaged gradients for a warm-up, then the variance frozen and the
+momenta all-reduced compressed (onebit), sent per DDP bucket while backward
+runs (``attach(ddp, overlap=True)``).
+
+    torchrun --nproc-per-node 2 examples/torchrun_onebit_adam.py
+    torchrun --nproc-per-node 2 examples/torchrun_onebit_adam.py --no-overlap    # momenta sent in step()
+    torchrun --nproc-per-node 2 examples/torchrun_onebit_adam.py --steps 40 --save-at 20 --checkpoint ckpt
+    torchrun --nproc-per-node 2 examples/torchrun_onebit_adam.py --steps 40 --resume ckpt
+
+Every rank saves its own checkpoint file: the optimizer's state holds this
+rank's error-feedback residuals (one per DDP bucket with overlap). The
+resumed run ends with exactly the parameters of the uninterrupted one.
+"""
+
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from pycomm.optim import OneBitAdam
+
+from _common import dataset, make_model, report
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5, help="steps of exact averaging first")
+    parser.add_argument("--no-overlap", dest="overlap", action="store_false",
+                        help="send the momenta in step(), after backward")
+    parser.add_argument("--batch", type=int, default=16, help="rows per rank per step")
+    parser.add_argument("--checkpoint", help="folder to save a checkpoint in (at --save-at)")
+    parser.add_argument("--save-at", type=int, default=0, help="save after this many steps")
+    parser.add_argument("--resume", help="checkpoint folder to resume from")
+    parser.add_argument("--out", help="folder for each rank's JSON report")
+    args = parser.parse_args()
+    torch.set_num_threads(1)  # the ranks share the machine's cores
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    model = make_model()
+    ddp = DDP(model, bucket_cap_mb=0.25)
+    opt = OneBitAdam(model.parameters(), lr=1e-3, warmup_steps=args.warmup, compressor="onebit", block_size=256)
+    opt.attach(ddp, overlap=args.overlap)
+
+    start = 0
+    if args.resume:
+        ck = torch.load(os.path.join(args.resume, f"rank{rank}.pt"), weights_only=True)
+        model.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["opt"])  # this rank's residuals
+        start = ck["step"]
+
+    data = dataset()
+    loss = torch.tensor(0.0)
+    for step in range(start, args.steps):
+        rows = torch.arange(args.batch) + (step * dist.get_world_size() + rank) * args.batch
+        x, y = data[rows % len(data)]
+        loss = nn.functional.mse_loss(ddp(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if args.checkpoint and step + 1 == args.save_at:
+            os.makedirs(args.checkpoint, exist_ok=True)
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step + 1},
+                       os.path.join(args.checkpoint, f"rank{rank}.pt"))
+
+    report(args.out, rank, model, loss.item(), opt)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
