@@ -187,6 +187,9 @@ class _CompressedMomentum(Optimizer):
         """What belongs to this process (not saved, not pickled)."""
         self._engine: Optional[dist.ProcessGroup] = None
         self._layout: Optional[List[Any]] = None
+        # Per parameter id, what a subclass derives once from frozen state
+        # (OneBitAdam: the denominator); dropped with the layout.
+        self._frozen: Dict[int, Tuple[Any, torch.Tensor]] = {}
         self._ddp_param_ids: frozenset = frozenset()
         self._attached = False
         self._flat: Optional[torch.Tensor] = None  # the communicated buffer, reused
@@ -272,6 +275,7 @@ class _CompressedMomentum(Optimizer):
         if len(devices) > 1:
             raise ValueError(f"all parameters must be on one device, got {sorted(map(str, devices))}")
         self._layout = None
+        self._frozen = {}
 
     def _params(self) -> List[Tuple[Dict[str, Any], torch.Tensor]]:
         return [(g, p) for g in self.param_groups for p in g["params"] if p.requires_grad]
@@ -929,6 +933,7 @@ class _CompressedMomentum(Optimizer):
         if reset_error_feedback:
             ef, saved_world = {}, None
         self._layout = None
+        self._frozen = {}
         self._flat = None
         self._saved_world = saved_world if ef else None
         self._saved_overlap = bool(extra.get("overlap", False)) if ef and extra is not None else None
@@ -1176,9 +1181,15 @@ class OneBitAdam(_CompressedMomentum):
         if wd != 0:
             p.mul_(1 - lr * wd)
         step_size = lr / (1 - beta1 ** step)
-        bias_correction2_sqrt = (1 - beta2 ** float(state["variance_step"])) ** 0.5
-        denom = (state["exp_avg_sq"].sqrt() / bias_correction2_sqrt).add_(eps)
-        p.addcdiv_(exp_avg, denom, value=-step_size)
+        cached = self._frozen.get(id(p))
+        if cached is None or cached[0] != (eps, beta2):
+            # The variance and its bias correction are frozen: so is this,
+            # computed once (again if eps or beta2 change) instead of three
+            # passes over v every step.
+            bias_correction2_sqrt = (1 - beta2 ** float(state["variance_step"])) ** 0.5
+            cached = self._frozen[id(p)] = ((eps, beta2),
+                                            (state["exp_avg_sq"].sqrt() / bias_correction2_sqrt).add_(eps))
+        p.addcdiv_(exp_avg, cached[1], value=-step_size)
 
 
 # -------------------------------------------------------------- OneBitSGD ----
