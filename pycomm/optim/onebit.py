@@ -493,7 +493,7 @@ class _CompressedMomentum(Optimizer):
                 offset += n
             self._poison(buf, found_inf)
             self._exact_average(buf, self._plain_group()).wait()
-            bad = not bool(torch.isfinite(buf).all())
+            bad = not _all_finite(buf)
             offset = 0
             present = (flags > 0).tolist()
             for i, (_, p) in enumerate(own):
@@ -610,7 +610,7 @@ class _CompressedMomentum(Optimizer):
             self._poison(buf, found_inf)
             key = self.key_base if self._uses_ef() else None
             pd.all_reduce(buf, key=key, group=self._engine_group(), op="avg")
-            if not bool(torch.isfinite(buf).all()):
+            if not _all_finite(buf):
                 return False  # the engine rolled its residuals back on every rank
         self._unpack_apply(layout, buf, outs)
         return True
@@ -691,7 +691,7 @@ class _CompressedMomentum(Optimizer):
         for buf, _, key, work in sent.values():
             if work is not None:
                 work.wait()
-                if key is not None and bool(torch.isfinite(buf).all()):
+                if key is not None and _all_finite(buf):
                     keys.append(key)  # a non-finite call kept its old residuals itself
         if keys:
             pd.undo_error_feedback(keys, self._engine_group(), self._device().type)
@@ -732,7 +732,7 @@ class _CompressedMomentum(Optimizer):
             flag = found_inf.detach().reshape(1).float().clone()
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._plain_group())
             skip = bool(flag[0] > 0)
-        finite = [b is None or bool(torch.isfinite(b).all()) for _, b, _, _ in sent]
+        finite = [b is None or _all_finite(b) for _, b, _, _ in sent]
         if skip or not all(finite):
             keys = [key for (_, _, _, key), ok in zip(sent, finite, strict=True) if ok and key is not None]
             self._sent = {}
@@ -1303,6 +1303,12 @@ class OneBitSGD(_CompressedMomentum):
         else:
             buf.copy_(new)
             p.add_(buf, alpha=-lr)
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    """Whether every element is finite: one read (a sum is finite only if
+    every term is), the exact check only when the sum itself is not."""
+    return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
 
 
 def _scalar_dtype() -> torch.dtype:
