@@ -10,6 +10,8 @@ backward runs. On 2 Gloo ranks, with several DDP buckets:
   were finite have their residuals undone;
 * a run resumed from each rank's state continues bit for bit; a state saved
   with overlap is refused by an optimizer without it;
+* gradient accumulation under ``model.no_sync()`` sends each bucket once
+  per step, and the ranks stay identical;
 * what overlap cannot serve is refused, naming the argument: a GradScaler
   that was not passed (nothing changes), two backwards without a step,
   ``scaler`` without overlap, a warm-up of one step.
@@ -91,6 +93,18 @@ def _rank_overlap(rank, world, directory):
     out["scaler"] = _result(net, opt)
     out["scaler record"] = record
     out["scaler skipped"] = opt.skipped_steps
+
+    # Gradient accumulation as documented: the first micro-batch under no_sync.
+    net, model, opt = _setup("adam", ADAM, "onebit")
+    opt.attach(model, overlap=True)
+    for step in range(STEPS):
+        opt.zero_grad()
+        with model.no_sync():
+            _loss(model, rank, 100 + step).backward()
+        _loss(model, rank, step).backward()
+        opt.step()
+    out["no_sync"] = ([p.detach().clone() for p in net.parameters()], opt.step_count,
+                      sorted(opt.state_dict()["pycomm"]["error_feedback"]))
 
     errors = {}
     # A GradScaler the optimizer was not given: refused, nothing changed.
@@ -219,6 +233,15 @@ def test_scaler_run_is_the_same_and_nonfinite_steps_change_nothing(runs):
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_resume_is_bit_exact(runs, name):
     assert_resumed_exactly(runs, name)
+
+
+def test_accumulation_under_no_sync(runs):
+    params0, steps, keys = runs[0][0]["no_sync"]
+    assert steps == STEPS and len(keys) >= 3 and keys == [1 + b for b in range(len(keys))]
+    params1 = runs[0][1]["no_sync"][0]
+    _assert_params_equal(params1, params0, "ranks after accumulating under no_sync")
+    start = [p.detach() for p in Net(unused=False).parameters()]
+    assert not all(torch.equal(a, b) for a, b in zip(params0, start, strict=True))
 
 
 def test_load_into_an_attached_optimizer_keeps_it_attached(runs):
