@@ -677,7 +677,8 @@ class _CompressedMomentum(Optimizer):
         pos = self._bucket_pos[index]
         cached = self._buckets.get(index)
         if cached is None or cached[0] != pos:
-            by_pos = {self._positions()[id(e[1])]: e for e in self._layout}
+            positions = self._positions()
+            by_pos = {positions[id(e[1])]: e for e in self._layout}
             entries = [by_pos[i] for i in pos if i in by_pos]
             total = sum(e[6] for e in entries)
             buf = torch.empty(total, dtype=torch.float32, device=self._device())
@@ -709,7 +710,8 @@ class _CompressedMomentum(Optimizer):
                 work.wait()
         sent = [(self._buckets[i][1], buf, outs, key) for i, (buf, outs, key, _) in sorted(self._sent.items())]
         done = {id(e[1]) for entries, *_ in sent for e in entries}
-        missing = {self._positions()[id(e[1])] for e in self._layout if id(e[1]) not in done}
+        positions = self._positions()
+        missing = {positions[id(e[1])] for e in self._layout if id(e[1]) not in done}
         calls = [(self.key_base + 1 + i, self._bucket_entries(i)[0]) for i, pos in sorted(self._bucket_pos.items())
                  if i not in self._sent and set(pos) <= missing]
         covered = {id(e[1]) for _, entries in calls for e in entries}
