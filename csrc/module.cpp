@@ -21,6 +21,7 @@ py::dict error_feedback_to_dict(const ErrorFeedback& ef) {
   d["method"] = ef.method;
   d["worker"] = ef.worker;
   d["server"] = ef.server;
+  d["calls"] = ef.calls;
   return d;
 }
 
@@ -32,6 +33,8 @@ ErrorFeedback error_feedback_from_dict(const py::dict& d) {
   ef.method = d["method"].cast<std::string>();
   ef.worker = d["worker"].cast<at::Tensor>();
   ef.server = d["server"].cast<std::vector<at::Tensor>>();
+  // States saved before keys counted their calls start the count at 0.
+  ef.calls = d.contains("calls") ? d["calls"].cast<int64_t>() : 0;
   return ef;
 }
 
@@ -69,6 +72,9 @@ py::dict spec_dict() {
     }
     return py::make_tuple(lay.seg, bounds, lay.size);
   });
+  d["rounding_seed"] = py::cpp_function(
+      [](int64_t seed, int64_t stream, int64_t call, int collective, int64_t rank, int64_t chunk,
+         int64_t part) { return rounding_seed(seed, stream, call, collective, rank, chunk, part); });
   d["topk_wire_numel"] = py::cpp_function(
       [](int64_t m, double density, bool approx) { return topk_wire_numel(m, density, approx); });
   return d;
@@ -90,8 +96,9 @@ PYBIND11_MODULE(_C, m) {
                        double density, bool approx, int check_calls,
                        const c10::intrusive_ptr<c10d::Backend>& intra,
                        const c10::intrusive_ptr<c10d::Backend>& inter,
-                       const std::string& plugin_options) {
+                       const std::string& plugin_options, int64_t rounding_seed) {
              pycomm::dist::Config c;
+             c.rounding_seed = rounding_seed;
              c.plugin_options = plugin_options;
              c.method = method;
              c.min_compress_numel = min_compress_numel;
@@ -105,7 +112,7 @@ PYBIND11_MODULE(_C, m) {
            py::arg("inner"), py::arg("method"), py::arg("min_compress_numel"),
            py::arg("chunk_numel"), py::arg("block_size"), py::arg("density"), py::arg("approx"),
            py::arg("check_calls") = 1, py::arg("intra") = py::none(), py::arg("inter") = py::none(),
-           py::arg("plugin_options") = "{}")
+           py::arg("plugin_options") = "{}", py::arg("rounding_seed") = -1)
       .def("allreduce_keyed", &CompressedBackend::allreduce_keyed, py::arg("tensor"),
            py::arg("key"), py::arg("average"), py::arg("method") = py::none(),
            py::call_guard<py::gil_scoped_release>())
@@ -135,6 +142,7 @@ PYBIND11_MODULE(_C, m) {
                                d["size_methods"] = c.size_methods;
                                d["calibration"] = c.calibration;
                                d["plugin_options"] = c.plugin_options;
+                               d["rounding_seed"] = c.rounding_seed;
                                d["ranks_per_node"] = b.ranks_per_node();
                                return d;
                              })

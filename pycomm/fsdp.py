@@ -331,8 +331,10 @@ def compress(
     ``compressor``: the gradient reduce-scatter's ("int8", "int4",
     "onebit", "topk", "fp16", "bf16", "none" or a registered one), built with
     ``settings`` (``block_size``, ``density``, ``chunk_numel``,
-    ``min_compress_numel``, ``compressor_options``, ``check_calls``: as
-    :class:`pycomm.distributed.PycommOptions`). ``error_feedback``: keep a
+    ``min_compress_numel``, ``compressor_options``, ``check_calls``,
+    ``rounding``, ``seed``: as :class:`pycomm.distributed.PycommOptions`;
+    ``rounding="stochastic"`` applies to the int8/int4 ones among the
+    gradient, weight and replicate compressors). ``error_feedback``: keep a
     residual per module (None: on for onebit/topk only; its memory cost is
     in docs/fsdp.md). ``weights``: compressor of the parameter all-gather
     ("int8", "int4", "bf16"...; None: exact). HSDP (2-D mesh): ``shard`` is
@@ -354,6 +356,9 @@ def compress(
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if settings.get("rounding") == "stochastic" and not {compressor, weights, replicate} & {"int8", "int4"}:
+        raise ValueError("rounding='stochastic' is for the int8 and int4 compressors; none of compressor, "
+                         "weights and replicate is one")
     if not dist.is_initialized():
         raise RuntimeError("pycomm.fsdp.compress: torch.distributed is not initialized")
     for name, value in (("compressor", compressor), ("weights", weights), ("replicate", replicate)):
@@ -412,6 +417,9 @@ def compress(
             base = dict(settings)
             if role != "grad" and not is_plugin(method):
                 base.pop("compressor_options", None)
+            if method not in ("int8", "int4"):
+                base.pop("rounding", None)  # only int8/int4 round
+                base.pop("seed", None)
             opts = PycommOptions(compressor=method, inner=inner, hierarchy="flat", **base)
             pg = dist.new_group(ranks=list(ranks), backend=BACKEND_NAME, pg_options=opts)
             if me in ranks:

@@ -52,6 +52,10 @@ def _args(*argv):
     ("int4-noef-backend", Method("int4-noef-backend", "backend", "int4", False)),
     ("optim-onebit", Method("optim-onebit", "optim", "onebit", True)),
     ("optim-int4", Method("optim-int4", "optim", "int4", True)),
+    ("int4-sr-noef", Method("int4-sr-noef", "hook", "int4", False, rounding="stochastic")),
+    ("int8-sr-backend", Method("int8-sr-backend", "backend", "int8", True, rounding="stochastic")),
+    ("optim-int4-overlap-sr", Method("optim-int4-overlap-sr", "optim", "int4", True, overlap=True,
+                                     rounding="stochastic")),
 ])
 def test_parse_method(name, want):
     assert parse_method(name) == want
@@ -62,6 +66,7 @@ def test_parse_method(name, want):
     ("topk-2", "density must be in (0, 1]"), ("allreduce-backend", "onebit and topk only"),
     ("int16", "unknown method"), ("optim-topk", "must be one of onebit, int8, int4"),
     ("optim-onebit-noef", "onebit and topk only"), ("optim-int4-backend", "onebit and topk only"),
+    ("onebit-sr", "int8 and int4 only"), ("optim-onebit-sr", "int8 and int4 only"), ("fp16-sr", "int8 and int4 only"),
 ])
 def test_parse_method_refuses(name, words):
     with pytest.raises(ValueError, match=None) as e:

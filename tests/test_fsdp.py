@@ -33,6 +33,8 @@ CASES = {
     "int4-bf16-premul": ("int4", True, torch.bfloat16, 3.0, None, {}),
     "topk-factor": ("topk", True, None, "world", None, {"density": 0.05, "approx": False}),
     "int8-fp16-factor": ("int8", False, torch.float16, 3.0, None, {}),
+    # Stochastic rounding: keyed reduce-scatters, keyless int8 weight all-gathers.
+    "int4-stochastic": ("int4", True, None, None, "int8", {"rounding": "stochastic", "seed": 9, "block_size": 64}),
     "plain": (None, False, None, None, None, {}),
 }
 FOUR = ["int8-avg", "onebit-fp16", "int4-bf16-premul"]
@@ -185,6 +187,7 @@ def _replay(results, world, name):
     assert all(len(rec) == len(records[0]) for rec in records)
     efs = {}
     n_rs = n_ag = 0
+    keyless = {"reduce_scatter": 0, "all_gather": 0}  # each role's group counts its keyless calls
     for i in range(0, len(records[0]), 2):
         kinds = {rec[i][0] for rec in records}
         assert len(kinds) == 1
@@ -198,12 +201,15 @@ def _replay(results, world, name):
             kw = dict(settings, impl="cpu")
             if ef:
                 efs.setdefault(key, [ErrorFeedback() for _ in range(world)])
-            want = simulate_reduce_scatter(xs, compressor, op, CHUNK, efs.get(key), **kw)
+            want = simulate_reduce_scatter(xs, compressor, op, CHUNK, efs.get(key), key=key if ef else None,
+                                           call=keyless[kind], **kw)
             n_rs += 1
         else:
-            kw = {k: v for k, v in settings.items() if k == "block_size"}
-            want = simulate_all_gather(inputs, weights, CHUNK, None, impl="cpu", **kw)
+            kw = {k: v for k, v in settings.items() if k in ("block_size", "rounding", "seed")}
+            want = simulate_all_gather(inputs, weights, CHUNK, None, impl="cpu", call=keyless[kind], **kw)
             n_ag += 1
+        if kind == "all_gather" or not ef:
+            keyless[kind] += 1
         for r in range(world):
             assert outs[r].dtype == want[r].dtype and torch.equal(outs[r], want[r]), (name, world, i, kind, r)
     return n_rs, n_ag
@@ -291,3 +297,5 @@ def test_arguments_are_checked():
         pf.compress("model")
     with pytest.raises(RuntimeError, match="not initialized"):
         pf.compress(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="rounding='stochastic' is for the int8 and int4"):
+        pf.compress(torch.nn.Linear(2, 2), "onebit", weights="bf16", rounding="stochastic")

@@ -171,6 +171,8 @@ RESUME_N = 30
 RESUME_CONFIGS = {
     "onebit": dict(compressor="onebit", block_size=256, start_iter=5, chunk_numel=40000),
     "topk": dict(compressor="topk", density=0.01, start_iter=5),
+    # Stochastic rounding: each bucket's call count is saved with its residuals.
+    "int4-stochastic": dict(compressor="int4", rounding="stochastic", seed=11, start_iter=5, chunk_numel=40000),
 }
 
 
@@ -365,6 +367,29 @@ def test_state_pickles_without_process_group():
     kept = copy.state_dict()["error_feedback"][2]
     assert torch.equal(kept["worker"], residual["worker"])
     assert all(torch.equal(a, b) for a, b in zip(kept["server"], residual["server"]))
+
+
+def test_rounding_settings():
+    with pytest.raises(ValueError, match="rounding='stochastic' is for the int8 and int4"):
+        CompressionState(compressor="topk", rounding="stochastic")
+    with pytest.raises(ValueError, match="seed must be an integer"):
+        CompressionState(compressor="int4", rounding="stochastic", seed=-3)
+    state = CompressionState(compressor="int4", rounding="stochastic", seed=5, start_iter=3)
+    saved = state.state_dict()
+    assert (saved["config"]["rounding"], saved["config"]["seed"]) == ("stochastic", 5)
+    with pytest.raises(ValueError, match=r"state\['config'\]\['seed'\]: seed must be"):
+        state.load_state_dict(dict(saved, config=dict(saved["config"], seed=2**32)))
+    with pytest.raises(ValueError, match=r"state\['config'\]\['rounding'\]: rounding must be one of"):
+        state.load_state_dict(dict(saved, config=dict(saved["config"], rounding="up")))
+    assert state.rounding == "stochastic"  # refused whole
+    # A state saved before rounding existed rounds to nearest.
+    older = dict(saved, config={k: v for k, v in saved["config"].items() if k not in ("rounding", "seed")})
+    state.load_state_dict(older)
+    assert (state.rounding, state.seed) == ("nearest", 0)
+    residual = {"numel": 100, "world_size": 2, "chunk_numel": 64, "method": "int4", "calls": -1,
+                "worker": torch.randn(100), "server": [torch.randn(32), torch.randn(18)]}
+    with pytest.raises(ValueError, match=r"\['calls'\] must be a non-negative int"):
+        state.load_state_dict(dict(saved, error_feedback={0: residual}))
 
 
 def test_state_refuses_other_versions_and_impls():

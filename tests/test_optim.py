@@ -35,7 +35,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from pycomm.distributed import spec
 from pycomm.distributed.simulate import ErrorFeedback, simulate_allreduce
-from pycomm.optim import OneBitAdam, OneBitSGD
+from pycomm.optim import KEY_BASE, OneBitAdam, OneBitSGD
 
 WORLD = 2
 WARMUP = 3
@@ -46,14 +46,16 @@ SGD_PLAIN = dict(lr=0.05, momentum=0.9, weight_decay=0.0, nesterov=False)
 SGD_NESTEROV = dict(lr=0.05, momentum=0.9, weight_decay=0.01, nesterov=True)
 METHODS = ["onebit"] + (["int4"] if "int4" in spec.METHODS else [])
 
-# name -> (optimizer, hyperparameters, compressor, step after which it is saved)
+# name -> (optimizer, hyperparameters, compressor, step after which it is saved, other settings)
 SIM_CONFIGS = {
-    "adam-onebit": ("adam", ADAM, "onebit", 5),
-    "sgd-onebit": ("sgd", SGD_PLAIN, "onebit", 5),
-    "sgd-nesterov-onebit": ("sgd", SGD_NESTEROV, "onebit", 2),  # saved during the warm-up
+    "adam-onebit": ("adam", ADAM, "onebit", 5, {}),
+    "sgd-onebit": ("sgd", SGD_PLAIN, "onebit", 5, {}),
+    "sgd-nesterov-onebit": ("sgd", SGD_NESTEROV, "onebit", 2, {}),  # saved during the warm-up
 }
 for _m in METHODS[1:]:
-    SIM_CONFIGS[f"adam-{_m}"] = ("adam", ADAM, _m, None)
+    SIM_CONFIGS[f"adam-{_m}"] = ("adam", ADAM, _m, None, {})
+# Stochastic rounding: the key's call count is saved with the residuals.
+SIM_CONFIGS["adam-int4-stochastic"] = ("adam", ADAM, "int4", 6, {"rounding": "stochastic", "seed": 4})
 BAD_STEPS = (1, 5)  # an extra iteration with an Inf on rank 1 before these steps (warm-up, compressed)
 DDP_SAVE = 6
 
@@ -183,9 +185,9 @@ def _rank_uninterrupted(rank, world, directory):
     out = {}
     _rank_warmup_exact(rank, world, out)
 
-    for name, (kind, hyper, method, save) in SIM_CONFIGS.items():
+    for name, (kind, hyper, method, save, extra) in SIM_CONFIGS.items():
         net = Net()
-        opt = _make(kind, hyper, method, net=net)
+        opt = _make(kind, hyper, method, net=net, **extra)
         for step in range(STEPS):
             if step == save:
                 torch.save({"model": net.state_dict(), "opt": opt.state_dict()}, f"{directory}/{name}_{rank}.pt")
@@ -269,11 +271,11 @@ def _rank_uninterrupted(rank, world, directory):
 
 def _rank_resumed(rank, world, directory):
     out = {}
-    for name, (kind, hyper, method, save) in SIM_CONFIGS.items():
+    for name, (kind, hyper, method, save, extra) in SIM_CONFIGS.items():
         if save is None:
             continue
         net = Net()
-        opt = _make(kind, hyper, method, net=net)
+        opt = _make(kind, hyper, method, net=net, **extra)
         ck = torch.load(f"{directory}/{name}_{rank}.pt", weights_only=True)
         net.load_state_dict(ck["model"])
         opt.load_state_dict(ck["opt"])
@@ -320,14 +322,15 @@ def _local_grads(net, rank, step):
     return [p.grad.clone() if p.grad is not None else None for p in net.parameters()]
 
 
-def _replay(kind, hyper, method, steps=STEPS, buckets=None, unused=True):
+def _replay(kind, hyper, method, steps=STEPS, buckets=None, unused=True, **rounding):
     """The algorithm of docs/optim.md in one process: torch's optimizer on
     averaged gradients for WARMUP steps, then every rank's local momentum,
     the simulated compressed all-reduce, and the update with it.
     ``buckets``: lists of parameter indices, one compressed all-reduce (and
     residuals) per list, in its order (``attach(model, overlap=True)``);
-    None: one for all. Returns the residuals per rank (per bucket, per rank
-    with ``buckets``)."""
+    None: one for all. ``rounding``: the group's ``rounding`` and ``seed``.
+    Returns the residuals per rank (per bucket, per rank with
+    ``buckets``)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the ranks: the same matmul bits
     try:
@@ -376,11 +379,12 @@ def _replay(kind, hyper, method, steps=STEPS, buckets=None, unused=True):
                     entries.append((group, p, mask.reshape(-1), local))
             by_index = {index[id(e[1])]: e for e in entries}
             updates = []
-            for call, call_efs in zip(calls, efs, strict=True):
+            for i, (call, call_efs) in enumerate(zip(calls, efs, strict=True)):
                 part = entries if call is None else [by_index[i] for i in call if i in by_index]
                 bufs = [torch.cat([e[3][r].reshape(-1)[e[2]] for e in part]) for r in range(WORLD)]
+                key = KEY_BASE if call is None else KEY_BASE + 1 + i  # the engine's keys
                 avg = simulate_allreduce(bufs, method, op="avg", chunk_numel=SETTINGS["chunk_numel"], efs=call_efs,
-                                         impl="cpu", block_size=SETTINGS["block_size"])[0]
+                                         key=key, impl="cpu", block_size=SETTINGS["block_size"], **rounding)[0]
                 offset = 0
                 for group, p, mask, local in part:
                     new = local[0].clone()  # frozen elements: the same on every rank
@@ -432,8 +436,8 @@ def test_warmup_is_torch_bit_for_bit(runs, name):
 
 @pytest.mark.parametrize("name", list(SIM_CONFIGS))
 def test_matches_the_simulation(runs, name):
-    kind, hyper, method, _ = SIM_CONFIGS[name]
-    net, ref, efs = _replay(kind, hyper, method)
+    kind, hyper, method, _, extra = SIM_CONFIGS[name]
+    net, ref, efs = _replay(kind, hyper, method, **extra)
     want = [p.detach() for p in net.parameters()]
     key = "exp_avg" if kind == "adam" else "momentum_buffer"
     for rank in range(WORLD):
@@ -455,7 +459,7 @@ def test_zero_gradient_elements_stay_put(runs, name):
     """Where torch's optimizer leaves an element with a zero gradient:
     AdamW decays it (p *= 1 - lr * wd each step), SGD without weight decay
     does not move it; a parameter without a gradient is never touched."""
-    kind, hyper, _, _ = SIM_CONFIGS[name]
+    kind, hyper, _, _, _ = SIM_CONFIGS[name]
     init = Net()
     dead, rows, unused = init.dead.detach().clone(), init.emb.weight.detach()[12:].clone(), init.unused.detach()
     if kind == "adam":

@@ -40,6 +40,16 @@ def test_chunk_length_matches(cpp, n, c):
     assert cpp["chunk_length"](n, c) == spec.chunk_length(n, c)
 
 
+@settings(max_examples=300, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), stream=st.integers(-1, 2**63 - 1), call=st.integers(0, 2**63 - 1),
+       collective=st.integers(0, 2), rank=st.integers(0, 1 << 20), chunk=st.integers(0, 1 << 40),
+       part=st.integers(0, 1 << 20))
+def test_rounding_seed_matches(cpp, seed, stream, call, collective, rank, chunk, part):
+    got = cpp["rounding_seed"](seed, stream, call, collective, rank, chunk, part)
+    assert got == spec.rounding_seed(seed, stream, call, collective, rank, chunk, part)
+    assert 0 <= got < 2**32
+
+
 @pytest.mark.parametrize("n", [0, 1, 20_000, 1 << 40])
 def test_never_chunk_does_not_overflow(cpp, n):
     # chunk_numel=sys.maxsize means one chunk, whatever the size.

@@ -55,24 +55,24 @@ void onebit_decompress(const at::Tensor& out, const at::Tensor& bits, const at::
 
 std::tuple<at::Tensor, at::Tensor> quant_compress(const at::Tensor& g,
                                                   const std::optional<at::Tensor>& r, int64_t bits,
-                                                  int64_t block_size) {
+                                                  int64_t block_size, int64_t seed) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("pycomm::quant_compress", "")
                        .typed<std::tuple<at::Tensor, at::Tensor>(
                            const at::Tensor&, const std::optional<at::Tensor>&, int64_t, int64_t,
                            int64_t)>();
-  return op.call(g, r, bits, block_size, /*seed=*/-1);
+  return op.call(g, r, bits, block_size, seed);
 }
 
 std::tuple<at::Tensor, at::Tensor> quant_compress_into(const at::Tensor& g, const at::Tensor& r,
                                                        const at::Tensor& r_out, int64_t bits,
-                                                       int64_t block_size) {
+                                                       int64_t block_size, int64_t seed) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("pycomm::quant_compress_into", "")
                        .typed<std::tuple<at::Tensor, at::Tensor>(
                            const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
                            int64_t, int64_t)>();
-  return op.call(g, r, r_out, bits, block_size, /*seed=*/-1);
+  return op.call(g, r, r_out, bits, block_size, seed);
 }
 
 void quant_decompress(const at::Tensor& out, const at::Tensor& data, const at::Tensor& scales,
@@ -93,14 +93,17 @@ struct BlockCodec {
   int bits;  // 0: onebit
   int64_t block;
 
+  // `seed`: int8/int4's stochastic rounding seed, -1 to nearest (onebit
+  // has no rounding).
   std::tuple<at::Tensor, at::Tensor> compress(const at::Tensor& g,
-                                              const std::optional<at::Tensor>& r) const {
-    return bits ? quant_compress(g, r, bits, block) : onebit_compress(g, r, block);
+                                              const std::optional<at::Tensor>& r,
+                                              int64_t seed) const {
+    return bits ? quant_compress(g, r, bits, block, seed) : onebit_compress(g, r, block);
   }
   // The new residual into r_out, r left as it was (CPU only).
   std::tuple<at::Tensor, at::Tensor> compress_into(const at::Tensor& g, const at::Tensor& r,
-                                                   const at::Tensor& r_out) const {
-    return bits ? quant_compress_into(g, r, r_out, bits, block)
+                                                   const at::Tensor& r_out, int64_t seed) const {
+    return bits ? quant_compress_into(g, r, r_out, bits, block, seed)
                 : onebit_compress_into(g, r, r_out, block);
   }
   // Wire words (int32: data, then scales) of elements [lo, lo + len) of a payload.
@@ -200,10 +203,10 @@ struct PayloadCodec {
   // from this rank's first payload of each chunk (its segments are alike).
   std::vector<at::Tensor> plugin_layout;
 
-  at::Tensor encode(const at::Tensor& seg, const std::optional<at::Tensor>& r) {
+  at::Tensor encode(const at::Tensor& seg, const std::optional<at::Tensor>& r, int64_t seed) {
     const int64_t len = seg.numel();
     if (is_block_method(m)) {
-      auto [data, scales] = block.compress(seg, r);
+      auto [data, scales] = block.compress(seg, r, seed);
       return at::cat(block.segment(data, scales, 0, len)).view(at::kByte);
     }
     if (m == "topk") {
@@ -313,6 +316,9 @@ CompressedBackend::CompressedBackend(c10::intrusive_ptr<c10d::Backend> inner, Co
               "default), got ", config_.block_size);
   TORCH_CHECK(config_.density > 0.0 && config_.density <= 1.0, "density must be in (0, 1], got ",
               config_.density);
+  TORCH_CHECK(config_.rounding_seed >= -1 && config_.rounding_seed <= int64_t(UINT32_MAX),
+              "rounding seed must be -1 (round to nearest) or in [0, 2^32), got ",
+              config_.rounding_seed);
   TORCH_CHECK(config_.check_calls >= 0 && config_.check_calls <= 2,
               "check_calls must be 0 (off), 1 (first use) or 2 (every call), got ",
               config_.check_calls);
@@ -573,6 +579,7 @@ std::string field_value(int field, int64_t v) {
     }
     case kApprox: return v ? "True" : "False";
     case kCollective: return v >= 0 && v < kNumCollectives ? kCollectives[v] : "?";
+    case kRounding: return v < 0 ? "nearest" : "stochastic, seed " + std::to_string(v);
     case kDevice: return c10::DeviceTypeName(static_cast<c10::DeviceType>(v), true);
     default: return std::to_string(v);
   }
@@ -674,6 +681,7 @@ void CompressedBackend::check_call(const at::Tensor& tensor, std::optional<int64
   mine[kApprox] = config_.approx;
   mine[kDevice] = static_cast<int64_t>(tensor.device().type());
   mine[kCollective] = collective_;
+  mine[kRounding] = block_bits(method) ? config_.rounding_seed : -1;  // onebit: no rounding
   const int world = getSize();
   const auto opts = tensor.options().dtype(at::kLong);
   at::Tensor in = at::tensor(mine, at::kLong).to(tensor.device());
@@ -762,6 +770,7 @@ void CompressedBackend::run_compressed(const at::Tensor& tensor, std::optional<i
     // A rank whose shard is empty (n < ranks per node) has nothing to send;
     // so do its peers on the other nodes, which hold the same shard.
     ErrorFeedback* ef = key.has_value() && y.numel() > 0 ? error_feedback_for(*key, y, m, g) : nullptr;
+    begin_seeds(key, ef);
     if (ef) prepare_backup(*ef);
     // Double-buffered compressors never touch the residuals they read.
     ResidualGuard guard(ef && !double_buffered(y, m) ? ef : nullptr);
@@ -798,7 +807,10 @@ void CompressedBackend::run_compressed(const at::Tensor& tensor, std::optional<i
     // them if finite; copied: the old ones are, restore them if not.
     guard.release();
     if (ef && finite == double_buffered(x, m)) swap_residuals(*ef);
-    if (ef) ef->undoable = finite;
+    if (ef) {
+      ef->undoable = finite;
+      ef->calls += finite;  // a skipped step leaves the count as it was too
+    }
   } catch (...) {
     rethrow_with_context(failure_context(tensor, key, average, m));
   }
@@ -829,6 +841,17 @@ void CompressedBackend::run_cast(const at::Tensor& x, bool average, const std::s
   wait_wire(inner_->allreduce(ts, opts));
   Span span(profile_.decode_s);
   x.copy_(y);
+}
+
+void CompressedBackend::begin_seeds(std::optional<int64_t> key, ErrorFeedback* ef) {
+  // Every rank runs the same calls in the same order, so the keyless count
+  // is the same on all; a key's count travels with its residuals.
+  seeds_ = CallSeeds{config_.rounding_seed, key ? *key : -1, 0, collective_, getRank()};
+  if (ef) {
+    seeds_.call = ef->calls;  // counted when the call keeps its residuals
+  } else if (!key) {
+    seeds_.call = keyless_calls_++;
+  }
 }
 
 void CompressedBackend::run_exact(const at::Tensor& x, bool average) {
@@ -863,9 +886,10 @@ bool CompressedBackend::run_blocks(const at::Tensor& x, ErrorFeedback* ef, bool 
   st.reserve(chunks);
   // Compress with error feedback: the new residual written to `spare`, or
   // in place (the old one copied to `spare` before the call).
-  auto compress_ef = [&](const at::Tensor& grad, const at::Tensor& r, const at::Tensor& spare) {
-    if (spare_out) return codec.compress_into(grad, r, spare);
-    return codec.compress(grad, r);  // the old residual is in `spare` already
+  auto compress_ef = [&](const at::Tensor& grad, const at::Tensor& r, const at::Tensor& spare,
+                         int64_t seed) {
+    if (spare_out) return codec.compress_into(grad, r, spare, seed);
+    return codec.compress(grad, r, seed);  // the old residual is in `spare` already
   };
   // The result is the decoded server payloads: it is finite exactly when
   // every gathered server scale is (a read of n / B floats; a non-finite
@@ -880,9 +904,10 @@ bool CompressedBackend::run_blocks(const at::Tensor& x, ErrorFeedback* ef, bool 
     st.push_back(Chunk{begin, BlockLayout(m, world, B, codec.bits), {}, {}, {}, {}});
     Chunk& ch = st.back();
     const BlockLayout& lay = ch.lay;
+    const int64_t seed = seeds_.at(i, 0);
     auto [data, scales] = ef ? compress_ef(x.narrow(0, begin, m), ef->worker.narrow(0, begin, m),
-                                           ef->worker_backup.narrow(0, begin, m))
-                             : codec.compress(x.narrow(0, begin, m), std::nullopt);
+                                           ef->worker_backup.narrow(0, begin, m), seed)
+                             : codec.compress(x.narrow(0, begin, m), std::nullopt, seed);
     std::vector<at::Tensor> parts;
     std::vector<int64_t> in_splits, out_splits(world, lay.size[rank]);
     for (int j = 0; j < world; ++j) {
@@ -918,8 +943,9 @@ bool CompressedBackend::run_blocks(const at::Tensor& x, ErrorFeedback* ef, bool 
       }
       Span span(profile_.encode_s);
       if (average) acc.div_(world);
-      auto [sd, ss] = ef ? compress_ef(acc, ef->server[i], ef->server_backup[i])
-                         : codec.compress(acc, std::nullopt);
+      const int64_t seed = seeds_.at(i, 1);
+      auto [sd, ss] = ef ? compress_ef(acc, ef->server[i], ef->server_backup[i], seed)
+                         : codec.compress(acc, std::nullopt, seed);
       mine.narrow(0, 0, lay.size[rank]).copy_(at::cat(codec.segment(sd, ss, 0, len)));
     }
     Span span(profile_.encode_s);
@@ -1200,6 +1226,7 @@ void CompressedBackend::run_reduce_scatter(const at::Tensor& output, const at::T
     }
     Group g{inner_.get(), getRank(), world};
     ErrorFeedback* ef = key ? error_feedback_for(*key, in, m + kReduceScatterSuffix, g) : nullptr;
+    begin_seeds(key, ef);
     if (ef) prepare_backup(*ef);
     ResidualGuard guard(ef);
     const int64_t C = chunk_length(S, config_.chunk_numel), chunks = ceil_div(S, C);
@@ -1224,7 +1251,7 @@ void CompressedBackend::run_reduce_scatter(const at::Tensor& output, const at::T
         const int64_t at0 = j * S + c0;
         std::optional<at::Tensor> r;
         if (ef) r = ef->worker.narrow(0, at0, len);
-        sends.push_back(codec.encode(in.narrow(0, at0, len), r));
+        sends.push_back(codec.encode(in.narrow(0, at0, len), r, seeds_.at(i, j)));
       }
       const int64_t nbytes = sends[0].numel();
       for (const auto& b : sends)
@@ -1276,6 +1303,7 @@ void CompressedBackend::run_reduce_scatter(const at::Tensor& output, const at::T
       if (flag.item<int32_t>() == 1) {
         guard.release();  // else the guard restores them
         ef->undoable = true;
+        ++ef->calls;
       }
     }
   } catch (...) {
@@ -1333,6 +1361,7 @@ void CompressedBackend::run_all_gather(const at::Tensor& output, const at::Tenso
     }
     Group g{inner_.get(), getRank(), world};
     ErrorFeedback* ef = key ? error_feedback_for(*key, in, m + kAllGatherSuffix, g) : nullptr;
+    begin_seeds(key, ef);
     if (ef) prepare_backup(*ef);
     ResidualGuard guard(ef);
     PayloadCodec codec{m, config_, BlockCodec{block_bits(m), block_for(m)},
@@ -1354,7 +1383,7 @@ void CompressedBackend::run_all_gather(const at::Tensor& output, const at::Tenso
       codec.plugin_layout.clear();
       std::optional<at::Tensor> r;
       if (ef) r = ef->worker.narrow(0, c0, len);
-      at::Tensor payload = codec.encode(in.narrow(0, c0, len), r);
+      at::Tensor payload = codec.encode(in.narrow(0, c0, len), r, seeds_.at(i, 0));
       const int64_t nbytes = payload.numel(), slot = nbytes + kTagBytes;
       at::Tensor send = at::cat({payload, tag_.view(at::kByte)});  // then the call's tag
       st.push_back(Chunk{c0, len, nbytes, at::empty({world * slot}, codec.byte_opts), {},
@@ -1387,6 +1416,7 @@ void CompressedBackend::run_all_gather(const at::Tensor& output, const at::Tenso
       if (finite) {
         guard.release();  // else the guard restores them
         ef->undoable = true;
+        ++ef->calls;
       }
     }
   } catch (...) {
@@ -1539,6 +1569,7 @@ void CompressedBackend::undo_error_feedback(const std::vector<int64_t>& keys) {
       ErrorFeedback& ef = error_feedback_.at(key);
       swap_residuals(ef);
       ef.undoable = false;
+      --ef.calls;
     }
   })->wait();
   TORCH_CHECK(error.empty(), error);

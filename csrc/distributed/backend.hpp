@@ -51,6 +51,20 @@ struct Config {
   // ops pycomm::plugin_compress / plugin_decompress, with these options
   // (JSON, passed to its constructor).
   std::string plugin_options = "{}";
+  // int8/int4 rounding: -1 to nearest; else stochastic, with the seeds of
+  // rounding_seed (spec.h) drawn from this group seed in [0, 2^32).
+  int64_t rounding_seed = -1;
+};
+
+// The seeds of one call's compresses (stochastic rounding; spec.h,
+// rounding_seed): at(chunk, part) is -1 when the group rounds to nearest.
+struct CallSeeds {
+  int64_t seed = -1, stream = -1, call = 0;
+  int collective = 0;
+  int64_t rank = 0;
+  int64_t at(int64_t chunk, int64_t part) const {
+    return seed < 0 ? -1 : int64_t(rounding_seed(seed, stream, call, collective, rank, chunk, part));
+  }
 };
 
 // The ranks one compressed step runs over: every rank (flat), or the ranks
@@ -73,6 +87,11 @@ struct ErrorFeedback {
   // (see CompressedBackend::double_buffered); not part of the saved state.
   at::Tensor worker_backup;
   std::vector<at::Tensor> server_backup;
+  // Calls that kept new residuals on this key (the stream of its
+  // stochastic rounding seeds; saved with the residuals, so a resumed run
+  // draws the same numbers). A non-finite call, or an undone one, does not
+  // count: a skipped step leaves everything as it was.
+  int64_t calls = 0;
   // The last call on this key kept its new residuals and the second buffers
   // still hold the ones before it: undo_error_feedback can put them back.
   bool undoable = false;
@@ -291,6 +310,9 @@ class CompressedBackend : public c10d::Backend {
   void run_all_gather(const at::Tensor& output, const at::Tensor& input,
                       std::optional<int64_t> key, const std::string& method);
   void run_cast(const at::Tensor& x, bool average, const std::string& method);
+  // Sets seeds_ for the running call: its key's stream (counted in `ef`),
+  // or the keyless one.
+  void begin_seeds(std::optional<int64_t> key, ErrorFeedback* ef);
   void run_exact(const at::Tensor& x, bool average);
   ErrorFeedback* error_feedback_for(int64_t key, const at::Tensor& x, const std::string& method,
                                     const Group& g);
@@ -318,6 +340,11 @@ class CompressedBackend : public c10d::Backend {
   // Written by the worker thread only; read through the queue.
   Profile profile_;
   at::Tensor tag_;  // the running call's (set_tag)
+  // Keyless calls run by a compressor with error feedback (onebit, topk,
+  // int8, int4, registered): the stream of their rounding seeds.
+  int64_t keyless_calls_ = 0;
+  // The seeds of the running call's compresses (begin_seeds).
+  CallSeeds seeds_;
 };
 
 }  // namespace dist

@@ -51,11 +51,13 @@ inline int64_t plugin_code(const std::string& name, const std::string& options) 
 
 // The descriptor of a compressed call that ranks compare (spec.CALL_FIELDS).
 enum Field {
-  kNumel, kDtype, kOp, kKey, kMethod, kChunk, kBlock, kDensity, kApprox, kDevice, kCollective, kFields
+  kNumel, kDtype, kOp, kKey, kMethod, kChunk, kBlock, kDensity, kApprox, kDevice, kCollective,
+  kRounding, kFields
 };
 inline constexpr const char* kFieldNames[kFields] = {"numel", "dtype", "op", "key", "compressor",
                                                      "chunk_numel", "block_size", "density",
-                                                     "approx", "device type", "collective"};
+                                                     "approx", "device type", "collective",
+                                                     "rounding seed"};
 // The numel a rank sends in the call check for a call it refuses (a bad
 // dtype, an empty tensor): no valid call has it, so every rank raises.
 inline constexpr int64_t kRefusedNumel = -1;
@@ -82,6 +84,21 @@ inline uint64_t call_tag(int collective, int64_t key, int64_t numel, int dtype, 
   for (int64_t v : {int64_t(collective), key, numel, int64_t(dtype), int64_t(average)})
     for (int b = 0; b < 8; ++b) h = (h ^ ((uint64_t(v) >> (8 * b)) & 0xff)) * 1099511628211ull;
   return h;
+}
+
+// Stochastic rounding (spec.rounding_seed): the kernel seed of one compress
+// of a call, a hash of the group's seed, the call's stream (its key, or -1
+// for keyless calls) and number on that stream, the collective, the global
+// rank, the chunk and the part (all-reduce: 0 worker, 1 server;
+// reduce-scatter: the destination shard; all-gather: 0). Every compress of
+// a run draws its own numbers, and the same ones when the run is repeated
+// or resumed with its saved call counts.
+inline uint32_t rounding_seed(int64_t seed, int64_t stream, int64_t call, int collective,
+                              int64_t rank, int64_t chunk, int64_t part) {
+  uint64_t h = 1469598103934665603ull;  // FNV-1a over the fields' bytes
+  for (int64_t v : {seed, stream, call, int64_t(collective), rank, chunk, part})
+    for (int b = 0; b < 8; ++b) h = (h ^ ((uint64_t(v) >> (8 * b)) & 0xff)) * 1099511628211ull;
+  return uint32_t(h ^ (h >> 32));
 }
 
 // Length of the chunks an n-element tensor is cut into (spec.chunk_length):

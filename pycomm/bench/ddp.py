@@ -132,7 +132,7 @@ def parse_method(name: str) -> Method:
     (:mod:`pycomm.bench.methods`, the names this benchmark trains with).
 
     >>> parse_method("topk-0.01-noef")
-    Method(name='topk-0.01-noef', entry='hook', compressor='topk', error_feedback=False, density=0.01, rank=None, overlap=False)
+    Method(name='topk-0.01-noef', entry='hook', compressor='topk', error_feedback=False, density=0.01, rank=None, overlap=False, rounding='nearest')
     """
     return _parse_method(name, bases=DDP_BASES)
 
@@ -186,7 +186,8 @@ def _optimizer(model, cfg: Dict[str, Any], m: Optional[Method] = None, warmup: i
 
     if m is not None and m.entry == "optim":
         OneBitAdam, OneBitSGD = _optim_classes()
-        kw = {"warmup_steps": warmup, "compressor": m.compressor, "block_size": cfg["block_size"]}
+        kw = {"warmup_steps": warmup, "compressor": m.compressor, "block_size": cfg["block_size"],
+              "rounding": m.rounding}
         if cfg["optimizer"] == "sgd":
             opt = OneBitSGD(model.parameters(), lr=cfg["lr"], momentum=0.9, **kw)
         else:
@@ -223,9 +224,10 @@ class _RankTrainer:
         every rank creates the same groups in the same order)."""
         import pycomm.distributed as pd
 
-        key = (m.compressor, m.density)
+        key = (m.compressor, m.density, m.rounding)
         if key not in self._pycomm_groups:
-            settings: Dict[str, Any] = {"compressor": m.compressor, "block_size": self.cfg["block_size"]}
+            settings: Dict[str, Any] = {"compressor": m.compressor, "block_size": self.cfg["block_size"],
+                                        "rounding": m.rounding}
             if m.density is not None:
                 settings["density"] = m.density
             self._pycomm_groups[key] = pd.wrap(None, **settings)
@@ -259,7 +261,7 @@ class _RankTrainer:
         elif m.pycomm:
             from ..ddp import CompressionState, compressed_hook
 
-            kw: Dict[str, Any] = {"block_size": self.cfg["block_size"]}
+            kw: Dict[str, Any] = {"block_size": self.cfg["block_size"], "rounding": m.rounding}
             if m.density is not None:
                 kw["density"] = m.density
             state = CompressionState(process_group=group, compressor=m.compressor, start_iter=start_iter,
@@ -304,6 +306,8 @@ class _RankTrainer:
             import pycomm
 
             kw = {"density": m.density} if m.density is not None else {"block_size": self.cfg["block_size"]}
+            if m.compressor in ("int8", "int4"):
+                kw["rounding"] = m.rounding
             c = pycomm.get_compressor(m.compressor, **kw)
             r = torch.zeros(numel) if m.error_feedback else None
             if m.entry == "optim":  # the momentum, every element of the model
@@ -455,6 +459,7 @@ class _RankTrainer:
             "entry": m.entry,
             "compressor": m.compressor,
             "error_feedback": m.error_feedback,
+            "rounding": m.rounding,
             "optimizer": type(opt).__name__,
             "seed": seed,
             "gradient_numel": numel,

@@ -1,6 +1,6 @@
 """Method names, the same in every benchmark, its command line and its JSON.
 
-Grammar: ``<base>[-noef][-backend]``, base one of
+Grammar: ``<base>[-sr][-noef][-backend]``, base one of
 
 * ``plain`` / ``allreduce``: torch's own float32 all-reduce (no compression);
 * ``fp16``, ``bf16``: a cast to 16 bits and back;
@@ -15,7 +15,9 @@ Grammar: ``<base>[-noef][-backend]``, base one of
   (``optim-<compressor>-overlap``: sent from DDP's hook per bucket while
   backward runs, ``attach(model, overlap=True)``);
 
-``-noef`` turns error feedback off and ``-backend`` runs the compression in
+``-sr`` rounds int8/int4 stochastically (``rounding="stochastic"``; for
+``int8``, ``int4``, ``optim-int8`` and ``optim-int4``), ``-noef`` turns
+error feedback off and ``-backend`` runs the compression in
 a ``"pycomm"`` process group instead of the hook (both for onebit, topk,
 int8, int4 and auto; not for ``optim-*``). Each benchmark accepts the part
 of it that it can run (:data:`ALLREDUCE_BASES`, :data:`DDP_BASES`).
@@ -23,11 +25,13 @@ of it that it can run (:data:`ALLREDUCE_BASES`, :data:`DDP_BASES`).
 Example::
 
     >>> parse_method("topk-0.01-noef")
-    Method(name='topk-0.01-noef', entry='hook', compressor='topk', error_feedback=False, density=0.01, rank=None, overlap=False)
+    Method(name='topk-0.01-noef', entry='hook', compressor='topk', error_feedback=False, density=0.01, rank=None, overlap=False, rounding='nearest')
     >>> parse_method("plain").compressed, parse_method("onebit", bases=ALLREDUCE_BASES).density
     (False, None)
     >>> parse_method("int4-noef"), parse_method("optim-onebit").entry
-    (Method(name='int4-noef', entry='hook', compressor='int4', error_feedback=False, density=None, rank=None, overlap=False), 'optim')
+    (Method(name='int4-noef', entry='hook', compressor='int4', error_feedback=False, density=None, rank=None, overlap=False, rounding='nearest'), 'optim')
+    >>> parse_method("int4-sr-noef").rounding, parse_method("optim-int4-overlap-sr").rounding
+    ('stochastic', 'stochastic')
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ _PARAM = {"powersgd": "powersgd-<rank>", "topk": "topk-<density>", "optim": "opt
 _METHOD_RE = re.compile(
     r"^(?P<base>plain|allreduce|fp16|bf16|auto|int8|int4|powersgd-(?P<rank>[0-9]+)|onebit"
     r"|topk-(?P<density>[0-9.eE+-]+?)|optim-(?P<optim>[a-z0-9]+?)(?P<overlap>-overlap)?)"
-    r"(?P<noef>-noef)?(?P<backend>-backend)?$"
+    r"(?P<sr>-sr)?(?P<noef>-noef)?(?P<backend>-backend)?$"
 )
 
 
@@ -73,6 +77,8 @@ class Method:
     #: "optim" only: the momenta sent from DDP's hook, per bucket, during
     #: backward (``attach(model, overlap=True)``)
     overlap: bool = False
+    #: int8/int4: "nearest" or "stochastic" (``-sr``)
+    rounding: str = "nearest"
 
     @property
     def pycomm(self) -> bool:
@@ -114,6 +120,9 @@ def parse_method(name: str, bases: Sequence[str] = ALL_BASES, suffixes: bool = T
     has_suffix = m is not None and bool(m.group("noef") or m.group("backend"))
     if m is None or base not in bases or (has_suffix and not suffixes):
         raise ValueError(f"unknown method {name!r}: expected {_vocabulary(bases, suffixes)}")
+    rounding = "stochastic" if m.group("sr") else "nearest"
+    if m.group("sr") and base not in ("int8", "int4") and not (base == "optim" and m.group("optim") in ("int8", "int4")):
+        raise ValueError(f"method {name!r}: -sr (stochastic rounding) applies to int8 and int4 only")
     if has_suffix and base not in SUFFIX_BASES:
         raise ValueError(f"method {name!r}: -noef and -backend apply to onebit and topk only "
                          f"(and int8, int4, auto)")
@@ -131,11 +140,11 @@ def parse_method(name: str, bases: Sequence[str] = ALL_BASES, suffixes: bool = T
         if comp not in OPTIM_COMPRESSORS:
             raise ValueError(f"method {name!r}: the optimizer's compressor must be one of "
                              f"{', '.join(OPTIM_COMPRESSORS)}")
-        return Method(name, "optim", comp, True, overlap=bool(m.group("overlap")))
+        return Method(name, "optim", comp, True, overlap=bool(m.group("overlap")), rounding=rounding)
     entry = "backend" if m.group("backend") or base == "auto" else "hook"
     ef = not m.group("noef")
     if base != "topk":
-        return Method(name, entry, base, ef)
+        return Method(name, entry, base, ef, rounding=rounding)
     try:
         density = float(m.group("density"))
     except ValueError:

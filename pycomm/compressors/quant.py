@@ -281,15 +281,23 @@ class QuantCompressor(Compressor):
 
     def compress(self, grad: torch.Tensor, residual: Optional[torch.Tensor] = None) -> QuantPayload:
         """Compress ``grad + residual``; ``residual`` (if given) becomes the new error."""
+        payload = self.compress_seeded(grad, residual, self.next_seed())
+        self.calls += 1
+        return payload
+
+    def compress_seeded(self, grad: torch.Tensor, residual: Optional[torch.Tensor], seed: int) -> QuantPayload:
+        """:meth:`compress` with the kernel seed ``seed`` (-1: round to
+        nearest), outside the call count: what the engine runs with the
+        seeds of ``spec.rounding_seed``."""
+        if isinstance(seed, bool) or not isinstance(seed, int) or not -1 <= seed <= MASK32:
+            raise ValueError(f"seed must be -1 or an integer in [0, 2**32), got {seed!r}")
         self._check_inputs(grad, residual)
         impl = self.resolve_impl(grad.device)
         flat = grad.reshape(-1)
         if not flat.is_contiguous():
             flat = flat.contiguous()
         res = residual.view(-1) if residual is not None else None
-        seed = self.next_seed()
         data, scales = impl.compress(flat, res, self.bits, self.block_size, seed)
-        self.calls += 1
         return QuantPayload(data, scales, grad.numel(), tuple(grad.shape), self.block_size, self.bits)
 
     def decompress(

@@ -69,10 +69,17 @@ COMPRESSORS = tuple(m for m in GROUP_METHODS if m != "none")
 _STATE_VERSION = 2
 #: The fields of a state_dict, and of its "config" and residual entries.
 _STATE_FIELDS = ("version", "config", "iteration", "world_size", "rank", "bucket_layouts", "error_feedback")
-_CONFIG_FIELDS = ("compressor", "density", "approx", "block_size", "chunk_numel", "start_iter", "error_feedback")
+_CONFIG_FIELDS = ("compressor", "density", "approx", "block_size", "chunk_numel", "start_iter", "error_feedback",
+                  "rounding", "seed")
+#: Config fields a saved state may lack (saved before they existed), with the
+#: value they then take.
+_CONFIG_DEFAULTS = {"rounding": "nearest", "seed": 0}
 #: The settings an engine group is built with (the others only steer the hook).
-_ENGINE_FIELDS = ("compressor", "density", "approx", "block_size", "chunk_numel")
+_ENGINE_FIELDS = ("compressor", "density", "approx", "block_size", "chunk_numel", "rounding", "seed")
 _RESIDUAL_FIELDS = ("numel", "world_size", "chunk_numel", "method", "worker", "server")
+#: Residual fields a state may lack: "calls" (the key's count, for
+#: stochastic rounding) is absent from states saved before keys counted.
+_OPTIONAL_RESIDUAL_FIELDS = ("calls",)
 
 
 #: What onebit with error feedback on gradients cost with momentum optimizers
@@ -117,6 +124,11 @@ class CompressionState:
             be >= 2 (bucket indices are only stable once DDP has rebuilt its
             buckets after the first iteration).
         error_feedback: keep residuals (onebit, topk; fp16/bf16 have none).
+        rounding: how int8/int4 round, "nearest" or "stochastic" (unbiased;
+            seeded from ``seed``, the bucket and its call count, which the
+            residuals' state saves), as
+            :class:`pycomm.distributed.PycommOptions`.
+        seed: the seed of stochastic rounding, in [0, 2**32).
         impl: kernels the engine runs: "auto" (the compiled ones of the
             tensor's device); the engine has no other yet.
         check_calls: when ranks compare their calls, to raise on every rank
@@ -140,7 +152,7 @@ class CompressionState:
 
         >>> state = CompressionState(compressor="onebit", block_size=2048, start_iter=100)
         >>> state
-        CompressionState(compressor='onebit', density=0.01, approx=True, block_size=2048, chunk_numel=None, start_iter=100, error_feedback=True, iteration=0)
+        CompressionState(compressor='onebit', density=0.01, approx=True, block_size=2048, chunk_numel=None, start_iter=100, error_feedback=True, rounding='nearest', seed=0, iteration=0)
         >>> ddp_model.register_comm_hook(state, compressed_hook)      # doctest: +SKIP
         >>> torch.save(state.state_dict(), f"hook_rank{rank}.pt")    # doctest: +SKIP
 
@@ -165,6 +177,8 @@ class CompressionState:
         chunk_numel: Optional[int] = None,
         start_iter: int = 10,
         error_feedback: bool = True,
+        rounding: str = "nearest",
+        seed: int = 0,
         impl: str = "auto",
         private_group: bool = False,
         check_calls: str = "first",
@@ -195,6 +209,7 @@ class CompressionState:
             dict(
                 compressor=compressor, density=density, approx=approx, block_size=block_size,
                 chunk_numel=chunk_numel, start_iter=start_iter, error_feedback=error_feedback,
+                rounding=rounding, seed=seed,
             )
         ))
         self.check_calls = check_calls
@@ -265,6 +280,7 @@ class CompressionState:
             engine = base
         else:
             settings = dict(block_size=self.block_size, density=self.density, approx=self.approx,
+                            rounding=self.rounding, seed=self.seed,
                             check_calls=self.check_calls, hierarchy=self.hierarchy,
                             calibration=self.calibration, compressor_options=self.compressor_options)
             if self.chunk_numel is not None:
@@ -301,6 +317,8 @@ class CompressionState:
             theirs["block_size"] = block_size_for(self.compressor, opts.get("block_size") or None)
         if self.compressor == "topk":
             mine.update(density=self.density, approx=self.approx)
+        if self.compressor in ("int8", "int4", "auto"):
+            mine.update(rounding=self.rounding, seed=self.seed if self.rounding == "stochastic" else 0)
         if self.chunk_numel is not None:
             mine["chunk_numel"] = self.chunk_numel
         if is_plugin(self.compressor):
@@ -518,6 +536,7 @@ def _checked_config(cfg: Dict[str, Any], where: Optional[str] = None) -> Dict[st
     if where is not None:
         if not isinstance(cfg, dict):
             raise TypeError(f"{where} must be a dict, got {type(cfg).__name__}")
+        cfg = {**_CONFIG_DEFAULTS, **cfg}
         missing = [f for f in _CONFIG_FIELDS if f not in cfg]
         unknown = sorted(map(str, set(cfg) - set(_CONFIG_FIELDS)))
         if missing or unknown:
@@ -548,8 +567,17 @@ def _checked_config(cfg: Dict[str, Any], where: Optional[str] = None) -> Dict[st
         if not isinstance(cfg[flag], bool):
             raise TypeError(f"{label(flag) or flag} must be a bool, got {cfg[flag]!r}")
     density = _labelled(label("density"), lambda: check_density(cfg["density"]))
+    rounding, seed = cfg["rounding"], cfg["seed"]
+    # The group's own checks, with a compressor that rounds (whether this
+    # one does is checked next).
+    _labelled(label("rounding"), lambda: pd.PycommOptions(compressor="int8", rounding=rounding))
+    _labelled(label("seed"), lambda: pd.PycommOptions(compressor="int8", seed=seed))
+    if rounding == "stochastic" and compressor not in ("int8", "int4", "auto"):
+        raise ValueError(f"{label('rounding') or 'rounding'}: rounding='stochastic' is for the int8 and int4 "
+                         f"compressors (or 'auto'); {compressor!r} does not round")
     return dict(compressor=compressor, density=density, approx=cfg["approx"], block_size=block_size,
-                chunk_numel=chunk_numel, start_iter=start_iter, error_feedback=cfg["error_feedback"])
+                chunk_numel=chunk_numel, start_iter=start_iter, error_feedback=cfg["error_feedback"],
+                rounding=rounding, seed=seed)
 
 
 def _checked_state(state: Any):
@@ -624,7 +652,7 @@ def _checked_residual(label: str, ef: Any, cfg: Dict[str, Any]) -> Dict[str, Any
     if not isinstance(ef, dict):
         raise TypeError(f"{label} must be a dict of residuals, got {type(ef).__name__}")
     missing = [f for f in _RESIDUAL_FIELDS if f not in ef]
-    unknown = sorted(map(str, set(ef) - set(_RESIDUAL_FIELDS)))
+    unknown = sorted(map(str, set(ef) - set(_RESIDUAL_FIELDS) - set(_OPTIONAL_RESIDUAL_FIELDS)))
     if missing or unknown:
         raise ValueError(f"{label} must hold the fields {list(_RESIDUAL_FIELDS)}"
                          + (f"; missing {missing}" if missing else "")
@@ -632,6 +660,8 @@ def _checked_residual(label: str, ef: Any, cfg: Dict[str, Any]) -> Dict[str, Any
     for name in ("numel", "world_size", "chunk_numel"):
         if not _is_int(ef[name]) or ef[name] < 1:
             raise ValueError(f"{label}['{name}'] must be a positive int, got {ef[name]!r}")
+    if "calls" in ef and (not _is_int(ef["calls"]) or ef["calls"] < 0):
+        raise ValueError(f"{label}['calls'] must be a non-negative int, got {ef['calls']!r}")
     numel, method = ef["numel"], ef["method"]
     compressor = cfg["compressor"]
     allowed = EF_METHODS if compressor == "auto" else (compressor,)

@@ -33,7 +33,8 @@ from .. import _ext
 from ..compressors.base import INT64_MAX, check_density, check_positive_int
 from ..compressors.plugin import is_plugin, options_json
 from ..wire import MAX_BLOCK_SIZE
-from .spec import CHECK_MODES, DEFAULT_BLOCK_SIZE, GROUP_METHODS, check_mode
+from ..compressors.quant import MASK32
+from .spec import CHECK_MODES, DEFAULT_BLOCK_SIZE, GROUP_METHODS, ROUNDINGS, check_mode
 
 BACKEND_NAME = "pycomm"
 log = logging.getLogger(__name__)
@@ -63,6 +64,12 @@ class PycommOptions:
     ``compressor="auto"`` picks a method per tensor size from a calibration
     (docs/auto.md), measured when the group is created or read from
     ``calibration`` (a JSON path; written there when measured).
+    ``rounding``: how int8/int4 round, "nearest" (half to even) or
+    "stochastic" (unbiased: up with probability equal to the fraction),
+    the random numbers drawn from ``seed`` (in [0, 2**32)), the call's key
+    and its count of calls (saved with the residuals), the rank and the
+    chunk (``spec.rounding_seed``): a rerun or a resumed run draws the same
+    ones. Only int8/int4 round: "stochastic" needs one of them or "auto".
     """
 
     compressor: str = "onebit"
@@ -76,6 +83,8 @@ class PycommOptions:
     hierarchy: Union[str, int] = "auto"
     calibration: Optional[str] = None
     compressor_options: Optional[Dict[str, Any]] = None
+    rounding: str = "nearest"
+    seed: int = 0
 
     def __post_init__(self) -> None:
         if self.compressor not in GROUP_METHODS and not is_plugin(self.compressor):
@@ -107,6 +116,18 @@ class PycommOptions:
                              f"got {self.hierarchy!r}")
         if self.calibration is not None and not isinstance(self.calibration, (str, os.PathLike)):
             raise TypeError(f"calibration must be a path or None, got {self.calibration!r}")
+        if self.rounding not in ROUNDINGS:
+            raise ValueError(f"rounding must be one of {list(ROUNDINGS)}, got {self.rounding!r}")
+        if self.rounding == "stochastic" and self.compressor not in ("int8", "int4", "auto"):
+            raise ValueError(f"rounding='stochastic' is for the int8 and int4 compressors (or 'auto'); "
+                             f"{self.compressor!r} does not round")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= MASK32:
+            raise ValueError(f"seed must be an integer in [0, 2**32), got {self.seed!r}")
+
+    @property
+    def rounding_seed(self) -> int:
+        """The engine's rounding setting: -1 to nearest, else the seed."""
+        return self.seed if self.rounding == "stochastic" else -1
 
 
 def ranks_per_node(hierarchy: Union[str, int], world_size: int, env: Optional[Dict[str, str]] = None) -> int:
@@ -181,6 +202,7 @@ def _create_backend(dist_opts: Any, options: Optional[PycommOptions]) -> Any:
         intra,
         inter,
         options_json(options.compressor, options.compressor_options) if is_plugin(options.compressor) else "{}",
+        options.rounding_seed,
     )
     if options.compressor == "auto":
         from .auto import calibrate
@@ -237,6 +259,8 @@ def init_process_group(
     hierarchy: Union[str, int] = "auto",
     calibration: Optional[str] = None,
     compressor_options: Optional[Dict[str, Any]] = None,
+    rounding: str = "nearest",
+    seed: int = 0,
     **kwargs: Any,
 ) -> None:
     """Initialize the default process group as a compressing wrapper of
@@ -249,13 +273,14 @@ def init_process_group(
         pd.init_process_group(compressor="topk", density=0.01, backend="gloo",
                               init_method="env://")
         pd.init_process_group(compressor="auto", hierarchy=4, init_method="env://")
+        pd.init_process_group(compressor="int4", rounding="stochastic", init_method="env://")
     """
     if "pg_options" in kwargs:
         raise TypeError("pass the compressor settings as arguments, not pg_options")
     if backend not in (None, "gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo', 'nccl' or None (by device), got {backend!r}")
     options = PycommOptions(compressor, backend, min_compress_numel, chunk_numel, block_size, density, approx,
-                            check_calls, hierarchy, calibration, compressor_options)
+                            check_calls, hierarchy, calibration, compressor_options, rounding, seed)
     dist.init_process_group(backend=BACKEND_NAME, pg_options=options, **kwargs)
 
 
@@ -493,6 +518,11 @@ def load_error_feedback_state(state: Dict[int, dict], group: Optional[dist.Proce
         missing = sorted({"numel", "world_size", "chunk_numel", "method", "worker", "server"} - set(value))
         if missing:
             raise ValueError(f"state[{key!r}] lacks {missing}: not a state error_feedback_state() returned")
+        # "calls" (the key's count, for stochastic rounding) is absent from
+        # states saved before keys counted them: those start at 0.
+        calls = value.get("calls", 0)
+        if isinstance(calls, bool) or not isinstance(calls, int) or not 0 <= calls <= INT64_MAX:
+            raise ValueError(f"state[{key!r}]['calls'] must be a non-negative integer, got {calls!r}")
         for field in ("numel", "world_size", "chunk_numel"):
             v = value[field]
             if isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= INT64_MAX:
@@ -546,6 +576,8 @@ def options_of(group: Optional[dist.ProcessGroup] = None, device: str = "cpu") -
     d = dict(_pycomm_backend(group, _device(device)).config)
     if not d.get("block_size"):
         d["block_size"] = DEFAULT_BLOCK_SIZE.get(d.get("method"))
+    seed = d.pop("rounding_seed")
+    d["rounding"], d["seed"] = ("stochastic", seed) if seed >= 0 else ("nearest", 0)
     return d
 
 

@@ -18,6 +18,11 @@ Where an implementation differs from the simulation:
   relative to the scale (and, rarely, a sign of a near-zero element flips).
 * topk with a compiled compressor: equal bit for bit (selection and values
   are exact, the scatter-add happens in rank order).
+* int8 / int4 with ``rounding="stochastic"`` (and ``seed``) among the
+  compressor's settings: the engine's seeds (``spec.rounding_seed``) from
+  ``key`` and the call's count: each rank's :attr:`ErrorFeedback.calls`
+  with error feedback, else ``call`` (the group's count of keyless calls
+  before this one).
 * fp16 / bf16: the simulation sums the cast values in rank order, as one
   16-bit rounding per addition; a real all-reduce sums in its own order, so
   with W > 2 results differ by a few 16-bit ulps of the sum of magnitudes
@@ -52,7 +57,9 @@ from .spec import (
     chunk_bounds,
     normalize_op,
     BLOCK_METHODS,
+    COLLECTIVES,
     block_segments,
+    rounding_seed,
 )
 
 __all__ = ["ErrorFeedback", "simulate_all_gather", "simulate_allreduce", "simulate_hierarchical_allreduce",
@@ -71,6 +78,9 @@ class ErrorFeedback:
       chunk order, of this rank's segment of each chunk (spec step 1), i.e.
       ``sum over chunks of L_rank``; :meth:`server_segment` gives chunk
       ``i``'s part. ``None`` for topk.
+    * ``calls``: the calls that kept new residuals (the stream of
+      stochastic rounding's seeds), as the engine counts them per key; a
+      rolled-back call does not count.
 
     The buffers are created (zeros) on first use and bound to a layout:
     method, numel, world size, rank, chunk_numel and (block codecs) block_size.
@@ -98,6 +108,8 @@ class ErrorFeedback:
         self._server_offsets: List[int] = []
         self._backup: Optional[Tuple[torch.Tensor, Optional[torch.Tensor]]] = None
         self._checked = False  # the ranks' calls were compared at first use
+        self.calls = 0
+        self._calls_backup = 0
 
     # -- layout ----------------------------------------------------------------
     @staticmethod
@@ -190,6 +202,7 @@ class ErrorFeedback:
         self._server_offsets = []
         self._backup = None
         self._checked = False
+        self.calls = 0
 
     # -- persistence -----------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
@@ -198,6 +211,7 @@ class ErrorFeedback:
             "layout": dict(self.layout) if self.layout is not None else None,
             "worker": self.worker.detach().clone() if self.worker is not None else None,
             "server": self.server.detach().clone() if self.server is not None else None,
+            "calls": self.calls,
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -220,12 +234,14 @@ class ErrorFeedback:
         self._server_offsets = offsets
         self.worker = worker.detach().to(torch.float32).reshape(-1).clone()
         self.server = server.detach().to(torch.float32).reshape(-1).clone() if server is not None else None
+        self.calls = int(state.get("calls", 0))
         self._backup = None
 
     # -- non-finite steps (docs/allreduce.md, "Non-finite results") -------------
     def snapshot(self) -> None:
         """Copy the residuals aside before a step (into buffers kept from
         the previous step, so nothing is allocated after the first)."""
+        self._calls_backup = self.calls
         if self.worker is None:
             return
         if self._backup is None:
@@ -238,20 +254,23 @@ class ErrorFeedback:
             self._backup[1].copy_(self.server)
 
     def rollback(self) -> None:
-        """Make the residuals what they were at the last :meth:`snapshot`
+        """Make the residuals (and the call count) what they were at the last :meth:`snapshot`
         (by swapping buffers, not copying)."""
         if self._backup is None:
             raise RuntimeError("rollback() without a snapshot()")
+        self.calls = self._calls_backup
         old_worker, old_server = self._backup
         self._backup = (self.worker, self.server)
         self.worker, self.server = old_worker, old_server
 
     def __getstate__(self) -> Dict[str, Any]:
         # The backup and the check are about this process's calls, not state.
-        return {k: v for k, v in self.__dict__.items() if k not in ("_backup", "_checked")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_backup", "_checked", "_calls_backup")}
 
     def __setstate__(self, d: Dict[str, Any]) -> None:
+        self.calls = 0
         self.__dict__.update(d)
+        self._calls_backup = self.calls
         self._backup = None
         self._checked = False
 
@@ -261,12 +280,49 @@ class ErrorFeedback:
         return f"ErrorFeedback({self._describe(self.layout)})"
 
 
+class _Seeds:
+    """The engine's stochastic rounding seeds of one call, rank by rank
+    (``spec.rounding_seed``): None everywhere when ``comp`` rounds to
+    nearest. ``efs``: the ranks' residuals, whose counts number a keyed
+    call (each is advanced, as the engine does, by :meth:`advance`); else
+    ``call`` numbers it. ``ranks``: the global rank of each input."""
+
+    def __init__(self, comp: Any, collective: str, key: Optional[int], call: int,
+                 efs: Optional[Sequence[ErrorFeedback]], ranks: Sequence[int]) -> None:
+        if key is not None and (isinstance(key, bool) or not isinstance(key, int) or key < 0):
+            raise ValueError(f"key must be a non-negative int or None, got {key!r}")
+        if isinstance(call, bool) or not isinstance(call, int) or call < 0:
+            raise ValueError(f"call must be a non-negative int, got {call!r}")
+        self.base = comp.seed if getattr(comp, "rounding", "nearest") == "stochastic" else -1
+        self.stream = -1 if key is None else key
+        self.calls = [ef.calls for ef in efs] if efs is not None else [call] * len(ranks)
+        self.collective = COLLECTIVES.index(collective)
+        self.ranks, self.efs = list(ranks), efs
+
+    def at(self, r: int, chunk: int, part: int) -> Optional[int]:
+        if self.base < 0:
+            return None
+        return rounding_seed(self.base, self.stream, self.calls[r], self.collective, self.ranks[r], chunk, part)
+
+    def advance(self) -> None:
+        for ef in self.efs or ():
+            ef.calls += 1
+
+
+def _compress(comp: Any, x: torch.Tensor, residual: Optional[torch.Tensor], seed: Optional[int]) -> Any:
+    return comp.compress(x, residual) if seed is None else comp.compress_seeded(x, residual, seed)
+
+
 def simulate_allreduce(
     inputs: Sequence[torch.Tensor],
     method: str,
     op: Any = "sum",
     chunk_numel: Optional[int] = None,
     efs: Optional[Sequence[ErrorFeedback]] = None,
+    *,
+    key: Optional[int] = None,
+    call: int = 0,
+    _ranks: Optional[Sequence[int]] = None,
     **compressor_kwargs: Any,
 ) -> List[torch.Tensor]:
     """Results of a compressed all-reduce of ``inputs[r]`` (one per rank).
@@ -276,8 +332,10 @@ def simulate_allreduce(
     rank ``r``'s at index ``r``) are used and updated as the ranks' own
     would be: left as they were when the result is not finite.
     ``compressor_kwargs``: the compressor's settings (``block_size``;
-    ``density``, ``approx``) and ``impl`` ("reference" by default; "cpu" uses
-    the engine's own kernels, so results match it bit for bit).
+    ``density``, ``approx``; int8/int4's ``rounding`` and ``seed``) and
+    ``impl`` ("reference" by default; "cpu" uses the engine's own kernels,
+    so results match it bit for bit). ``key`` and ``call`` number the call
+    for stochastic rounding's seeds, as the engine does (see above).
     """
     world = len(inputs)
     if world < 1:
@@ -321,13 +379,16 @@ def simulate_allreduce(
         if efs is not None:
             for ef in efs:
                 ef.snapshot()
+        seeds = _Seeds(comp, "all_reduce", key, call, efs, _ranks if _ranks is not None else range(world))
+        seeds.advance()
         out = torch.empty(n, dtype=torch.float32, device=xs[0].device)
         for ci, (start, end) in enumerate(chunk_bounds(n, chunk_numel)):
             chunk = [x[start:end] for x in xs]
             workers = [efs[r].worker[start:end] for r in range(world)] if efs is not None else None
             if method in BLOCK_METHODS:
                 servers = [efs[r].server_segment(ci) for r in range(world)] if efs is not None else None
-                out[start:end] = _simulate_block_chunk(chunk, comp, avg, workers, servers)
+                out[start:end] = _simulate_block_chunk(chunk, comp, avg, workers, servers,
+                                                       lambda r, part, ci=ci: seeds.at(r, ci, part))
             else:
                 out[start:end] = _simulate_topk_chunk(chunk, comp, avg, workers)
         # A non-finite result (in the inputs' dtype) leaves every residual
@@ -343,6 +404,7 @@ def simulate_allreduce(
                 ef.bind(method=method, numel=n, world_size=world, rank=r, chunk_numel=chunk_numel,
                         device=xs[r].device)
                 ef.snapshot()
+                ef.calls += 1
         out = torch.empty(n, dtype=torch.float32, device=xs[0].device)
         for start, end in chunk_bounds(n, chunk_numel):
             payloads = [comp.compress(x[start:end], efs[r].worker[start:end] if efs is not None else None)
@@ -361,7 +423,9 @@ def simulate_allreduce(
     return [out.view(shape).to(dtype).clone() for _ in range(world)]
 
 
-def _simulate_block_chunk(chunk, comp, avg, workers, servers) -> torch.Tensor:
+def _simulate_block_chunk(chunk, comp, avg, workers, servers, seed) -> torch.Tensor:
+    # seed(r, part): the kernel seed of rank r's worker (part 0) or server
+    # (part 1) compress of this chunk, None to round as the compressor does.
     world, m, bsz = len(chunk), chunk[0].numel(), comp.block_size
     # Segments: a whole number of blocks each, the last ones possibly short or empty.
     seg = math.ceil(math.ceil(m / world) / bsz) * bsz
@@ -369,7 +433,7 @@ def _simulate_block_chunk(chunk, comp, avg, workers, servers) -> torch.Tensor:
     # the whole payload and slicing it is what decoding a segment's slice gives.
     decoded = []
     for r in range(world):
-        p = comp.compress(chunk[r], workers[r] if workers is not None else None)
+        p = _compress(comp, chunk[r], workers[r] if workers is not None else None, seed(r, 0))
         decoded.append(comp.decompress(p))
     out = torch.empty(m, dtype=torch.float32, device=chunk[0].device)
     for j in range(world):  # the server of segment j is rank j
@@ -389,7 +453,7 @@ def _simulate_block_chunk(chunk, comp, avg, workers, servers) -> torch.Tensor:
                     f"ErrorFeedback server segment of rank {j} has {es.numel()} elements, the spec "
                     f"says {hi - lo}"
                 )
-        q = comp.compress(acc, es)
+        q = _compress(comp, acc, es, seed(j, 1))
         out[lo:hi] = comp.decompress(q)
     return out
 
@@ -421,6 +485,9 @@ def simulate_hierarchical_allreduce(
     op: Any = "sum",
     chunk_numel: Optional[int] = None,
     efs: Optional[Sequence[Optional[ErrorFeedback]]] = None,
+    *,
+    key: Optional[int] = None,
+    call: int = 0,
     **compressor_kwargs: Any,
 ) -> List[torch.Tensor]:
     """Results of the hierarchical compressed all-reduce (docs/hierarchy.md)
@@ -462,7 +529,8 @@ def simulate_hierarchical_allreduce(
             continue
         group_efs = [efs[node * L + local] for node in range(nodes)] if efs is not None else None
         res = simulate_allreduce([s[lo:hi] for s in sums], method, "avg" if avg else "sum", chunk_numel,
-                                 group_efs, **compressor_kwargs)[0]
+                                 group_efs, key=key, call=call,
+                                 _ranks=[node * L + local for node in range(nodes)], **compressor_kwargs)[0]
         out[lo:hi] = res / L if avg else res
         if group_efs is not None and bool(torch.isfinite(res).all()):
             kept.extend(group_efs)
@@ -480,6 +548,9 @@ def simulate_reduce_scatter(
     op: Any = "sum",
     chunk_numel: Optional[int] = None,
     efs: Optional[Sequence[ErrorFeedback]] = None,
+    *,
+    key: Optional[int] = None,
+    call: int = 0,
     **compressor_kwargs: Any,
 ) -> List[torch.Tensor]:
     """Every rank's output of a compressed reduce-scatter of ``inputs[r]``
@@ -533,10 +604,12 @@ def simulate_reduce_scatter(
             ef.bind(method=method + REDUCE_SCATTER_SUFFIX, numel=n, world_size=world, rank=r,
                     chunk_numel=chunk_numel, block_size=getattr(comp, "block_size", None), device=xs[r].device)
             ef.snapshot()
-    for c0, c1 in chunk_bounds(shard, chunk_numel):
+    seeds = _Seeds(comp, "reduce_scatter", key, call, efs, range(world))
+    seeds.advance()
+    for ci, (c0, c1) in enumerate(chunk_bounds(shard, chunk_numel)):
         for j in range(world):
             lo, hi = j * shard + c0, j * shard + c1
-            payloads = [encode(xs[r][lo:hi], efs[r].worker[lo:hi] if efs is not None else None)
+            payloads = [encode(xs[r][lo:hi], efs[r].worker[lo:hi] if efs is not None else None, seeds.at(r, ci, j))
                         for r in range(world)]
             dst = outs[j][c0:c1]
             for r, p in enumerate(payloads):  # rank order
@@ -570,7 +643,10 @@ def _payload_codec(method: str, compressor_kwargs: Dict[str, Any]):
     else:
         raise ValueError(f"unknown method {method!r}; choose one of {list(METHODS)} or a registered "
                          f"compressor")
-    return comp, comp.compress, decode
+    def encode(x, residual, seed=None):
+        return _compress(comp, x, residual, seed)
+
+    return comp, encode, decode
 
 
 def simulate_all_gather(
@@ -578,6 +654,9 @@ def simulate_all_gather(
     method: str,
     chunk_numel: Optional[int] = None,
     efs: Optional[Sequence[ErrorFeedback]] = None,
+    *,
+    key: Optional[int] = None,
+    call: int = 0,
     **compressor_kwargs: Any,
 ) -> List[torch.Tensor]:
     """Every rank's output of a compressed all-gather of ``inputs[r]``
@@ -615,10 +694,12 @@ def simulate_all_gather(
             ef.bind(method=method + ALL_GATHER_SUFFIX, numel=n, world_size=world, rank=r,
                     chunk_numel=chunk_numel, block_size=getattr(comp, "block_size", None), device=xs[r].device)
             ef.snapshot()
+    seeds = _Seeds(comp, "all_gather", key, call, efs, range(world))
+    seeds.advance()
     out = torch.empty(world * n, dtype=torch.float32, device=xs[0].device)
-    for c0, c1 in chunk_bounds(n, chunk_numel):
+    for ci, (c0, c1) in enumerate(chunk_bounds(n, chunk_numel)):
         for r in range(world):
-            p = encode(xs[r][c0:c1], efs[r].worker[c0:c1] if efs is not None else None)
+            p = encode(xs[r][c0:c1], efs[r].worker[c0:c1] if efs is not None else None, seeds.at(r, ci, 0))
             decode(p, out[r * n + c0:r * n + c1], False)
     if efs is not None and not bool(torch.isfinite(out.to(dtype)).all()):
         for ef in efs:

@@ -58,7 +58,10 @@ CHECK_MODES = ("off", "first", "every")
 TAG_WORDS = 2
 #: The fields of the call descriptor the ranks compare, in wire order.
 CALL_FIELDS = ("numel", "dtype", "op", "key", "compressor", "chunk_numel", "block_size", "density",
-               "approx", "device type", "collective")
+               "approx", "device type", "collective", "rounding seed")
+#: How a group's int8/int4 calls round: to nearest (half to even), or
+#: stochastically (unbiased) with seeds from :func:`rounding_seed`.
+ROUNDINGS = ("nearest", "stochastic")
 #: The compressed collectives; the index is the code in the call check.
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
 #: A reduce-scatter's and an all-gather's residuals are kept under the
@@ -66,6 +69,28 @@ COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
 #: with an all-reduce's.
 REDUCE_SCATTER_SUFFIX = "/reduce_scatter"
 ALL_GATHER_SUFFIX = "/all_gather"
+
+
+def rounding_seed(seed: int, stream: int, call: int, collective: int, rank: int, chunk: int,
+                  part: int) -> int:
+    """The kernel seed of one int8/int4 compress of a stochastically rounded
+    call: a 32-bit hash (FNV-1a) of the group's ``seed``, the call's
+    ``stream`` (its key, or -1 for a keyless call), its number ``call`` on
+    that stream (a key's count is saved with its residuals; keyless calls
+    count from the group's creation), the ``collective`` (index in
+    :data:`COLLECTIVES`), the global ``rank``, the ``chunk`` and the
+    ``part`` (all-reduce: 0 for the worker compress, 1 for the server
+    compress; reduce-scatter: the destination shard; all-gather: 0).
+
+    >>> rounding_seed(0, 3, 0, 0, 1, 0, 0) != rounding_seed(0, 3, 1, 0, 1, 0, 0)
+    True
+    """
+    h = 1469598103934665603
+    for v in (seed, stream, call, collective, rank, chunk, part):
+        v &= (1 << 64) - 1
+        for b in range(8):
+            h = ((h ^ ((v >> (8 * b)) & 0xFF)) * 1099511628211) & ((1 << 64) - 1)
+    return (h ^ (h >> 32)) & 0xFFFFFFFF
 
 
 def method_code(method: str) -> int:
