@@ -19,7 +19,9 @@ Methods, side by side in the same rank processes (same seed, same batches):
   quantization, an absmax scale per block): pycomm's :func:`compressed_hook`
   over the plain Gloo group; ``-noef`` turns error feedback off;
   ``-backend`` runs the same hook over a ``"pycomm"`` process group, so the
-  C++ backend compresses (e.g. ``onebit-noef-backend``);
+  C++ backend compresses (e.g. ``onebit-noef-backend``); ``-sr`` (int8,
+  int4, and ``optim-int8``/``optim-int4``, before the other suffixes) rounds
+  stochastically (e.g. ``int4-sr-noef``, ``optim-int4-sr``);
 * ``auto`` (``auto-noef``): the hook over a ``compressor="auto"`` pycomm
   group, which calibrates itself when created and then runs, per bucket
   size, the method it predicts fastest (docs/auto.md);

@@ -394,7 +394,8 @@ class CompressionState:
         another ``bucket_cap_mb``) is refused at the first iteration where
         DDP's buckets are known: ``backward()`` raises the ValueError. Once
         this state has run buckets, a state whose engine settings
-        (compressor, block_size, density, approx, chunk_numel) differ is
+        (compressor, block_size, density, approx, chunk_numel, rounding,
+        seed) differ is
         refused: load it into a new CompressionState instead.
 
         Example::
