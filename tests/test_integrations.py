@@ -284,6 +284,7 @@ def _rank_accelerate(rank, world, directory):
     state = register_hook(accelerator, model, compressor="onebit", block_size=64, start_iter=2)
     _train(model, opt, rank, 0, 4, backward=accelerator.backward)
     accelerator.save_state(directory)
+    accelerator.wait_for_everyone()  # each rank writes its own file: list them once all have
     out["files"] = sorted(f for f in os.listdir(directory) if f.startswith("pycomm_hook"))
     out["own file rank"] = torch.load(state_file(directory, rank), weights_only=True)["rank"]
     saved = state.state_dict()
