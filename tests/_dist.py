@@ -42,7 +42,7 @@ import traceback
 from datetime import timedelta
 from typing import Any, Callable, List, Optional, Sequence
 
-__all__ = ["RankError", "free_port", "run_ranks", "pg_timeout_for"]
+__all__ = ["RankError", "free_port", "run_ranks", "pg_timeout_for", "reinit_on_a_new_port"]
 
 _HOST = "127.0.0.1"
 
@@ -64,6 +64,20 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((_HOST, 0))
         return s.getsockname()[1]
+
+
+def reinit_on_a_new_port(rank: int) -> None:
+    """Destroy the default group; the next ``init_method="env://"`` group
+    meets on a fresh port. On the old port a fast rank could read the old
+    group's addresses from a store that is still up and connect to a socket
+    that is gone (a "connection reset" in the next init)."""
+    import torch.distributed as dist
+
+    port = [free_port() if rank == 0 else None]
+    dist.broadcast_object_list(port, src=0)
+    dist.barrier()
+    dist.destroy_process_group()
+    os.environ["MASTER_PORT"] = str(port[0])
 
 
 def pg_timeout_for(timeout: float) -> float:

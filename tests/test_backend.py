@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _dist import run_ranks
+from _dist import reinit_on_a_new_port, run_ranks
 
 from pycomm.distributed.simulate import ErrorFeedback
 from pycomm.distributed.simulate import simulate_allreduce
@@ -358,7 +358,7 @@ def _plain_entry(rank, world):
     x = torch.arange(20, dtype=torch.float32) * (rank + 1)
     dist.all_reduce(x)  # 20 elements >= min_compress_numel: compressed, exact top 10
     got["x"] = x
-    dist.destroy_process_group()
+    reinit_on_a_new_port(rank)
     dist.init_process_group("pycomm", init_method="env://", timeout=timeout)  # all defaults
     got["default"] = pd.options_of()
     return got

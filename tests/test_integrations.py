@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from _dist import free_port, run_ranks
+from _dist import reinit_on_a_new_port, run_ranks
 
 from pycomm.ddp import CompressionState, compressed_hook
 from pycomm.integrations import PerRankState, backend
@@ -60,16 +60,6 @@ def test_backend_names_carry_the_settings():
         backend("onebit", blocksize=256)
 
 
-def _reinit_on_a_new_port(rank):
-    """Destroy the default group; the next one rendezvous on a fresh port (on
-    the old one a fast rank could read the old group's addresses)."""
-    port = [free_port() if rank == 0 else None]
-    dist.broadcast_object_list(port, src=0)
-    dist.barrier()
-    dist.destroy_process_group()
-    os.environ["MASTER_PORT"] = str(port[0])
-
-
 def _rank_backends(rank, world):
     import pycomm.distributed as pd
     from pycomm.integrations import init_process_group
@@ -92,12 +82,12 @@ def _rank_backends(rank, world):
     _train(model, opt, rank, 0, 4)
     out["keys"] = sorted(state.state_dict()["error_feedback"])
     out["init again"] = init_process_group("onebit")  # a pycomm group is up: nothing to do
-    _reinit_on_a_new_port(rank)
+    reinit_on_a_new_port(rank)
 
     # init_process_group: the default group from the launcher's environment.
     out["init"] = init_process_group("onebit", backend="gloo", block_size=64, min_compress_numel=1)
     out["init options"] = pd.options_of()["block_size"]
-    _reinit_on_a_new_port(rank)
+    reinit_on_a_new_port(rank)
     dist.init_process_group("gloo", init_method="env://")
     try:
         init_process_group("onebit")
