@@ -56,6 +56,8 @@ def _args(*argv):
     ("int8-sr-backend", Method("int8-sr-backend", "backend", "int8", True, rounding="stochastic")),
     ("optim-int4-overlap-sr", Method("optim-int4-overlap-sr", "optim", "int4", True, overlap=True,
                                      rounding="stochastic")),
+    ("optim-onebit-v40", Method("optim-onebit-v40", "optim", "onebit", True, variance_every=40)),
+    ("optim-int8-overlap-v0", Method("optim-int8-overlap-v0", "optim", "int8", True, overlap=True, variance_every=0)),
 ])
 def test_parse_method(name, want):
     assert parse_method(name) == want
@@ -67,6 +69,7 @@ def test_parse_method(name, want):
     ("int16", "unknown method"), ("optim-topk", "must be one of onebit, int8, int4"),
     ("optim-onebit-noef", "onebit and topk only"), ("optim-int4-backend", "onebit and topk only"),
     ("onebit-sr", "int8 and int4 only"), ("optim-onebit-sr", "int8 and int4 only"), ("fp16-sr", "int8 and int4 only"),
+    ("onebit-v40", "unknown method"), ("optim-onebit-v", "unknown method"),
 ])
 def test_parse_method_refuses(name, words):
     with pytest.raises(ValueError, match=None) as e:
@@ -85,7 +88,8 @@ def test_defaults_cover_the_comparison():
         assert {m, f"{m}-noef", f"{m}-backend", f"{m}-noef-backend"} <= names
     q = _args("--quick")
     assert q.steps < a.steps and len(q.methods) < len(a.methods) and q.json.endswith("-quick.json")
-    assert _args("--methods", "onebit").methods == ["allreduce", "onebit"]  # the baseline always runs
+    assert _args("--methods", "onebit").methods == ["allreduce", "onebit"]  # the baseline runs
+    assert _args("--methods", "onebit", "--no-baseline").methods == ["onebit"]  # unless left to a merge
     # The optimizer methods' warm-up: 20% of the steps, at least --start-iter; one seed unless asked.
     assert _args("--steps", "400").optim_warmup == 80 and _args("--steps", "40").optim_warmup == 10
     assert _args("--optim-warmup", "30").optim_warmup == 30 and a.seeds == 1 and a.lr_schedule == "constant"
@@ -104,6 +108,7 @@ def test_defaults_cover_the_comparison():
     (["--optim-warmup", "1"], "--optim-warmup"),
     (["--methods", "optim-onebit", "--steps", "20", "--optim-warmup", "18"], "--optim-warmup"),
     (["--steps", "20", "--eval-every", "20"], "--eval-every"),
+    (["--optimizer", "sgd", "--methods", "optim-onebit-v10"], "OneBitAdam's variance"),
 ])
 def test_bad_arguments_are_named(argv, words):
     with pytest.raises(ValueError) as e:

@@ -56,6 +56,8 @@ for _m in METHODS[1:]:
     SIM_CONFIGS[f"adam-{_m}"] = ("adam", ADAM, _m, None, {})
 # Stochastic rounding: the key's call count is saved with the residuals.
 SIM_CONFIGS["adam-int4-stochastic"] = ("adam", ADAM, "int4", 6, {"rounding": "stochastic", "seed": 4})
+# Exact variance updates at steps 5 and 8 (the 3rd and 6th after the warm-up), saved in between.
+SIM_CONFIGS["adam-onebit-variance"] = ("adam", ADAM, "onebit", 6, {"variance_update_every": 3})
 BAD_STEPS = (1, 5)  # an extra iteration with an Inf on rank 1 before these steps (warm-up, compressed)
 DDP_SAVE = 6
 
@@ -109,12 +111,14 @@ def _run(rank, model, opt, start, stop, scaler=None, bad=(), record=None):
         if step in bad:
             # One extra iteration in which rank 1's loss is Inf.
             before = _snapshot(model, opt)
+            exact = opt.exact_now
             scale = scaler.get_scale()
             opt.zero_grad()
             scaler.scale(_loss(model, rank, step, bad=True)).backward()
             scaler.step(opt)
             scaler.update()
-            record.append({"same": _same(before, _snapshot(model, opt)), "scale": (scale, scaler.get_scale())})
+            record.append({"same": _same(before, _snapshot(model, opt)), "scale": (scale, scaler.get_scale()),
+                           "exact": exact})
         opt.zero_grad()
         loss = _loss(model, rank, step)
         if scaler is None:
@@ -213,6 +217,16 @@ def _rank_uninterrupted(rank, world, directory):
     _run(rank, model, opt, 0, STEPS)
     out["ddp"] = _result(net, opt)
 
+    # Exact variance updates: through DDP (its hook averages on those steps) as alone.
+    for name, use_ddp in (("alone-variance", False), ("ddp-variance", True)):
+        net = Net(unused=False)
+        model = DDP(net) if use_ddp else net
+        opt = _make("adam", ADAM, "onebit", net=net, variance_update_every=3)
+        if use_ddp:
+            opt.attach(model)
+        _run(rank, model, opt, 0, STEPS)
+        out[name] = _result(net, opt)
+
     # Over a "pycomm" group: used as it is (no group of its own), same bits.
     import pycomm.distributed as pd
 
@@ -240,16 +254,18 @@ def _rank_uninterrupted(rank, world, directory):
         errors["twice"] = str(exc)
     out["attach errors"] = errors
 
-    for name, use_ddp in (("ddp-scaler", True), ("scaler", False)):
+    # The Inf iterations come before steps 1 (warm-up) and 5 (with
+    # variance_update_every=3: an exact variance update).
+    for name, use_ddp, every in (("ddp-scaler", True, 0), ("scaler", False, 0), ("ddp-scaler-variance", True, 3)):
         net = Net(unused=False)
         model = DDP(net) if use_ddp else net
-        opt = _make("adam", ADAM, "onebit", net=net)
+        opt = _make("adam", ADAM, "onebit", net=net, variance_update_every=every)
         if use_ddp:
             opt.attach(model)
         scaler = torch.amp.GradScaler("cpu", growth_interval=1000)
         record = []
         for step in range(STEPS):
-            if use_ddp and step == DDP_SAVE:
+            if name == "ddp-scaler" and step == DDP_SAVE:
                 torch.save({"model": net.state_dict(), "opt": opt.state_dict(), "scaler": scaler.state_dict()},
                            f"{directory}/{name}_{rank}.pt")
             _run(rank, model, opt, step, step + 1, scaler=scaler, bad=BAD_STEPS, record=record)
@@ -322,10 +338,12 @@ def _local_grads(net, rank, step):
     return [p.grad.clone() if p.grad is not None else None for p in net.parameters()]
 
 
-def _replay(kind, hyper, method, steps=STEPS, buckets=None, unused=True, **rounding):
+def _replay(kind, hyper, method, steps=STEPS, buckets=None, unused=True, variance_update_every=0, **rounding):
     """The algorithm of docs/optim.md in one process: torch's optimizer on
     averaged gradients for WARMUP steps, then every rank's local momentum,
-    the simulated compressed all-reduce, and the update with it.
+    the simulated compressed all-reduce, and the update with it; every
+    ``variance_update_every``-th step after the warm-up instead the momentum
+    and the variance from the exactly averaged gradient (AdamW).
     ``buckets``: lists of parameter indices, one compressed all-reduce (and
     residuals) per list, in its order (``attach(model, overlap=True)``);
     None: one for all. ``rounding``: the group's ``rounding`` and ``seed``.
@@ -340,21 +358,46 @@ def _replay(kind, hyper, method, steps=STEPS, buckets=None, unused=True, **round
         calls = [None] if buckets is None else buckets
         efs = [[ErrorFeedback() for _ in range(WORLD)] for _ in calls]
         seen, frozen_at = {}, {}
+        def average(p, grads):
+            gs = [g[index[id(p)]] for g in grads]
+            if all(g is None for g in gs):
+                return None
+            parts = [(g if g is not None else torch.zeros_like(p)) / WORLD for g in gs]
+            out = parts[0]
+            for part in parts[1:]:  # each rank divides, the all-reduce sums
+                out = out + part
+            return out
+
         for step in range(steps):
             grads = [_local_grads(net, r, step) for r in range(WORLD)]
             if step < WARMUP:
                 for p in net.parameters():
-                    gs = [g[index[id(p)]] for g in grads]
-                    if all(g is None for g in gs):
-                        p.grad = None
-                        continue
-                    parts = [(g if g is not None else torch.zeros_like(p)) / WORLD for g in gs]
-                    p.grad = parts[0]
-                    for part in parts[1:]:  # each rank divides, the all-reduce sums
-                        p.grad = p.grad + part
-                    if kind == "sgd":
+                    p.grad = average(p, grads)
+                    if p.grad is not None and kind == "sgd":
                         seen[id(p)] = seen.get(id(p), torch.zeros_like(p, dtype=torch.bool)) | (p.grad != 0)
                 ref.step()
+                continue
+            if variance_update_every and (step - WARMUP + 1) % variance_update_every == 0:
+                for group in ref.param_groups:
+                    for p in group["params"]:
+                        state = ref.state.get(p)
+                        if not state:
+                            continue
+                        frozen_at.setdefault(id(p), float(state["step"]))
+                        beta1, beta2 = group["betas"]
+                        g = average(p, grads)
+                        g = torch.zeros_like(p) if g is None else g.masked_fill(state["exp_avg_sq"] == 0, 0)
+                        torch.lerp(state["exp_avg"], g, 1 - beta1, out=state["exp_avg"])
+                        state["step"] += 1
+                        decay = beta2 ** int(state["step"] - frozen_at[id(p)])
+                        state["exp_avg_sq"].mul_(decay).addcmul_(g, g, value=1 - decay)
+                        frozen_at[id(p)] = float(state["step"])
+                        if group["weight_decay"]:
+                            p.data.mul_(1 - group["lr"] * group["weight_decay"])
+                        step_size = group["lr"] / (1 - beta1 ** float(state["step"]))
+                        denom = (state["exp_avg_sq"].sqrt() / (1 - beta2 ** frozen_at[id(p)]) ** 0.5).add_(
+                            group["eps"])
+                        p.data.addcdiv_(state["exp_avg"], denom, value=-step_size)
                 continue
             entries = []  # (group, p, active mask, per-rank local momentum)
             for group in ref.param_groups:
@@ -477,12 +520,19 @@ def test_zero_gradient_elements_stay_put(runs, name):
 
 def test_ddp_attach_is_the_optimizer_alone(runs):
     for rank in range(WORLD):
-        alone = runs[0][rank]["alone"]
-        for name in ("ddp", "ddp-scaler", "scaler", "pycomm-group"):
-            got = runs[0][rank][name]
-            _assert_params_equal(got["params"], alone["params"], f"rank {rank} {name}")
-            assert _same(got["state"], alone["state"]), (rank, name)
-            assert _same(got["pycomm"]["error_feedback"], alone["pycomm"]["error_feedback"]), (rank, name)
+        for alone_name, names in (("alone", ("ddp", "ddp-scaler", "scaler", "pycomm-group")),
+                                  ("alone-variance", ("ddp-variance", "ddp-scaler-variance"))):
+            alone = runs[0][rank][alone_name]
+            for name in names:
+                got = runs[0][rank][name]
+                _assert_params_equal(got["params"], alone["params"], f"rank {rank} {name}")
+                assert _same(got["state"], alone["state"]), (rank, name)
+                assert _same(got["pycomm"]["error_feedback"], alone["pycomm"]["error_feedback"]), (rank, name)
+        # The variance moved after the warm-up (at steps 5 and 8): not the frozen one.
+        frozen, updated = runs[0][rank]["alone"]["state"], runs[0][rank]["alone-variance"]["state"]
+        assert all(updated[i]["variance_step"] == STEPS - 1 for i in updated)
+        assert all(frozen[i]["variance_step"] == WARMUP for i in frozen)
+        assert not all(torch.equal(frozen[i]["exp_avg_sq"], updated[i]["exp_avg_sq"]) for i in frozen)
 
 
 def test_pycomm_group_is_used_as_it_is(runs):
@@ -500,10 +550,13 @@ def test_attach_refusals(runs):
         OneBitAdam(nn.Linear(2, 2).parameters()).attach(nn.Linear(2, 2))
 
 
-@pytest.mark.parametrize("name", ["ddp-scaler", "scaler"])
+@pytest.mark.parametrize("name", ["ddp-scaler", "scaler", "ddp-scaler-variance"])
 def test_nonfinite_step_changes_nothing_on_every_rank(runs, name):
     assert_skipped_unchanged(runs, name)
     assert runs[0][0][name + " scale"] == runs[0][1][name + " scale"]
+    # Compressed and exact (a variance update) steps skip alike.
+    exact = [r["exact"] for r in runs[0][0][name + " record"]]
+    assert exact == ([True, True] if name.endswith("variance") else [True, False])
 
 
 def assert_skipped_unchanged(runs, name):
@@ -571,6 +624,7 @@ def test_bytes_per_step(runs):
         (OneBitAdam, dict(compressor="nope"), "compressor"),
         (OneBitAdam, dict(block_size=33), "block_size"),
         (OneBitAdam, dict(key_base=-1), "key_base"),
+        (OneBitAdam, dict(variance_update_every=-1), "variance_update_every"),
         (OneBitSGD, dict(lr=-0.1), "lr"),
         (OneBitSGD, dict(momentum=1.5), "momentum"),
         (OneBitSGD, dict(momentum=0.0, nesterov=True), "nesterov"),
@@ -587,6 +641,9 @@ def test_bad_argument_types():
     params = list(nn.Linear(2, 2).parameters())
     with pytest.raises(TypeError, match="warmup_steps"):
         OneBitAdam(params, warmup_steps=2.5)
+    for bad in (2.5, True, "3"):
+        with pytest.raises(TypeError, match="variance_update_every"):
+            OneBitAdam(params, variance_update_every=bad)
     with pytest.raises(TypeError, match="unknown compressor settings"):
         OneBitAdam(params, bloc_size=64)
     with pytest.raises(TypeError, match="process_group"):

@@ -47,18 +47,23 @@ from pycomm.optim import KEY_BASE, OneBitAdam
 
 BUCKET_MB = 0.001  # ~1 KB: the test model's ~3 KB of parameters in several buckets
 SAVE = 6
-# name -> (optimizer, hyperparameters, compressor)
-CONFIGS = {"adam-onebit": ("adam", ADAM, "onebit"), "sgd-int4": ("sgd", SGD_NESTEROV, "int4")}
+# name -> (optimizer, hyperparameters, compressor, other settings)
+CONFIGS = {
+    "adam-onebit": ("adam", ADAM, "onebit", {}),
+    "sgd-int4": ("sgd", SGD_NESTEROV, "int4", {}),
+    # Exact variance updates (the hook averages, no bucket is sent) at steps 5 and 8.
+    "adam-onebit-variance": ("adam", ADAM, "onebit", {"variance_update_every": 3}),
+}
 
 
 def _ddp(net):
     return DDP(net, bucket_cap_mb=BUCKET_MB)
 
 
-def _setup(kind, hyper, method):
+def _setup(kind, hyper, method, extra=None):
     """(net, its DDP model in several buckets, an unattached optimizer)."""
     net = Net(unused=False)
-    return net, _ddp(net), _make(kind, hyper, method, net=net)
+    return net, _ddp(net), _make(kind, hyper, method, net=net, **(extra or {}))
 
 
 def _buckets(opt, net):
@@ -73,8 +78,8 @@ def _buckets(opt, net):
 
 def _rank_overlap(rank, world, directory):
     out = {}
-    for name, (kind, hyper, method) in CONFIGS.items():
-        net, model, opt = _setup(kind, hyper, method)
+    for name, (kind, hyper, method, extra) in CONFIGS.items():
+        net, model, opt = _setup(kind, hyper, method, extra)
         opt.attach(model, overlap=True)
         for step in range(STEPS):
             if step == SAVE:
@@ -154,8 +159,8 @@ def _rank_overlap(rank, world, directory):
 
 def _rank_resumed(rank, world, directory):
     out = {}
-    for name, (kind, hyper, method) in CONFIGS.items():
-        net, model, opt = _setup(kind, hyper, method)
+    for name, (kind, hyper, method, extra) in CONFIGS.items():
+        net, model, opt = _setup(kind, hyper, method, extra)
         ck = torch.load(f"{directory}/{name}_{rank}.pt", weights_only=True)
         net.load_state_dict(ck["model"])
         opt.load_state_dict(ck["opt"])  # before attach: checked when attached
@@ -199,11 +204,11 @@ def runs(tmp_path_factory):
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_matches_the_per_bucket_simulation(runs, name):
-    kind, hyper, method = CONFIGS[name]
+    kind, hyper, method, extra = CONFIGS[name]
     buckets = runs[0][0][name + " buckets"]
     assert len(buckets) >= 3, f"the test wants several buckets, DDP made {buckets}"
     assert runs[0][1][name + " buckets"] == buckets
-    net, ref, efs = _replay(kind, hyper, method, buckets=buckets, unused=False)
+    net, ref, efs = _replay(kind, hyper, method, buckets=buckets, unused=False, **extra)
     want = [p.detach() for p in net.parameters()]
     key = "exp_avg" if kind == "adam" else "momentum_buffer"
     for rank in range(WORLD):

@@ -32,7 +32,9 @@ Methods, side by side in the same rank processes (same seed, same batches):
   for sgd), attached to the DDP model: exact averaged gradients for
   ``--optim-warmup`` steps (default: 20% of ``--steps``, at least
   ``--start-iter``), then DDP sends nothing and the optimizer all-reduces
-  its momentum with compressor C.
+  its momentum with compressor C (``optim-C-vK``, AdamW: every K-th step
+  averages exactly instead and updates OneBitAdam's variance,
+  ``variance_update_every=K``).
 
 Every compressing method, PyTorch's and pycomm's, starts after the same
 ``start_iter`` plain warm-up steps (``optim-*``: after ``--optim-warmup``).
@@ -134,7 +136,7 @@ def parse_method(name: str) -> Method:
     (:mod:`pycomm.bench.methods`, the names this benchmark trains with).
 
     >>> parse_method("topk-0.01-noef")
-    Method(name='topk-0.01-noef', entry='hook', compressor='topk', error_feedback=False, density=0.01, rank=None, overlap=False, rounding='nearest')
+    Method(name='topk-0.01-noef', entry='hook', compressor='topk', error_feedback=False, density=0.01, rank=None, overlap=False, rounding='nearest', variance_every=None)
     """
     return _parse_method(name, bases=DDP_BASES)
 
@@ -193,6 +195,8 @@ def _optimizer(model, cfg: Dict[str, Any], m: Optional[Method] = None, warmup: i
         if cfg["optimizer"] == "sgd":
             opt = OneBitSGD(model.parameters(), lr=cfg["lr"], momentum=0.9, **kw)
         else:
+            if m.variance_every is not None:
+                kw["variance_update_every"] = m.variance_every
             opt = OneBitAdam(model.parameters(), lr=cfg["lr"], weight_decay=0.0, **kw)
         opt.attach(model, overlap=m.overlap)
         return opt
@@ -462,6 +466,7 @@ class _RankTrainer:
             "compressor": m.compressor,
             "error_feedback": m.error_feedback,
             "rounding": m.rounding,
+            "variance_update_every": getattr(opt, "variance_update_every", None),
             "optimizer": type(opt).__name__,
             "seed": seed,
             "gradient_numel": numel,
@@ -550,7 +555,12 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
             parse_method(name)
         except ValueError as exc:
             raise ValueError(f"--methods: {exc}") from None
-    if "allreduce" not in methods:
+    if getattr(args, "optimizer", DEFAULT_OPTIMIZER) != "adamw":
+        for name in methods:
+            if parse_method(name).variance_every is not None:
+                raise ValueError(f"--methods: {name}: -v<K> sets OneBitAdam's variance updates "
+                                 f"(--optimizer adamw), not {args.optimizer}'s")
+    if "allreduce" not in methods and getattr(args, "baseline", True):
         methods = ["allreduce", *methods]  # every ratio is against it
     if len(set(methods)) != len(methods):
         raise ValueError(f"--methods: repeated method in {methods}")
@@ -659,6 +669,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--train-all", action="store_true",
                    help="train every method --steps steps at the training bandwidth, -backend ones too "
                         "(by default those are only timed there: their training is their hook twin's, bit for bit)")
+    g.add_argument("--no-baseline", dest="baseline", action="store_false",
+                   help="do not train allreduce unless --methods names it (for a run to be --merge'd with "
+                        "files of the same settings and seeds that hold it: training is deterministic, and "
+                        "the merge checks that shared seeds agree); ratios to it come from the merge")
     g.add_argument("--no-plots", dest="plots", action="store_false", help="do not write PNG plots")
 
 

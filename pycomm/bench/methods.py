@@ -13,7 +13,9 @@ Grammar: ``<base>[-sr][-noef][-backend]``, base one of
   (:mod:`pycomm.optim`: OneBitAdam for AdamW, OneBitSGD for momentum SGD)
   all-reducing its momentum with that compressor after an exact warm-up
   (``optim-<compressor>-overlap``: sent from DDP's hook per bucket while
-  backward runs, ``attach(model, overlap=True)``);
+  backward runs, ``attach(model, overlap=True)``; ``-v<K>`` after them:
+  OneBitAdam updates its variance from an exact average every K steps,
+  ``variance_update_every=K``, 0 for never);
 
 ``-sr`` rounds int8/int4 stochastically (``rounding="stochastic"``; for
 ``int8``, ``int4``, ``optim-int8`` and ``optim-int4``), ``-noef`` turns
@@ -25,13 +27,15 @@ of it that it can run (:data:`ALLREDUCE_BASES`, :data:`DDP_BASES`).
 Example::
 
     >>> parse_method("topk-0.01-noef")
-    Method(name='topk-0.01-noef', entry='hook', compressor='topk', error_feedback=False, density=0.01, rank=None, overlap=False, rounding='nearest')
+    Method(name='topk-0.01-noef', entry='hook', compressor='topk', error_feedback=False, density=0.01, rank=None, overlap=False, rounding='nearest', variance_every=None)
     >>> parse_method("plain").compressed, parse_method("onebit", bases=ALLREDUCE_BASES).density
     (False, None)
     >>> parse_method("int4-noef"), parse_method("optim-onebit").entry
-    (Method(name='int4-noef', entry='hook', compressor='int4', error_feedback=False, density=None, rank=None, overlap=False, rounding='nearest'), 'optim')
+    (Method(name='int4-noef', entry='hook', compressor='int4', error_feedback=False, density=None, rank=None, overlap=False, rounding='nearest', variance_every=None), 'optim')
     >>> parse_method("int4-sr-noef").rounding, parse_method("optim-int4-overlap-sr").rounding
     ('stochastic', 'stochastic')
+    >>> parse_method("optim-onebit-v16").variance_every, parse_method("optim-onebit").variance_every
+    (16, None)
 """
 
 from __future__ import annotations
@@ -51,10 +55,11 @@ SUFFIX_BASES = ("onebit", "topk", "int8", "int4", "auto")
 #: What ``optim-<compressor>`` may name: the momentum's compressor.
 OPTIM_COMPRESSORS = ("onebit", "int8", "int4")
 
-_PARAM = {"powersgd": "powersgd-<rank>", "topk": "topk-<density>", "optim": "optim-<onebit|int8|int4>[-overlap]"}
+_PARAM = {"powersgd": "powersgd-<rank>", "topk": "topk-<density>",
+          "optim": "optim-<onebit|int8|int4>[-overlap][-v<K>]"}
 _METHOD_RE = re.compile(
     r"^(?P<base>plain|allreduce|fp16|bf16|auto|int8|int4|powersgd-(?P<rank>[0-9]+)|onebit"
-    r"|topk-(?P<density>[0-9.eE+-]+?)|optim-(?P<optim>[a-z0-9]+?)(?P<overlap>-overlap)?)"
+    r"|topk-(?P<density>[0-9.eE+-]+?)|optim-(?P<optim>[a-z0-9]+?)(?P<overlap>-overlap)?(?:-v(?P<variance>[0-9]+))?)"
     r"(?P<sr>-sr)?(?P<noef>-noef)?(?P<backend>-backend)?$"
 )
 
@@ -79,6 +84,9 @@ class Method:
     overlap: bool = False
     #: int8/int4: "nearest" or "stochastic" (``-sr``)
     rounding: str = "nearest"
+    #: "optim" with AdamW only: OneBitAdam's ``variance_update_every``
+    #: (``-v<K>``); None: the optimizer's default
+    variance_every: Optional[int] = None
 
     @property
     def pycomm(self) -> bool:
@@ -140,7 +148,9 @@ def parse_method(name: str, bases: Sequence[str] = ALL_BASES, suffixes: bool = T
         if comp not in OPTIM_COMPRESSORS:
             raise ValueError(f"method {name!r}: the optimizer's compressor must be one of "
                              f"{', '.join(OPTIM_COMPRESSORS)}")
-        return Method(name, "optim", comp, True, overlap=bool(m.group("overlap")), rounding=rounding)
+        every = None if m.group("variance") is None else int(m.group("variance"))
+        return Method(name, "optim", comp, True, overlap=bool(m.group("overlap")), rounding=rounding,
+                      variance_every=every)
     entry = "backend" if m.group("backend") or base == "auto" else "hook"
     ef = not m.group("noef")
     if base != "topk":

@@ -8,6 +8,11 @@ forms, so the warm-up is theirs bit for bit). Then:
 
 * OneBitAdam freezes the variance ``v`` (and its bias correction,
   ``1 - beta2^T`` with ``T`` the parameter's step count at the freeze);
+  with ``variance_update_every=K``, every K-th step after the warm-up
+  averages the gradients exactly instead (as the warm-up does), takes the
+  momentum from that average on every rank alike (nothing compressed, no
+  residual changes) and updates ``v = beta2^d v + (1 - beta2^d) g^2``, ``d``
+  steps after its last update (``T`` becomes this step);
 * each rank updates the momentum with its LOCAL gradient (``m = lerp(m, g,
   1 - beta1)``; SGD: ``buf = momentum * buf + g + weight_decay * p``);
 * the momenta of every parameter, flattened into one buffer, are averaged by
@@ -244,6 +249,16 @@ class _CompressedMomentum(Optimizer):
     def _freeze(self, p: torch.Tensor, state: Dict[str, Any]) -> None:
         """Called once per parameter with state when the layout is built."""
 
+    def _variance_due(self) -> bool:
+        """True when this step, after the warm-up, averages the gradients
+        exactly to update frozen statistics (OneBitAdam's variance)."""
+        return False
+
+    def _variance_update(self, group: Dict[str, Any], p: torch.Tensor, state: Dict[str, Any],
+                         grad: Optional[torch.Tensor]) -> None:
+        """Update frozen statistics from the exactly averaged ``grad`` (None:
+        zero), before :meth:`_apply` of the same step."""
+
     def _local_momentum(self, group: Dict[str, Any], p: torch.Tensor, state: Dict[str, Any],
                         grad: torch.Tensor, out: torch.Tensor) -> None:
         raise NotImplementedError
@@ -374,8 +389,14 @@ class _CompressedMomentum(Optimizer):
     # -- the step --------------------------------------------------------------
     @property
     def in_warmup(self) -> bool:
-        """True while steps average the gradients exactly."""
+        """True during the warm-up (torch's update on exact averages)."""
         return self.step_count < self.warmup_steps
+
+    @property
+    def exact_now(self) -> bool:
+        """True when the next step averages the gradients exactly: the
+        warm-up, and after it OneBitAdam's variance updates."""
+        return self.in_warmup or self._variance_due()
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
@@ -391,7 +412,7 @@ class _CompressedMomentum(Optimizer):
         found_inf = getattr(self, "found_inf", None)
         grad_scale = getattr(self, "grad_scale", None)
         try:
-            if grad_scale is not None and self._overlap and not self.in_warmup and self._scaler is None:
+            if grad_scale is not None and self._overlap and not self.exact_now and self._scaler is None:
                 self._undo_sent()
                 raise ValueError(
                     f"{type(self).__name__} was attached with overlap=True and no scaler, but is stepped by a "
@@ -400,7 +421,12 @@ class _CompressedMomentum(Optimizer):
                 )
             if grad_scale is not None:
                 self._unscale(grad_scale)
-            ok = self._warmup_step(found_inf) if self.in_warmup else self._compressed_step(found_inf)
+            if self.in_warmup:
+                ok = self._warmup_step(found_inf)
+            elif self._variance_due():
+                ok = self._exact_step(found_inf)
+            else:
+                ok = self._compressed_step(found_inf)
         except BaseException:
             # GradScaler.step removes these only when step() returns: a later
             # step() must not see them.
@@ -468,7 +494,10 @@ class _CompressedMomentum(Optimizer):
             self._flat = torch.empty(numel, dtype=torch.float32, device=self._device())
         return self._flat
 
-    def _warmup_step(self, found_inf: Optional[torch.Tensor]) -> bool:
+    def _averaged_grads(self, found_inf: Optional[torch.Tensor]) -> Optional[Dict[int, Optional[torch.Tensor]]]:
+        """The gradients averaged exactly over the ranks, by parameter id
+        (None for a parameter with no gradient on any rank), or None when one
+        is not finite on some rank (the same answer on every rank)."""
         entries = self._params()
         # Parameters DDP averaged (attach) have averaged gradients already.
         own = [(g, p) for g, p in entries if id(p) not in self._ddp_param_ids]
@@ -510,13 +539,22 @@ class _CompressedMomentum(Optimizer):
             else:
                 bad = not bool(torch.stack([torch.isfinite(t).all() for t in ddp_grads]).all())
         if bad:
+            return None
+        for _, p in entries:
+            if id(p) not in grads:
+                grads[id(p)] = p.grad
+        return grads
+
+    def _warmup_step(self, found_inf: Optional[torch.Tensor]) -> bool:
+        grads = self._averaged_grads(found_inf)
+        if grads is None:
             return False
         for group in self.param_groups:
             params, gs = [], []
             for p in group["params"]:
                 if not p.requires_grad:
                     continue
-                gr = grads.get(id(p), p.grad)
+                gr = grads.get(id(p))
                 if gr is not None:
                     params.append(p)
                     gs.append(gr)
@@ -613,6 +651,29 @@ class _CompressedMomentum(Optimizer):
             if not _all_finite(buf):
                 return False  # the engine rolled its residuals back on every rank
         self._unpack_apply(layout, buf, outs)
+        return True
+
+    def _exact_step(self, found_inf: Optional[torch.Tensor]) -> bool:
+        """A step after the warm-up on exactly averaged gradients (with DDP,
+        the hook averaged them): every rank computes the same momentum from
+        them, so nothing is compressed and no residual changes; the frozen
+        statistics are updated (:meth:`_variance_update`), then the step is
+        the compressed steps' update. Frozen elements get a zero gradient,
+        as in every step after the warm-up."""
+        self._hold = False
+        if self._layout is None:
+            self._layout = self._build_layout()
+        grads = self._averaged_grads(found_inf)
+        if grads is None:
+            return False
+        grads = {k: g for k, g in grads.items() if g is not None}
+        _, outs = self._pack(self._layout, grads)
+        for (group, p, state, kind, masks, _, _), m in zip(self._layout, outs, strict=True):
+            g = grads.get(id(p))
+            if g is not None and kind != "all":
+                g = None if kind is None else g.view_as(p).masked_fill(~masks[0].view_as(p), 0)
+            self._variance_update(group, p, state, None if g is None else g.view_as(p))
+            self._apply(group, p, state, m)
         return True
 
     # -- overlap with DDP's backward ---------------------------------------------
@@ -750,9 +811,10 @@ class _CompressedMomentum(Optimizer):
     def attach(self, model: Any, overlap: bool = False, scaler: Any = None) -> Any:
         """Couple this optimizer with a DDP model (call once, on every rank,
         before the first backward): registers a DDP communication hook that
-        averages the gradients exactly during the warm-up and skips DDP's
-        all-reduce after it (the gradients stay local; this optimizer
-        all-reduces the momenta, compressed). Returns ``model``.
+        averages the gradients exactly during the warm-up (and on
+        OneBitAdam's variance updates) and skips DDP's all-reduce otherwise
+        (the gradients stay local; this optimizer all-reduces the momenta,
+        compressed). Returns ``model``.
 
         ``overlap=True`` sends the momenta from the hook instead, per DDP
         bucket, while backward runs (as DDP overlaps its gradient all-reduce;
@@ -846,7 +908,7 @@ class _CompressedMomentum(Optimizer):
         each chunk length)."""
         world = dist.get_world_size(self._plain_group())
         if compressed is None:
-            compressed = not self.in_warmup
+            compressed = not self.exact_now
         if not compressed:
             return _ring_bytes(sum(p.numel() for _, p in self._params()), world, 4)
         if self._layout is not None:
@@ -1030,12 +1092,13 @@ class _DDPCoupling:
 
 
 def _onebit_ddp_hook(state: _DDPCoupling, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Exact average during the optimizer's warm-up; afterwards the local
-    gradient as it is, with no communication of gradients (with
-    ``overlap=True``: the bucket's momenta are sent, compressed)."""
+    """Exact average during the optimizer's warm-up and its exact steps
+    after it (OneBitAdam's variance updates); otherwise the local gradient
+    as it is, with no communication of gradients (with ``overlap=True``: the
+    bucket's momenta are sent, compressed)."""
     tensor = bucket.buffer()
     opt = state.optimizer
-    if opt.in_warmup:
+    if opt.exact_now:
         if bucket.is_last():
             opt._backwards += 1
         try:
@@ -1080,6 +1143,14 @@ class OneBitAdam(_CompressedMomentum):
             weight decay, bias correction); per group.
         warmup_steps: steps (>= 1) with exact averaged gradients and torch's
             AdamW update; the variance freezes after them.
+        variance_update_every: K > 0: after the warm-up, every K-th step
+            averages the gradients exactly (a plain all-reduce, sent instead
+            of the compressed momentum) and updates the variance from them
+            (``v = beta2^d v + (1 - beta2^d) g^2``, ``d`` steps since its last
+            update), which keeps Adam's step size tracking the gradients as
+            training goes on; 0 (default): frozen for good, as DeepSpeed's
+            1-bit Adam. Bytes per step after the warm-up are then on average
+            ``((K - 1) * compressed + exact) / K``.
         compressor: the engine's method for the momentum: "onebit" (default),
             "topk", "fp16", "bf16", "none", any method the engine adds (e.g.
             "int8", "int4") or a compressor registered with
@@ -1114,6 +1185,8 @@ class OneBitAdam(_CompressedMomentum):
         print(opt.bytes_per_step(compressed=False) / opt.bytes_per_step(compressed=True))
     """
 
+    _CONFIG = _CompressedMomentum._CONFIG + ("variance_update_every",)
+    variance_update_every = 0  # what a pickle from before the setting existed meant
 
     def __init__(
         self,
@@ -1126,10 +1199,14 @@ class OneBitAdam(_CompressedMomentum):
         compressor: str = "onebit",
         process_group: Optional[dist.ProcessGroup] = None,
         key_base: int = KEY_BASE,
+        variance_update_every: int = 0,
         **compressor_settings: Any,
     ) -> None:
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         self._check_group(defaults)
+        #: After the warm-up, every this many steps one step averages the
+        #: gradients exactly and updates the variance (0: frozen for good).
+        self.variance_update_every = _check_int("variance_update_every", variance_update_every, 0)
         super().__init__(params, defaults, warmup_steps=warmup_steps, compressor=compressor,
                          process_group=process_group, key_base=key_base,
                          compressor_settings=compressor_settings)
@@ -1150,6 +1227,23 @@ class OneBitAdam(_CompressedMomentum):
         # The step count at which the variance (and its bias correction) froze.
         if "variance_step" not in state:
             state["variance_step"] = int(state["step"])
+
+    def _variance_due(self) -> bool:
+        every = self.variance_update_every
+        return every > 0 and not self.in_warmup and (self.step_count - self.warmup_steps + 1) % every == 0
+
+    def _variance_update(self, group, p, state, grad) -> None:
+        # The exact gradient of step t stands for the d steps since the
+        # variance's last update: v = beta2^d v + (1 - beta2^d) g^2, whose
+        # bias correction is 1 - beta2^t (as Adam's own, for d = 1).
+        t = int(state["step"]) + 1
+        decay = group["betas"][1] ** (t - int(state["variance_step"]))
+        v = state["exp_avg_sq"]
+        v.mul_(decay)
+        if grad is not None:
+            v.addcmul_(grad, grad, value=1 - decay)
+        state["variance_step"] = t
+        self._frozen.pop(id(p), None)
 
     def _warmup_update(self, group, params, grads) -> None:
         from torch.optim.adam import adam
