@@ -207,3 +207,60 @@ def test_compress_into_a_second_buffer(dtype):
     torch.testing.assert_close(buf[:n], r_inplace, equal_nan=True, rtol=0, atol=0)
     with pytest.raises(RuntimeError, match="must be the same tensor or not overlap"):
         torch.ops.pycomm.onebit_compress_into(g, buf[:n], buf[32 : n + 32], 64)
+
+
+# compress_into on each device (CUDA under the gpu marker) against that
+# device's in-place compress, bit for bit. Block sizes: the warp kernel's (32,
+# 256), the block kernel's in one tile (2048) and in several (6144: pass 2
+# re-reads grad + residual_in); sizes not multiples of them; NaN and Inf in
+# grad and residual.
+INTO_DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
+
+
+def _raw(t):
+    """The bits of a float32 (or int32) tensor, so NaNs compare too."""
+    return t.view(torch.int32)
+
+
+def _nonfinite_residual(n, device):
+    r = torch.randn(n, generator=torch.Generator().manual_seed(n + 1))
+    if n > 2:
+        r[1], r[n - 2] = float("inf"), float("nan")
+    return r.to(device)
+
+
+@pytest.mark.parametrize("device", INTO_DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("block_size", [32, 256, 2048, 6144])
+@pytest.mark.parametrize("n", [1, 31, 33, 4097, 13000])
+def test_compress_into_matches_in_place_bit_for_bit(device, dtype, block_size, n):
+    g = make_grad("nonfinite", n, dtype, seed=n, device=device)
+    r = _nonfinite_residual(n, device)
+    r_inplace, r_in, r_out = r.clone(), r.clone(), torch.full((n,), 7.0, device=device)
+    bits, scales = torch.ops.pycomm.onebit_compress(g, r_inplace, block_size)
+    bits2, scales2 = torch.ops.pycomm.onebit_compress_into(g, r_in, r_out, block_size)
+    assert torch.equal(bits2, bits)
+    assert torch.equal(_raw(scales2), _raw(scales))
+    assert torch.equal(_raw(r_out), _raw(r_inplace))
+    assert torch.equal(_raw(r_in), _raw(r)), "the input residual was written"
+    # residual_out == residual: the in-place compress.
+    bits3, scales3 = torch.ops.pycomm.onebit_compress_into(g, r_in, r_in, block_size)
+    assert torch.equal(bits3, bits)
+    assert torch.equal(_raw(scales3), _raw(scales))
+    assert torch.equal(_raw(r_in), _raw(r_inplace))
+
+
+@pytest.mark.parametrize("device", INTO_DEVICES)
+def test_compress_into_refuses_partial_overlap(device):
+    n = 4097
+    g = make_grad("random", n, device=device)
+    buf = torch.zeros(n + 64, device=device)
+    for shift in (1, 32, 64):
+        for r_in, r_out in ((buf[:n], buf[shift : n + shift]), (buf[shift : n + shift], buf[:n])):
+            with pytest.raises(RuntimeError, match="must be the same tensor or not overlap"):
+                torch.ops.pycomm.onebit_compress_into(g, r_in, r_out, 64)
+    assert torch.count_nonzero(buf) == 0, "a refused call wrote"
+    if device != "cpu":
+        r = torch.zeros(n, device=device)
+        with pytest.raises(RuntimeError, match="residual is on cpu"):
+            torch.ops.pycomm.onebit_compress_into(g, r, r.cpu(), 64)

@@ -716,3 +716,61 @@ def test_no_warnings_from_reference():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         qz.compress_reference(hostile(100), torch.zeros(100), 8, 8, 3)
+
+
+# compress_into on each device (CUDA under the gpu marker) against that
+# device's in-place compress, bit for bit. Block sizes: the group kernel's
+# (2, 6, 256), the block kernel's in one tile (258) and in several (6000:
+# pass 2 re-reads grad + residual_in); sizes not multiples of them; NaN and
+# Inf in grad and residual.
+INTO_DEVICES = [
+    pytest.param("cpu", id="cpu", marks=needs_cpp),
+    pytest.param("cuda", id="cuda", marks=[pytest.mark.gpu, needs_cpp]),
+]
+
+
+def _raw(t):
+    """The bits of a float32 tensor, so NaNs compare too."""
+    return t.view(torch.int32)
+
+
+@pytest.mark.parametrize("device", INTO_DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("seed", SEEDS, ids=["nearest", "stochastic"])
+@pytest.mark.parametrize("block_size", [2, 6, 256, 258, 6000])
+@pytest.mark.parametrize("n", [1, 33, 4097, 13001])
+def test_compress_into_matches_in_place_bit_for_bit(device, dtype, bits, seed, block_size, n):
+    g = make_grad("hostile", n, dtype, seed=n, device=device)
+    r = make_residual(n, seed=n + 1)
+    if n > 2:
+        r[1], r[n - 2] = INF, NAN
+    r = r.to(device)
+    r_inplace, r_in, r_out = r.clone(), r.clone(), poisoned(n, device)
+    data, scales = torch.ops.pycomm.quant_compress(g, r_inplace, bits, block_size, seed)
+    data2, scales2 = torch.ops.pycomm.quant_compress_into(g, r_in, r_out, bits, block_size, seed)
+    assert torch.equal(data2, data)
+    assert torch.equal(_raw(scales2), _raw(scales))
+    assert torch.equal(_raw(r_out), _raw(r_inplace))
+    assert torch.equal(_raw(r_in), _raw(r)), "the input residual was written"
+    # residual_out == residual: the in-place compress.
+    data3, scales3 = torch.ops.pycomm.quant_compress_into(g, r_in, r_in, bits, block_size, seed)
+    assert torch.equal(data3, data)
+    assert torch.equal(_raw(scales3), _raw(scales))
+    assert torch.equal(_raw(r_in), _raw(r_inplace))
+
+
+@pytest.mark.parametrize("device", INTO_DEVICES)
+def test_compress_into_refuses_partial_overlap(device):
+    n = 4097
+    g = make_grad("random", n, device=device)
+    buf = torch.zeros(n + 64, device=device)
+    for shift in (1, 32, 64):
+        for r_in, r_out in ((buf[:n], buf[shift : n + shift]), (buf[shift : n + shift], buf[:n])):
+            with pytest.raises(RuntimeError, match="must be the same tensor or not overlap"):
+                torch.ops.pycomm.quant_compress_into(g, r_in, r_out, 8, 64, -1)
+    assert torch.count_nonzero(buf) == 0, "a refused call wrote"
+    if device != "cpu":
+        r = torch.zeros(n, device=device)
+        with pytest.raises(RuntimeError, match="residual is on cpu"):
+            torch.ops.pycomm.quant_compress_into(g, r, r.cpu(), 8, 64, -1)

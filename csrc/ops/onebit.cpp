@@ -66,20 +66,31 @@ std::tuple<at::Tensor, at::Tensor> onebit_compress_cpu(const at::Tensor& grad,
   return {bits, scales};
 }
 
+// The checks of onebit_compress_into on every device: grad and both residuals
+// as for onebit_compress, and residual_out either residual itself (in place)
+// or apart from it.
+void check_compress_into(const at::Tensor& grad, const at::Tensor& residual,
+                         const at::Tensor& residual_out, int64_t block_size) {
+  check_compress_inputs(grad, residual);
+  check_compress_inputs(grad, residual_out);
+  check_block_size(block_size);
+  const float* r_in = residual.const_data_ptr<float>();
+  const float* r_out = residual_out.const_data_ptr<float>();
+  const int64_t n = grad.numel();
+  TORCH_CHECK(r_in == r_out || r_in + n <= r_out || r_out + n <= r_in,
+              "residual and residual_out must be the same tensor or not overlap");
+}
+
 // grad + residual compressed, the new residual written to residual_out and
 // residual left as it was (the backend's double-buffered error feedback).
 std::tuple<at::Tensor, at::Tensor> onebit_compress_into_cpu(const at::Tensor& grad,
                                                             const at::Tensor& residual,
                                                             const at::Tensor& residual_out,
                                                             int64_t block_size) {
-  check_compress_inputs(grad, residual);
-  check_compress_inputs(grad, residual_out);
-  check_block_size(block_size);
+  check_compress_into(grad, residual, residual_out, block_size);
   const float* r_in = residual.const_data_ptr<float>();
   float* r_out = residual_out.data_ptr<float>();
   const int64_t n = grad.numel();
-  TORCH_CHECK(r_in == r_out || r_in + n <= r_out || r_out + n <= r_in,
-              "residual and residual_out must be the same tensor or not overlap");
   auto [bits, scales] = alloc_payload(grad, block_size);
   const cpu::DType dtype = cpu_dtype(grad, "grad");
   const void* g = grad.const_data_ptr();
@@ -124,6 +135,21 @@ std::tuple<at::Tensor, at::Tensor> onebit_compress_cuda(const at::Tensor& grad,
   return {bits, scales};
 }
 
+std::tuple<at::Tensor, at::Tensor> onebit_compress_into_cuda(const at::Tensor& grad,
+                                                             const at::Tensor& residual,
+                                                             const at::Tensor& residual_out,
+                                                             int64_t block_size) {
+  check_compress_into(grad, residual, residual_out, block_size);
+  const c10::cuda::CUDAGuard guard(grad.device());
+  auto [bits, scales] = alloc_payload(grad, block_size);
+  cuda::onebit_compress_into(grad.const_data_ptr(), cuda_dtype(grad),
+                             residual.const_data_ptr<float>(), residual_out.data_ptr<float>(),
+                             reinterpret_cast<uint32_t*>(bits.data_ptr<int32_t>()),
+                             scales.data_ptr<float>(), grad.numel(), block_size,
+                             c10::cuda::getCurrentCUDAStream());
+  return {bits, scales};
+}
+
 void onebit_decompress_cuda(const at::Tensor& out, const at::Tensor& bits,
                             const at::Tensor& scales, int64_t block_size, bool accumulate) {
   check_decompress(out, bits, scales, block_size);
@@ -155,6 +181,7 @@ TORCH_LIBRARY_IMPL(pycomm, CPU, m) {
 #ifdef PYCOMM_WITH_CUDA
 TORCH_LIBRARY_IMPL(pycomm, CUDA, m) {
   m.impl("onebit_compress", &onebit_compress_cuda);
+  m.impl("onebit_compress_into", &onebit_compress_into_cuda);
   m.impl("onebit_decompress", &onebit_decompress_cuda);
 }
 #endif

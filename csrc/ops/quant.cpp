@@ -81,6 +81,22 @@ std::tuple<at::Tensor, at::Tensor> quant_compress_cpu(const at::Tensor& grad,
   return compress_cpu(grad, r, r, bits, block_size, seed);
 }
 
+// The checks of quant_compress_into on every device: grad and both residuals
+// as for quant_compress, and residual_out either residual itself (in place)
+// or apart from it.
+void check_compress_into(const at::Tensor& grad, const at::Tensor& residual,
+                         const at::Tensor& residual_out, int64_t bits, int64_t block_size,
+                         int64_t seed) {
+  check_compress_inputs(grad, residual);
+  check_compress_inputs(grad, residual_out);
+  check_quant_args(bits, block_size, seed);
+  const float* r_in = residual.const_data_ptr<float>();
+  const float* r_out = residual_out.const_data_ptr<float>();
+  const int64_t n = grad.numel();
+  TORCH_CHECK(r_in == r_out || r_in + n <= r_out || r_out + n <= r_in,
+              "residual and residual_out must be the same tensor or not overlap");
+}
+
 // grad + residual compressed, the new residual written to residual_out and
 // residual left as it was (the engine's double-buffered error feedback).
 std::tuple<at::Tensor, at::Tensor> quant_compress_into_cpu(const at::Tensor& grad,
@@ -88,15 +104,9 @@ std::tuple<at::Tensor, at::Tensor> quant_compress_into_cpu(const at::Tensor& gra
                                                            const at::Tensor& residual_out,
                                                            int64_t bits, int64_t block_size,
                                                            int64_t seed) {
-  check_compress_inputs(grad, residual);
-  check_compress_inputs(grad, residual_out);
-  check_quant_args(bits, block_size, seed);
-  const float* r_in = residual.const_data_ptr<float>();
-  float* r_out = residual_out.data_ptr<float>();
-  const int64_t n = grad.numel();
-  TORCH_CHECK(r_in == r_out || r_in + n <= r_out || r_out + n <= r_in,
-              "residual and residual_out must be the same tensor or not overlap");
-  return compress_cpu(grad, r_in, r_out, bits, block_size, seed);
+  check_compress_into(grad, residual, residual_out, bits, block_size, seed);
+  return compress_cpu(grad, residual.const_data_ptr<float>(), residual_out.data_ptr<float>(), bits,
+                      block_size, seed);
 }
 
 void quant_decompress_cpu(const at::Tensor& out, const at::Tensor& data, const at::Tensor& scales,
@@ -112,6 +122,10 @@ void quant_decompress_cpu(const at::Tensor& out, const at::Tensor& data, const a
 }
 
 #ifdef PYCOMM_WITH_CUDA
+cuda::DType cuda_dtype(const at::Tensor& t) {
+  return static_cast<cuda::DType>(static_cast<int>(cpu_dtype(t, "grad")));
+}
+
 std::tuple<at::Tensor, at::Tensor> quant_compress_cuda(const at::Tensor& grad,
                                                        const std::optional<at::Tensor>& residual,
                                                        int64_t bits, int64_t block_size,
@@ -120,11 +134,25 @@ std::tuple<at::Tensor, at::Tensor> quant_compress_cuda(const at::Tensor& grad,
   check_quant_args(bits, block_size, seed);
   const c10::cuda::CUDAGuard guard(grad.device());
   auto [data, scales] = alloc_payload(grad, bits, block_size);
-  cuda::quant_compress(grad.const_data_ptr(),
-                       static_cast<cuda::DType>(static_cast<int>(cpu_dtype(grad, "grad"))),
+  cuda::quant_compress(grad.const_data_ptr(), cuda_dtype(grad),
                        residual.has_value() ? residual->data_ptr<float>() : nullptr,
                        data.data_ptr<uint8_t>(), scales.data_ptr<float>(), grad.numel(), int(bits),
                        block_size, seed, c10::cuda::getCurrentCUDAStream());
+  return {data, scales};
+}
+
+std::tuple<at::Tensor, at::Tensor> quant_compress_into_cuda(const at::Tensor& grad,
+                                                            const at::Tensor& residual,
+                                                            const at::Tensor& residual_out,
+                                                            int64_t bits, int64_t block_size,
+                                                            int64_t seed) {
+  check_compress_into(grad, residual, residual_out, bits, block_size, seed);
+  const c10::cuda::CUDAGuard guard(grad.device());
+  auto [data, scales] = alloc_payload(grad, bits, block_size);
+  cuda::quant_compress_into(grad.const_data_ptr(), cuda_dtype(grad),
+                            residual.const_data_ptr<float>(), residual_out.data_ptr<float>(),
+                            data.data_ptr<uint8_t>(), scales.data_ptr<float>(), grad.numel(),
+                            int(bits), block_size, seed, c10::cuda::getCurrentCUDAStream());
   return {data, scales};
 }
 
@@ -161,6 +189,7 @@ TORCH_LIBRARY_IMPL(pycomm, CPU, m) {
 #ifdef PYCOMM_WITH_CUDA
 TORCH_LIBRARY_IMPL(pycomm, CUDA, m) {
   m.impl("quant_compress", &quant_compress_cuda);
+  m.impl("quant_compress_into", &quant_compress_into_cuda);
   m.impl("quant_decompress", &quant_decompress_cuda);
 }
 #endif

@@ -29,6 +29,13 @@ enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 void onebit_compress(const void* grad, DType dtype, float* residual, uint32_t* bits, float* scales,
                      int64_t n, int64_t block_size, cudaStream_t stream);
 
+// onebit_compress with the residual double-buffered: c = grad + residual_in, the new residual
+// is written to residual_out, and residual_in is only read. Both nullptr (no error feedback)
+// or both set; residual_out == residual_in is onebit_compress in place, otherwise the two must
+// not overlap (else std::invalid_argument). Same bits, scales and residual as onebit_compress.
+void onebit_compress_into(const void* grad, DType dtype, const float* residual_in, float* residual_out,
+                          uint32_t* bits, float* scales, int64_t n, int64_t block_size, cudaStream_t stream);
+
 // out[i] = (or +=, if accumulate) bit ? scale : -scale for i < n.
 void onebit_decompress(const uint32_t* bits, const float* scales, int64_t n, int64_t block_size,
                        float* out, bool accumulate, cudaStream_t stream);
@@ -71,6 +78,13 @@ void topk_decompress(const int32_t* indices, const float* values, int64_t count,
 // block_size in [1, kMaxBlockSize], even for int4. n == 0 is a no-op.
 void quant_compress(const void* grad, DType dtype, float* residual, uint8_t* data, float* scales,
                     int64_t n, int bits, int64_t block_size, int64_t seed, cudaStream_t stream);
+
+// quant_compress with the residual double-buffered, as onebit_compress_into: c = grad +
+// residual_in, the new residual to residual_out, residual_in only read; both nullptr or both
+// set; residual_out == residual_in is in place, otherwise no overlap (else std::invalid_argument).
+void quant_compress_into(const void* grad, DType dtype, const float* residual_in, float* residual_out,
+                         uint8_t* data, float* scales, int64_t n, int bits, int64_t block_size, int64_t seed,
+                         cudaStream_t stream);
 
 // out[i] = (or +=, if accumulate) q_i * scales[i / block_size] for i < n.
 void quant_decompress(const uint8_t* data, const float* scales, int64_t n, int bits,

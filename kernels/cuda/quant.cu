@@ -8,6 +8,11 @@
 // over memory (c kept in registers while the block's max is reduced) unless a
 // block is longer than a thread block's tile (see kTilePairs).
 //
+// Error feedback reads the residual from `residual_in` and writes the new one
+// to `residual_out`: the same pointer updates in place (quant_compress), two
+// separate buffers leave the input as it was (quant_compress_into). The
+// kernels never read residual_out, so the bits are the same either way.
+//
 // Bit-exactness: every float operation of the rules is rounded once. nvcc
 // contracts a multiply followed by an add into an FMA (one rounding instead
 // of two) unless the product is spelled with explicit rounding, so products
@@ -47,26 +52,29 @@ __device__ __forceinline__ ScaleInv scale_inv(float amax, bool has_nan, int qmax
   return {amax / (float)qmax, quant_inv(amax, qmax)};
 }
 
-// Quantize the pair (off, off + 1) of a block starting at `begin` with `len`
-// elements (off < len; off + 1 may be past it), write levels and residual.
+// Quantize the pair of elements begin + off, begin + off + 1, where elements
+// before begin + len are in range (off < len; off + 1 may be past it); write
+// levels and, with error feedback (residual_in != nullptr: residual_out is
+// then set too), the new residual to residual_out.
 template <int kBits>
 __device__ __forceinline__ void emit_pair(float c_lo, float c_hi, int64_t begin, int64_t off, int64_t len,
-                                          float scale, float inv, int qmax, int64_t seed, float* residual,
-                                          uint8_t* data) {
+                                          float scale, float inv, int qmax, int64_t seed,
+                                          const float* residual_in, float* residual_out, uint8_t* data) {
   const int64_t i = begin + off;
   const bool has_hi = off + 1 < len;
   const int q_lo = level(c_lo, inv, qmax, seed, (uint32_t)i);
   const int q_hi = has_hi ? level(c_hi, inv, qmax, seed, (uint32_t)(i + 1)) : 0;
-  if (residual != nullptr) {
+  if (residual_in != nullptr) {
     // The product is rounded on its own (mul_rn): the subtraction cannot fuse with it.
-    residual[i] = c_lo - mul_rn((float)q_lo, scale);
-    if (has_hi) residual[i + 1] = c_hi - mul_rn((float)q_hi, scale);
+    residual_out[i] = c_lo - mul_rn((float)q_lo, scale);
+    if (has_hi) residual_out[i + 1] = c_hi - mul_rn((float)q_hi, scale);
   }
   if constexpr (kBits == 8) {
     data[i] = (uint8_t)(int8_t)q_lo;
     if (has_hi) data[i + 1] = (uint8_t)(int8_t)q_hi;
   } else {
-    // begin and off are even (block_size is): byte i / 2 is this pair's alone.
+    // i is even (callers pass even begin and off; block_size is even): byte
+    // i / 2 is this pair's alone.
     data[i >> 1] = (uint8_t)((q_lo & 0xf) | ((q_hi & 0xf) << 4));
   }
 }
@@ -94,8 +102,9 @@ constexpr int kGroupWarps = 8;
 
 template <typename T, int kBits>
 __global__ void __launch_bounds__(kGroupWarps * 32)
-    quant_compress_group_kernel(const T* grad, float* residual, uint8_t* data, float* scales, int64_t n,
-                                int64_t block_size, int64_t num_blocks, int group, int64_t seed) {
+    quant_compress_group_kernel(const T* grad, const float* residual_in, float* residual_out, uint8_t* data,
+                                float* scales, int64_t n, int64_t block_size, int64_t num_blocks, int group,
+                                int64_t seed) {
   const int qmax = quant_qmax(kBits);
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
@@ -108,12 +117,18 @@ __global__ void __launch_bounds__(kGroupWarps * 32)
     const int64_t blk = w * per_warp + lane / group;
     const int64_t begin = blk * block_size;
     const int64_t len = blk < num_blocks ? (begin + block_size < n ? block_size : n - begin) : 0;
+    // This lane's pair j is elements mine + at, mine + at + 1 with at = 2 * j *
+    // group, in range below rem. Passed so, no 64-bit 2 * (j * group + t) per
+    // pair stays live: with separate residual buffers that cost ptxas up to
+    // 22 registers.
+    const int64_t mine = begin + 2 * t;
+    const int64_t rem = len - 2 * t;
     float lo[kGroupItems], hi[kGroupItems];
     float amax = 0.0f;
     bool has_nan = false;
 #pragma unroll
     for (int j = 0; j < kGroupItems; ++j) {
-      load_pair(grad, residual, begin, 2 * ((int64_t)j * group + t), len, lo[j], hi[j]);
+      load_pair(grad, residual_in, mine, 2 * (int64_t)j * group, rem, lo[j], hi[j]);
       track(lo[j], amax, has_nan);
       track(hi[j], amax, has_nan);
     }
@@ -128,8 +143,11 @@ __global__ void __launch_bounds__(kGroupWarps * 32)
     if (t == 0 && blk < num_blocks) scales[blk] = si.scale;
 #pragma unroll
     for (int j = 0; j < kGroupItems; ++j) {
-      const int64_t off = 2 * ((int64_t)j * group + t);
-      if (off < len) emit_pair<kBits>(lo[j], hi[j], begin, off, len, si.scale, si.inv, qmax, seed, residual, data);
+      const int64_t at = 2 * (int64_t)j * group;
+      if (at < rem) {
+        emit_pair<kBits>(lo[j], hi[j], mine, at, rem, si.scale, si.inv, qmax, seed, residual_in, residual_out,
+                         data);
+      }
     }
   }
 }
@@ -138,16 +156,18 @@ __global__ void __launch_bounds__(kGroupWarps * 32)
 // Large blocks: one thread block per compression block, tiles of
 // kBlockThreads * kBlockItems pairs (pair j * kBlockThreads + t of a tile goes
 // to thread t). Blocks longer than a tile are read twice: c is recomputed
-// bit-identically in pass 2, and each thread rereads only elements it read
-// itself, so updating residual in place is race-free.
+// bit-identically in pass 2 from grad + residual_in: in place (residual_in ==
+// residual_out) each thread rereads only elements it read itself and has
+// not written yet, so that is race-free; with separate buffers residual_in is
+// never written.
 constexpr int kBlockThreads = 256;
 constexpr int kBlockItems = 4;
 constexpr int64_t kTilePairs = (int64_t)kBlockThreads * kBlockItems;  // 2048 elements
 
 template <typename T, int kBits>
 __global__ void __launch_bounds__(kBlockThreads)
-    quant_compress_block_kernel(const T* grad, float* residual, uint8_t* data, float* scales, int64_t n,
-                                int64_t block_size, int64_t num_blocks, int64_t seed) {
+    quant_compress_block_kernel(const T* grad, const float* residual_in, float* residual_out, uint8_t* data,
+                                float* scales, int64_t n, int64_t block_size, int64_t num_blocks, int64_t seed) {
   __shared__ float warp_max[kBlockThreads / 32];
   __shared__ ScaleInv block_si;
   const int qmax = quant_qmax(kBits);
@@ -156,6 +176,10 @@ __global__ void __launch_bounds__(kBlockThreads)
   for (int64_t blk = blockIdx.x; blk < num_blocks; blk += gridDim.x) {  // uniform per thread block
     const int64_t begin = blk * block_size;
     const int64_t len = begin + block_size < n ? block_size : n - begin;
+    // Pair j of a tile at `tile` is elements mine + at, mine + at + 1 with at =
+    // tile + 2 * j * kBlockThreads, in range below rem (as in the group kernel).
+    const int64_t mine = begin + 2 * t;
+    const int64_t rem = len - 2 * t;
 
     // Pass 1: max |c| and NaN. The first tile stays in registers.
     float lo[kBlockItems], hi[kBlockItems];
@@ -163,7 +187,7 @@ __global__ void __launch_bounds__(kBlockThreads)
     bool has_nan = false;
 #pragma unroll
     for (int j = 0; j < kBlockItems; ++j) {
-      load_pair(grad, residual, begin, 2 * ((int64_t)j * kBlockThreads + t), len, lo[j], hi[j]);
+      load_pair(grad, residual_in, mine, 2 * (int64_t)j * kBlockThreads, rem, lo[j], hi[j]);
       track(lo[j], amax, has_nan);
       track(hi[j], amax, has_nan);
     }
@@ -171,7 +195,7 @@ __global__ void __launch_bounds__(kBlockThreads)
 #pragma unroll
       for (int j = 0; j < kBlockItems; ++j) {
         float a, b;
-        load_pair(grad, residual, begin, tile + 2 * ((int64_t)j * kBlockThreads + t), len, a, b);
+        load_pair(grad, residual_in, mine, tile + 2 * (int64_t)j * kBlockThreads, rem, a, b);
         track(a, amax, has_nan);
         track(b, amax, has_nan);
       }
@@ -191,17 +215,21 @@ __global__ void __launch_bounds__(kBlockThreads)
     // Pass 2: levels and residual.
 #pragma unroll
     for (int j = 0; j < kBlockItems; ++j) {
-      const int64_t off = 2 * ((int64_t)j * kBlockThreads + t);
-      if (off < len) emit_pair<kBits>(lo[j], hi[j], begin, off, len, si.scale, si.inv, qmax, seed, residual, data);
+      const int64_t at = 2 * (int64_t)j * kBlockThreads;
+      if (at < rem) {
+        emit_pair<kBits>(lo[j], hi[j], mine, at, rem, si.scale, si.inv, qmax, seed, residual_in, residual_out,
+                         data);
+      }
     }
     for (int64_t tile = 2 * kTilePairs; tile < len; tile += 2 * kTilePairs) {
 #pragma unroll
       for (int j = 0; j < kBlockItems; ++j) {
-        const int64_t off = tile + 2 * ((int64_t)j * kBlockThreads + t);
-        if (off < len) {
+        const int64_t at = tile + 2 * (int64_t)j * kBlockThreads;
+        if (at < rem) {
           float a, b;
-          load_pair(grad, residual, begin, off, len, a, b);
-          emit_pair<kBits>(a, b, begin, off, len, si.scale, si.inv, qmax, seed, residual, data);
+          load_pair(grad, residual_in, mine, at, rem, a, b);
+          emit_pair<kBits>(a, b, mine, at, rem, si.scale, si.inv, qmax, seed, residual_in, residual_out,
+                           data);
         }
       }
     }
@@ -250,8 +278,8 @@ int grid_for(int64_t work_units) {
 }
 
 template <typename T, int kBits>
-void launch_compress(const T* grad, float* residual, uint8_t* data, float* scales, int64_t n, int64_t block_size,
-                     int64_t seed, cudaStream_t stream) {
+void launch_compress(const T* grad, const float* residual_in, float* residual_out, uint8_t* data, float* scales,
+                     int64_t n, int64_t block_size, int64_t seed, cudaStream_t stream) {
   const int64_t num_blocks = ceil_div(n, block_size);
   const int64_t pairs = (block_size + 1) / 2;
   if (pairs <= kGroupMaxPairs) {
@@ -259,21 +287,39 @@ void launch_compress(const T* grad, float* residual, uint8_t* data, float* scale
     while (group < pairs && group < 32) group <<= 1;
     const int64_t warps = ceil_div(num_blocks, 32 / group);
     quant_compress_group_kernel<T, kBits><<<grid_for(ceil_div(warps, kGroupWarps)), kGroupWarps * 32, 0, stream>>>(
-        grad, residual, data, scales, n, block_size, num_blocks, group, seed);
+        grad, residual_in, residual_out, data, scales, n, block_size, num_blocks, group, seed);
   } else {
     quant_compress_block_kernel<T, kBits><<<grid_for(num_blocks), kBlockThreads, 0, stream>>>(
-        grad, residual, data, scales, n, block_size, num_blocks, seed);
+        grad, residual_in, residual_out, data, scales, n, block_size, num_blocks, seed);
   }
   check(cudaGetLastError(), "quant_compress kernel launch");
 }
 
 template <typename T>
-void launch_compress_bits(const T* grad, float* residual, uint8_t* data, float* scales, int64_t n, int bits,
-                          int64_t block_size, int64_t seed, cudaStream_t stream) {
+void launch_compress_bits(const T* grad, const float* residual_in, float* residual_out, uint8_t* data,
+                          float* scales, int64_t n, int bits, int64_t block_size, int64_t seed, cudaStream_t stream) {
   if (bits == 8) {
-    launch_compress<T, 8>(grad, residual, data, scales, n, block_size, seed, stream);
+    launch_compress<T, 8>(grad, residual_in, residual_out, data, scales, n, block_size, seed, stream);
   } else {
-    launch_compress<T, 4>(grad, residual, data, scales, n, block_size, seed, stream);
+    launch_compress<T, 4>(grad, residual_in, residual_out, data, scales, n, block_size, seed, stream);
+  }
+}
+
+// residual_in and residual_out are both null (no error feedback) or both set,
+// and then one buffer (in place) or disjoint: with a partial overlap a block
+// could read residual that another block has already written.
+void check_residuals(const char* fn, const float* residual_in, const float* residual_out, int64_t n) {
+  if ((residual_in == nullptr) != (residual_out == nullptr)) {
+    throw std::invalid_argument(std::string("pycomm ") + fn +
+                                ": residual_in and residual_out must both be null or both be set");
+  }
+  if (residual_in == residual_out) return;
+  const uintptr_t in = reinterpret_cast<uintptr_t>(residual_in);
+  const uintptr_t out = reinterpret_cast<uintptr_t>(residual_out);
+  const uintptr_t bytes = (uintptr_t)n * sizeof(float);
+  if (in < out + bytes && out < in + bytes) {
+    throw std::invalid_argument(std::string("pycomm ") + fn +
+                                ": residual_in and residual_out must be the same buffer or not overlap");
   }
 }
 
@@ -307,27 +353,34 @@ void launch_decompress(const uint8_t* data, const float* scales, int64_t n, int6
 
 }  // namespace
 
-void quant_compress(const void* grad, DType dtype, float* residual, uint8_t* data, float* scales, int64_t n,
-                    int bits, int64_t block_size, int64_t seed, cudaStream_t stream) {
+void quant_compress_into(const void* grad, DType dtype, const float* residual_in, float* residual_out,
+                         uint8_t* data, float* scales, int64_t n, int bits, int64_t block_size, int64_t seed,
+                         cudaStream_t stream) {
   check_args("quant_compress", bits, block_size);
   if (n < 0) throw std::invalid_argument("pycomm quant_compress: n must be >= 0");
+  check_residuals("quant_compress_into", residual_in, residual_out, n);
   if (n == 0) return;  // a zero-sized grid is a launch error
   switch (dtype) {
     case DType::kFloat32:
-      launch_compress_bits(static_cast<const float*>(grad), residual, data, scales, n, bits, block_size, seed,
-                           stream);
+      launch_compress_bits(static_cast<const float*>(grad), residual_in, residual_out, data, scales, n, bits,
+                           block_size, seed, stream);
       break;
     case DType::kFloat16:
-      launch_compress_bits(static_cast<const __half*>(grad), residual, data, scales, n, bits, block_size, seed,
-                           stream);
+      launch_compress_bits(static_cast<const __half*>(grad), residual_in, residual_out, data, scales, n, bits,
+                           block_size, seed, stream);
       break;
     case DType::kBFloat16:
-      launch_compress_bits(static_cast<const __nv_bfloat16*>(grad), residual, data, scales, n, bits, block_size,
-                           seed, stream);
+      launch_compress_bits(static_cast<const __nv_bfloat16*>(grad), residual_in, residual_out, data, scales, n,
+                           bits, block_size, seed, stream);
       break;
     default:
       throw std::invalid_argument("pycomm quant_compress: unsupported dtype");
   }
+}
+
+void quant_compress(const void* grad, DType dtype, float* residual, uint8_t* data, float* scales, int64_t n,
+                    int bits, int64_t block_size, int64_t seed, cudaStream_t stream) {
+  quant_compress_into(grad, dtype, residual, residual, data, scales, n, bits, block_size, seed, stream);
 }
 
 void quant_decompress(const uint8_t* data, const float* scales, int64_t n, int bits, int64_t block_size,
