@@ -190,6 +190,7 @@ PYBIND11_MODULE(_C, m) {
             d["encode_s"] = p.encode_s;
             d["wire_s"] = p.wire_s;
             d["decode_s"] = p.decode_s;
+            d["sync_s"] = p.sync_s;
             d["forwarded_s"] = p.forwarded_s;
             return d;
           },

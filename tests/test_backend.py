@@ -20,6 +20,7 @@ from _dist import reinit_on_a_new_port, run_ranks
 
 from pycomm.distributed.simulate import ErrorFeedback
 from pycomm.distributed.simulate import simulate_allreduce
+from pycomm.distributed.spec import DEFAULT_CHUNK_NUMEL_BY_INNER
 
 TIMEOUT = 90.0
 
@@ -368,6 +369,8 @@ def test_torch_init_process_group_with_pycomm_options():
     for got in run_ranks(_plain_entry, 2, timeout=TIMEOUT, init_process_group=False):
         assert got["options"]["method"] == "topk" and got["options"]["density"] == 0.5
         assert got["default"]["method"] == "onebit" and got["default"]["min_compress_numel"] == 65536
+        # The chunk when none is given: the inner backend's (here Gloo's).
+        assert got["default"]["chunk_numel"] == DEFAULT_CHUNK_NUMEL_BY_INNER["gloo"]
         # Top half by magnitude of (x0 + x1) = 3 * arange(20), each rank keeping
         # its own top 10: entries 10..19 of both ranks, summed.
         expected = torch.zeros(20)

@@ -66,11 +66,11 @@ def test_counts_are_exact(results, method):
 @pytest.mark.parametrize("method", list(PER_CALL))
 def test_phases_are_parts_of_the_run(results, method):
     for _, p, _ in (r[method] for r in results):
-        parts = p["check_s"] + p["encode_s"] + p["wire_s"] + p["decode_s"]
+        parts = p["check_s"] + p["encode_s"] + p["wire_s"] + p["decode_s"] + p["sync_s"]
         assert p["run_s"] > 0 and p["wire_s"] > 0 and p["encode_s"] > 0 and p["decode_s"] > 0
         assert parts <= p["run_s"] * (1 + 1e-9) + 1e-9
         assert p["other_s"] == pytest.approx(p["run_s"] - parts, abs=1e-9)
-        assert all(p[k] >= 0 for k in ("queued_s", "forwarded_s", "check_s"))
+        assert all(p[k] >= 0 for k in ("queued_s", "forwarded_s", "check_s", "sync_s"))
 
 
 def test_reduce_scatter_and_all_gather_are_counted(results):

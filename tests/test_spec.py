@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pycomm._ext as ext
+import pycomm.distributed as pd
 from pycomm.distributed import spec
 
 pytestmark = pytest.mark.skipif(ext.why_no_cpu_ops() is not None, reason=str(ext.why_no_cpu_ops()))
@@ -90,3 +91,13 @@ def test_method_names_come_from_the_spec():
     assert set(hook.COMPRESSORS) == set(spec.GROUP_METHODS) - {"none"}
     with pytest.raises(ValueError, match="compressor must be one of"):
         pd.PycommOptions(compressor="int3")
+
+
+def test_default_chunk_by_inner_backend():
+    # Gloo keeps the spec's default (the C++ side's too); NCCL's is larger,
+    # and a group made without chunk_numel reports the one it runs.
+    assert spec.DEFAULT_CHUNK_NUMEL_BY_INNER["gloo"] == spec.DEFAULT_CHUNK_NUMEL
+    assert spec.DEFAULT_CHUNK_NUMEL_BY_INNER["nccl"] > spec.DEFAULT_CHUNK_NUMEL
+    assert pd.PycommOptions().chunk_numel is None
+    with pytest.raises(ValueError, match="chunk_numel"):
+        pd.PycommOptions(chunk_numel=0)

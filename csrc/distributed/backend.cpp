@@ -125,11 +125,10 @@ struct BlockCodec {
     return buf.narrow(0, offset + BlockLayout::data_words(len, bits), ceil_div(len, block))
         .view(at::kFloat);
   }
-  // Whether that segment decodes to finite values only: its largest value
-  // is +-scale (onebit) or qmax * scale (int8/int4; the product can
-  // overflow even where the scale does not).
-  at::Tensor finite_at(const at::Tensor& buf, int64_t offset, int64_t len) const {
-    const at::Tensor s = scales_at(buf, offset, len);
+  // Whether segments with these scales decode to finite values only: their
+  // largest value is +-scale (onebit) or qmax * scale (int8/int4; the
+  // product can overflow even where the scale does not). A 0-dim bool.
+  at::Tensor finite(const at::Tensor& s) const {
     return at::isfinite(bits ? s * float(quant_qmax(bits)) : s).all();
   }
   // Decodes the len-element segment at `offset` of an int32 buffer into out.
@@ -350,47 +349,153 @@ void CompressedBackend::run_worker() {
   // dist.all_reduce): the tensors may be Parameters that require grad.
   const c10::AutoGradMode no_grad(false);
   for (;;) {
-    std::function<void()> task;
+    settle(/*wait=*/false);  // what the device has passed (on a CPU: all)
+    std::optional<Task> task;
+    bool stopping;
     {
       std::unique_lock<std::mutex> lock(queue_mutex_);
-      queue_cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
-      if (queue_.empty()) return;  // stopping, and everything submitted has run
-      task = std::move(queue_.front());
-      queue_.pop_front();
+      auto ready = [this] { return stopping_ || !queue_.empty(); };
+      // With calls pending, look at the device now and then: their Works
+      // complete when it has passed them.
+      if (pending_.empty()) {
+        queue_cv_.wait(lock, ready);
+      } else {
+        queue_cv_.wait_for(lock, std::chrono::microseconds(50), ready);
+      }
+      stopping = stopping_;
+      if (!queue_.empty()) {
+        task = std::move(queue_.front());
+        queue_.pop_front();
+      } else if (stopping && pending_.empty()) {
+        return;  // stopping, and everything submitted has run
+      }
     }
-    task();
+    settle(/*wait=*/task ? !task->overlaps : stopping);
+    if (task) task->run();
   }
 }
 
+void CompressedBackend::settle(bool wait, std::optional<int64_t> key) {
+  size_t last = 0;  // finish pending_[0, last)
+  if (key) {
+    for (size_t i = 0; i < pending_.size(); ++i)
+      if (pending_[i].key == key) last = i + 1;
+  } else if (wait) {
+    last = pending_.size();
+  } else {
+    // A device error counts as passed: finishing the call then reports it.
+    auto passed = [](const PendingCall& c) {
+      try {
+        return !c.done || c.done->query();
+      } catch (...) {
+        return true;
+      }
+    };
+    while (last < pending_.size() && passed(pending_[last])) ++last;
+  }
+  for (; last > 0; --last) {
+    PendingCall call = std::move(pending_.front());
+    pending_.pop_front();
+    finish_pending(call);
+  }
+}
+
+void CompressedBackend::finish_pending(PendingCall& call) {
+  // The Work completes on the caller's stream (see submit).
+  std::optional<c10::StreamGuard> guard;
+  if (call.stream) guard.emplace(*call.stream);
+  try {
+    if (call.done && !call.done->query()) {
+      Span span(profile_.sync_s);
+      call.done->synchronize();
+    }
+    const bool* f = call.checks.const_data_ptr<bool>();
+    call.finish(std::vector<bool>(f, f + call.checks.numel()));
+    call.work->complete();
+  } catch (...) {
+    call.work->complete(std::current_exception());
+  }
+}
+
+void CompressedBackend::defer(const std::vector<at::Tensor>& checks, std::optional<int64_t> key,
+                              std::function<void(const std::vector<bool>&)> finish) {
+  const at::Tensor dev = at::stack(checks);
+  const c10::Device device = dev.device();
+  PendingCall call{std::nullopt, dev, std::move(finish), {}, std::nullopt, key};
+  if (!dev.is_cpu()) {
+    call.checks = at::empty({dev.numel()}, at::TensorOptions().dtype(at::kBool).pinned_memory(true));
+    call.checks.copy_(dev, /*non_blocking=*/true);
+    call.done.emplace(device.type());
+    call.done->record(c10::impl::VirtualGuardImpl(device.type()).getStream(device));
+  }
+  deferred_.emplace(std::move(call));
+}
+
 WorkPtr CompressedBackend::submit(c10d::OpType type, std::vector<at::Tensor> result,
-                                  std::function<void()> body) {
+                                  std::function<void()> body, std::optional<c10::Stream> stream,
+                                  bool overlaps) {
   auto work = c10::make_intrusive<PycommWork>(getRank(), type, std::move(result));
   {
     std::lock_guard<std::mutex> lock(queue_mutex_);
     TORCH_CHECK(!stopping_, "pycomm backend is shutting down");
-    queue_.emplace_back([this, work, body = std::move(body),
+    queue_.push_back(Task{[this, work, body = std::move(body), stream,
                          queued = std::chrono::steady_clock::now()] {
       profile_.queued_s +=
           std::chrono::duration<double>(std::chrono::steady_clock::now() - queued).count();
+      // The completion too is recorded on the caller's stream: the Work's
+      // future makes the waiter's stream wait on an event recorded on the
+      // current stream when it completes.
+      std::optional<c10::StreamGuard> guard;
+      if (stream) guard.emplace(*stream);
       try {
         body();
-        work->complete();
+        if (deferred_) {  // finished later, by settle
+          deferred_->work = work;
+          deferred_->stream = stream;
+          pending_.push_back(std::move(*deferred_));
+          deferred_.reset();
+        } else {
+          work->complete();
+        }
       } catch (...) {
+        deferred_.reset();
         work->complete(std::current_exception());
       }
-    });
+    }, overlaps});
   }
   queue_cv_.notify_one();
   return work;
 }
 
+namespace {
+// Waits for an inner backend's Work. A backend may return none for a
+// collective it has nothing to wait for: ProcessGroupNCCL (torch 2.11) does
+// for a forwarded all-reduce of one rank.
+void wait_inner(const WorkPtr& work) {
+  if (work) work->wait();
+}
+
+// The caller's current stream on the device of the first accelerator
+// tensor, taken on the caller's thread (the worker's current stream is
+// another one).
+std::optional<c10::Stream> caller_stream(const std::vector<at::Tensor>& tensors) {
+  for (const auto& t : tensors) {
+    if (t.defined() && !t.is_cpu() && !t.is_meta())
+      return c10::impl::VirtualGuardImpl(t.device().type()).getStream(t.device());
+  }
+  return std::nullopt;
+}
+}  // namespace
+
 WorkPtr CompressedBackend::forward(c10d::OpType type, std::vector<at::Tensor> result,
-                                   std::function<WorkPtr()> issue) {
+                                   std::function<WorkPtr()> issue,
+                                   const std::vector<at::Tensor>& tensors) {
+  auto stream = caller_stream(tensors.empty() ? result : tensors);
   return submit(type, std::move(result), [this, issue = std::move(issue)] {
     ++profile_.forwarded;
     Span span(profile_.forwarded_s);
-    issue()->wait();
-  });
+    wait_inner(issue());
+  }, stream);
 }
 
 std::string CompressedBackend::method_for(int64_t numel) const {
@@ -456,15 +561,9 @@ WorkPtr CompressedBackend::allreduce_keyed(at::Tensor tensor, std::optional<int6
   if (!bad.empty()) return refuse(tensor, key, average, m, 0, bad);
   // On an accelerator the worker runs the kernels on the caller's current
   // stream, so they are ordered after the work that produced the tensor.
-  std::optional<c10::Stream> stream;
-  if (!tensor.is_cpu()) {
-    stream = c10::impl::VirtualGuardImpl(tensor.device().type()).getStream(tensor.device());
-  }
-  return submit(c10d::OpType::ALLREDUCE, {tensor}, [this, tensor, key, average, stream, m] {
-    std::optional<c10::StreamGuard> guard;
-    if (stream) guard.emplace(*stream);
-    run_compressed(tensor, key, average, m);
-  });
+  return submit(c10d::OpType::ALLREDUCE, {tensor},
+                [this, tensor, key, average, m] { run_compressed(tensor, key, average, m); },
+                caller_stream({tensor}), /*overlaps=*/true);
 }
 
 WorkPtr CompressedBackend::allreduce(std::vector<at::Tensor>& tensors,
@@ -496,10 +595,11 @@ WorkPtr CompressedBackend::forward_allreduce(std::vector<at::Tensor>& tensors,
     auto sum_opts = opts;
     sum_opts.reduceOp = c10d::ReduceOp::SUM;
     const int world = getSize();
+    auto stream = caller_stream(tensors);
     return submit(c10d::OpType::ALLREDUCE, tensors, [this, tensors, sum_opts, world]() mutable {
       ++profile_.forwarded;
       Span span(profile_.forwarded_s);
-      inner_->allreduce(tensors, sum_opts)->wait();
+      wait_inner(inner_->allreduce(tensors, sum_opts));
       for (auto& t : tensors) {
         if (t.is_floating_point() || t.is_complex()) {
           t.div_(world);
@@ -507,7 +607,7 @@ WorkPtr CompressedBackend::forward_allreduce(std::vector<at::Tensor>& tensors,
           t.div_(world, "floor");
         }
       }
-    });
+    }, stream);
   }
   return forward(c10d::OpType::ALLREDUCE, tensors,
                  [this, tensors, opts]() mutable { return inner_->allreduce(tensors, opts); });
@@ -516,6 +616,7 @@ WorkPtr CompressedBackend::forward_allreduce(std::vector<at::Tensor>& tensors,
 // ------------------------------------------------- compressed algorithms ---
 ErrorFeedback* CompressedBackend::error_feedback_for(int64_t key, const at::Tensor& x,
                                                      const std::string& method, const Group& g) {
+  settle(/*wait=*/true, key);  // its last call's residuals decided first
   auto it = error_feedback_.find(key);
   if (it == error_feedback_.end()) {
     ErrorFeedback ef;
@@ -610,6 +711,15 @@ void prepare_backup(ErrorFeedback& ef) {
   }
 }
 
+// The values of 0-dim bool tensors of one device, read together: one
+// host synchronization on an accelerator, whatever their number.
+std::vector<bool> read_flags(const std::vector<at::Tensor>& flags) {
+  if (flags.empty()) return {};
+  const at::Tensor host = at::stack(flags).to(at::kCPU);
+  const bool* p = host.const_data_ptr<bool>();
+  return std::vector<bool>(p, p + host.numel());
+}
+
 // Whether every element is finite: one vectorized read (a sum is finite
 // only if every term is); the exact check only when the sum itself
 // overflows. `sums`: float32 sums of parts of `t`, taken on the way.
@@ -644,7 +754,18 @@ struct ResidualGuard {
 }  // namespace
 
 bool CompressedBackend::double_buffered(const at::Tensor& x, const std::string& method) const {
-  return is_block_method(method) && x.is_cpu();
+  if (!is_block_method(method)) return false;
+  if (x.is_cpu()) return true;
+  // On a GPU when the build has the CUDA kernels of compress_into (read
+  // once: the ops are registered when the extension loads).
+  static const bool cuda_into = [] {
+    for (const char* name : {"pycomm::onebit_compress_into", "pycomm::quant_compress_into"}) {
+      auto op = c10::Dispatcher::singleton().findSchema({name, ""});
+      if (!op || !op->hasKernelForDispatchKey(c10::DispatchKey::CUDA)) return false;
+    }
+    return true;
+  }();
+  return x.is_cuda() && cuda_into;
 }
 
 std::string CompressedBackend::describe_call(const at::Tensor& tensor, std::optional<int64_t> key,
@@ -687,7 +808,7 @@ void CompressedBackend::check_call(const at::Tensor& tensor, std::optional<int64
   at::Tensor in = at::tensor(mine, at::kLong).to(tensor.device());
   at::Tensor out = at::empty({world * kFields}, opts);
   ++profile_.collectives;  // its wait counts as the check's, not the wire's
-  inner_->_allgather_base(out, in, c10d::AllgatherOptions())->wait();
+  wait_inner(inner_->_allgather_base(out, in, c10d::AllgatherOptions()));
   const at::Tensor all = out.cpu().view({world, kFields});
   const int64_t* a = all.data_ptr<int64_t>();
   auto same = [&](int f) {
@@ -774,6 +895,31 @@ void CompressedBackend::run_compressed(const at::Tensor& tensor, std::optional<i
     if (ef) prepare_backup(*ef);
     // Double-buffered compressors never touch the residuals they read.
     ResidualGuard guard(ef && !double_buffered(y, m) ? ef : nullptr);
+    // The flat block path reads nothing back inside the call: on an
+    // accelerator its checks follow its kernels to the host, and the call is
+    // finished (residuals kept or discarded, Work completed) once the device
+    // has passed them (settle). The other paths read them here.
+    if (!intra_ && direct && is_block_method(m) && y.numel() > 0 &&
+        (!ef || double_buffered(y, m))) {
+      std::vector<at::Tensor> checks;
+      run_blocks(y, ef, average, g, m, &checks);
+      defer(checks, key,
+            [this, ef, context = failure_context(tensor, key, average, m)](
+                const std::vector<bool>& ok) {
+              try {
+                require_tags(ok[0]);
+              } catch (...) {
+                rethrow_with_context(context);
+              }
+              const bool finite = ok.size() < 2 || ok[1];
+              if (ef) {  // the new residuals are in the second buffers
+                if (finite) swap_residuals(*ef);
+                ef->undoable = finite;
+                ef->calls += finite;
+              }
+            });
+      return;
+    }
     bool finite = true;
     if (y.numel() > 0) {
       finite = is_block_method(m) ? run_blocks(y, ef, average, g, m)
@@ -868,7 +1014,8 @@ void CompressedBackend::run_exact(const at::Tensor& x, bool average) {
 // payloads, decoded and summed in float32, then compressed again: the
 // compressed reduce-scatter), and the reduced segments are all-gathered.
 bool CompressedBackend::run_blocks(const at::Tensor& x, ErrorFeedback* ef, bool average,
-                                   const Group& g, const std::string& method) {
+                                   const Group& g, const std::string& method,
+                                   std::vector<at::Tensor>* deferred_checks) {
   const int world = g.world, rank = g.rank;
   const BlockCodec codec{block_bits(method), block_for(method)};
   const int64_t n = x.numel(), C = chunk_length(n, config_.chunk_numel), B = codec.block;
@@ -894,8 +1041,9 @@ bool CompressedBackend::run_blocks(const at::Tensor& x, ErrorFeedback* ef, bool 
   // The result is the decoded server payloads: it is finite exactly when
   // every gathered server scale is (a read of n / B floats; a non-finite
   // block decodes to NaN or +-Inf in every codec). Only error feedback
-  // needs to know; the flags stay on the device until the end.
-  std::vector<at::Tensor> finite, tags;
+  // needs to know. The scales and the received tags are views, checked
+  // once at the end of the call (a few launches, one host read).
+  std::vector<at::Tensor> scales, tags;
 
   // Stage 1: worker compress, all_to_all of segment payloads.
   auto stage1 = [&](int64_t i) {
@@ -926,10 +1074,9 @@ bool CompressedBackend::run_blocks(const at::Tensor& x, ErrorFeedback* ef, bool 
     Chunk& ch = st[i];
     const BlockLayout& lay = ch.lay;
     wait_wire(ch.a2a);
-    // This rank's server payload, padded to segment 0's, then the tag.
-    const int64_t slot = lay.size[0] + kTagWords;
-    at::Tensor mine = at::zeros({slot}, int_opts);
-    mine.narrow(0, lay.size[0], kTagWords).copy_(tag_);
+    // This rank's server payload, padded to segment 0's, then the tag:
+    // assembled by one concatenation.
+    std::vector<at::Tensor> parts;
     const int64_t len = lay.len[rank];
     if (len > 0) {
       // The first payload is written, the others added: no zero-filled
@@ -946,9 +1093,14 @@ bool CompressedBackend::run_blocks(const at::Tensor& x, ErrorFeedback* ef, bool 
       const int64_t seed = seeds_.at(i, 1);
       auto [sd, ss] = ef ? compress_ef(acc, ef->server[i], ef->server_backup[i], seed)
                          : codec.compress(acc, std::nullopt, seed);
-      mine.narrow(0, 0, lay.size[rank]).copy_(at::cat(codec.segment(sd, ss, 0, len)));
+      parts = codec.segment(sd, ss, 0, len);
     }
     Span span(profile_.encode_s);
+    const int64_t slot = lay.size[0] + kTagWords;
+    if (const int64_t pad = lay.size[0] - (len > 0 ? lay.size[rank] : 0); pad > 0)
+      parts.push_back(at::zeros({pad}, int_opts));
+    parts.push_back(tag_);
+    at::Tensor mine = at::cat(parts);
     ch.gathered = at::empty({world * slot}, int_opts);
     ch.ag = g.pg->_allgather_base(ch.gathered, mine, c10d::AllgatherOptions());
   };
@@ -960,12 +1112,12 @@ bool CompressedBackend::run_blocks(const at::Tensor& x, ErrorFeedback* ef, bool 
     wait_wire(ch.ag);
     Span span(profile_.decode_s);
     const int64_t slot = lay.size[0] + kTagWords;
-    tags.push_back(tags_match(ch.gathered, world, slot));
+    tags.push_back(tag_words(ch.gathered, world, slot));
     for (int j = 0; j < world; ++j) {
       if (lay.len[j] == 0) continue;
       codec.decompress(x.narrow(0, ch.begin + j * lay.seg, lay.len[j]), ch.gathered,
                        j * slot, false);
-      if (ef) finite.push_back(codec.finite_at(ch.gathered, j * slot, lay.len[j]));
+      if (ef) scales.push_back(codec.scales_at(ch.gathered, j * slot, lay.len[j]));
     }
     ch.recv = at::Tensor();
     ch.gathered = at::Tensor();
@@ -981,9 +1133,19 @@ bool CompressedBackend::run_blocks(const at::Tensor& x, ErrorFeedback* ef, bool 
   }
   stage2(chunks - 1);
   for (int64_t i = std::max<int64_t>(0, chunks - 2); i < chunks; ++i) stage3(i);
-  Span span(profile_.decode_s);
-  require_tags(tags);
-  return finite.empty() || at::stack(finite).all().item<bool>();
+  std::vector<at::Tensor> checks;
+  {
+    Span span(profile_.decode_s);
+    checks.push_back(tags_ok(tags));
+    if (!scales.empty()) checks.push_back(codec.finite(at::cat(scales)));
+  }
+  if (deferred_checks) {
+    *deferred_checks = std::move(checks);
+    return true;
+  }
+  const std::vector<bool> ok = read_checks(checks);
+  require_tags(ok[0]);
+  return ok.size() < 2 || ok[1];
 }
 
 bool CompressedBackend::run_topk(const at::Tensor& x, ErrorFeedback* ef, bool average,
@@ -1031,7 +1193,7 @@ bool CompressedBackend::run_topk(const at::Tensor& x, ErrorFeedback* ef, bool av
     at::Tensor out = x.narrow(0, ch.begin, ch.m);
     out.zero_();
     const int64_t slot = 1 + 2 * ch.cap + kTagWords;
-    tags.push_back(tags_match(ch.gathered, world, slot));
+    tags.push_back(tag_words(ch.gathered, world, slot));
     const at::Tensor counts = ch.gathered.view({world, slot}).select(1, 0).cpu();
     for (int src = 0; src < world; ++src) {
       const int64_t off = src * slot;
@@ -1051,9 +1213,7 @@ bool CompressedBackend::run_topk(const at::Tensor& x, ErrorFeedback* ef, bool av
     if (i >= 1) stage2(i - 1);
   }
   stage2(chunks - 1);
-  Span span(profile_.decode_s);
-  require_tags(tags);
-  return all_finite(sums, x);
+  return checked_finite(tags, sums, x);
 }
 
 bool CompressedBackend::run_plugin(const at::Tensor& x, ErrorFeedback* ef, bool average,
@@ -1113,7 +1273,7 @@ bool CompressedBackend::run_plugin(const at::Tensor& x, ErrorFeedback* ef, bool 
     Span span(profile_.decode_s);
     at::Tensor out = x.narrow(0, ch.begin, ch.m);
     const int64_t slot = ch.nbytes + kTagBytes;
-    tags.push_back(tags_match(ch.gathered, world, slot));
+    tags.push_back(tag_words(ch.gathered, world, slot));
     for (int src = 0; src < world; ++src) {
       std::vector<at::Tensor> payload;
       int64_t off = src * slot;
@@ -1135,9 +1295,7 @@ bool CompressedBackend::run_plugin(const at::Tensor& x, ErrorFeedback* ef, bool 
     if (i >= 1) stage2(i - 1);
   }
   stage2(chunks - 1);
-  Span span(profile_.decode_s);
-  require_tags(tags);
-  return all_finite(sums, x);
+  return checked_finite(tags, sums, x);
 }
 
 // ------------------------------------------- compressed reduce-scatter ---
@@ -1174,16 +1332,11 @@ WorkPtr CompressedBackend::reduce_scatter_keyed(at::Tensor output, at::Tensor in
   const std::string m = method_for(input.numel());
   if (auto bad = bad_pair("reduce_scatter", input, output, "input", "output"); !bad.empty())
     return refuse(input, key, average, m, 1, bad);
-  std::optional<c10::Stream> stream;
-  if (!input.is_cpu()) {
-    stream = c10::impl::VirtualGuardImpl(input.device().type()).getStream(input.device());
-  }
   return submit(c10d::OpType::_REDUCE_SCATTER_BASE, {output},
-                [this, output, input, key, average, stream, m] {
-                  std::optional<c10::StreamGuard> guard;
-                  if (stream) guard.emplace(*stream);
+                [this, output, input, key, average, m] {
                   run_reduce_scatter(output, input, key, average, m);
-                });
+                },
+                caller_stream({input}), /*overlaps=*/true);
 }
 
 // Rank j receives shard j of every rank's input (spec.reduce_scatter in
@@ -1276,7 +1429,7 @@ void CompressedBackend::run_reduce_scatter(const at::Tensor& output, const at::T
       Span span(profile_.decode_s);
       at::Tensor dst = out.narrow(0, ch.begin, ch.len);
       const int64_t slot = ch.nbytes + kTagBytes;
-      tags.push_back(tags_match(ch.recv, world, slot));
+      tags.push_back(tag_words(ch.recv, world, slot));
       for (int src = 0; src < world; ++src)
         codec.decode(ch.recv.narrow(0, src * slot, ch.nbytes), dst, src > 0, ch.layout);
       if (average) dst.div_(world);
@@ -1317,15 +1470,9 @@ WorkPtr CompressedBackend::all_gather_keyed(at::Tensor output, at::Tensor input,
   const std::string m = method_for(output.numel());
   if (auto bad = bad_pair("all_gather", output, input, "output", "input"); !bad.empty())
     return refuse(input, key, false, m, 2, bad);
-  std::optional<c10::Stream> stream;
-  if (!input.is_cpu()) {
-    stream = c10::impl::VirtualGuardImpl(input.device().type()).getStream(input.device());
-  }
-  return submit(c10d::OpType::_ALLGATHER_BASE, {output}, [this, output, input, key, stream, m] {
-    std::optional<c10::StreamGuard> guard;
-    if (stream) guard.emplace(*stream);
-    run_all_gather(output, input, key, m);
-  });
+  return submit(c10d::OpType::_ALLGATHER_BASE, {output},
+                [this, output, input, key, m] { run_all_gather(output, input, key, m); },
+                caller_stream({input}), /*overlaps=*/true);
 }
 
 // Every rank receives every rank's input, compressed (docs/allreduce.md,
@@ -1395,7 +1542,7 @@ void CompressedBackend::run_all_gather(const at::Tensor& output, const at::Tenso
       wait_wire(ch.ag);
       Span span(profile_.decode_s);
       const int64_t slot = ch.nbytes + kTagBytes;
-      tags.push_back(tags_match(ch.gathered, world, slot));
+      tags.push_back(tag_words(ch.gathered, world, slot));
       for (int j = 0; j < world; ++j)
         codec.decode(ch.gathered.narrow(0, j * slot, ch.nbytes),
                      out.narrow(0, j * S + ch.begin, ch.len), false, ch.layout);
@@ -1508,7 +1655,7 @@ void CompressedBackend::load_error_feedback_state(std::map<int64_t, ErrorFeedbac
 void CompressedBackend::wait_wire(const WorkPtr& work) {
   ++profile_.collectives;
   Span span(profile_.wire_s);
-  work->wait();
+  wait_inner(work);
 }
 
 void CompressedBackend::set_tag(const at::Tensor& tensor, std::optional<int64_t> key,
@@ -1518,24 +1665,67 @@ void CompressedBackend::set_tag(const at::Tensor& tensor, std::optional<int64_t>
   int32_t words[kTagWords];
   static_assert(sizeof(words) == sizeof(h), "a tag is 64 bits");
   memcpy(words, &h, sizeof(h));
-  tag_ = at::tensor(std::vector<int32_t>(words, words + kTagWords), at::kInt).to(tensor.device());
+  if (tensor.is_cpu()) {
+    tag_ = at::tensor(std::vector<int32_t>(words, words + kTagWords), at::kInt);
+    return;
+  }
+  // On an accelerator the copy would block the worker every call: each tag
+  // is copied once. Keyless calls of many sizes could grow the cache
+  // without bound: it starts over past a few thousand tags.
+  auto where = std::make_pair(h, tensor.device().str());
+  auto it = device_tags_.find(where);
+  if (it == device_tags_.end()) {
+    if (device_tags_.size() >= 4096) device_tags_.clear();
+    at::Tensor t =
+        at::tensor(std::vector<int32_t>(words, words + kTagWords), at::kInt).to(tensor.device());
+    it = device_tags_.emplace(where, t).first;
+  }
+  tag_ = it->second;
 }
 
-at::Tensor CompressedBackend::tags_match(const at::Tensor& buf, int world, int64_t slot) const {
-  const at::Tensor tag = buf.scalar_type() == at::kByte ? tag_.view(at::kByte) : tag_;
-  const int64_t t = tag.numel();
-  return buf.view({world, slot}).narrow(1, slot - t, t).eq(tag).all();
+at::Tensor CompressedBackend::tag_words(const at::Tensor& buf, int world, int64_t slot) const {
+  const int64_t t = buf.scalar_type() == at::kByte ? kTagBytes : kTagWords;
+  return buf.view({world, slot}).narrow(1, slot - t, t);
 }
 
-void CompressedBackend::require_tags(const std::vector<at::Tensor>& match) const {
-  if (match.empty()) return;
-  TORCH_CHECK(at::stack(match).all().item<bool>(),
+at::Tensor CompressedBackend::tags_ok(const std::vector<at::Tensor>& words) const {
+  if (words.empty()) return at::ones({}, tag_.options().dtype(at::kBool));
+  const at::Tensor all = at::cat(words);
+  return all.eq(all.scalar_type() == at::kByte ? tag_.view(at::kByte) : tag_).all();
+}
+
+void CompressedBackend::require_tags(bool ok) const {
+  TORCH_CHECK(ok,
               "the ranks ran different compressed calls at the same position (another key, "
               "size, dtype or op: the payloads' call tags differ), so their results were "
               "discarded and the residuals kept. The engine runs each rank's calls in the order "
               "they were submitted: calls submitted from several threads must reach it in the "
               "same order on every rank (issue the compressed calls of a group from one thread; "
               "check_calls=\"every\" names the difference)");
+}
+
+void CompressedBackend::require_tags(const std::vector<at::Tensor>& words) {
+  require_tags(read_checks({tags_ok(words)})[0]);
+}
+
+std::vector<bool> CompressedBackend::read_checks(const std::vector<at::Tensor>& checks) {
+  Span span(profile_.sync_s);
+  return read_flags(checks);
+}
+
+bool CompressedBackend::checked_finite(const std::vector<at::Tensor>& words,
+                                       const std::vector<at::Tensor>& sums, const at::Tensor& t) {
+  std::vector<at::Tensor> checks;
+  {
+    Span span(profile_.decode_s);
+    checks.push_back(tags_ok(words));
+    if (!sums.empty()) checks.push_back(at::isfinite(at::stack(sums)).all());
+  }
+  const std::vector<bool> ok = read_checks(checks);
+  require_tags(ok[0]);
+  // A sum is finite only if every term is; the exact check only when the
+  // sum itself is not (an overflow of finite values, or a non-finite one).
+  return sums.empty() || ok[1] || at::isfinite(t).all().item<bool>();
 }
 
 Profile CompressedBackend::profile(bool reset) {
@@ -1611,7 +1801,8 @@ WorkPtr CompressedBackend::allgather(std::vector<std::vector<at::Tensor>>& outpu
   return forward(c10d::OpType::ALLGATHER, outputs.empty() ? std::vector<at::Tensor>{} : outputs[0],
                  [this, outputs, inputs, opts]() mutable {
                    return inner_->allgather(outputs, inputs, opts);
-                 });
+                 },
+                 inputs);
 }
 
 WorkPtr CompressedBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
@@ -1626,7 +1817,7 @@ WorkPtr CompressedBackend::allgather_coalesced(std::vector<std::vector<at::Tenso
                                                const c10d::AllgatherOptions& opts) {
   return forward(c10d::OpType::ALLGATHER_COALESCED, {}, [this, outputs, inputs, opts]() mutable {
     return inner_->allgather_coalesced(outputs, inputs, opts);
-  });
+  }, inputs);
 }
 
 WorkPtr CompressedBackend::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
@@ -1642,7 +1833,7 @@ WorkPtr CompressedBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
                                   const c10d::GatherOptions& opts) {
   return forward(c10d::OpType::GATHER, {}, [this, outputs, inputs, opts]() mutable {
     return inner_->gather(outputs, inputs, opts);
-  });
+  }, inputs);
 }
 
 WorkPtr CompressedBackend::scatter(std::vector<at::Tensor>& outputs,

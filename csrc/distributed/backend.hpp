@@ -23,6 +23,7 @@
 #include <tuple>
 #include <vector>
 
+#include <c10/core/Event.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
@@ -111,6 +112,8 @@ struct Profile {
   double encode_s = 0;       // compress (worker and server), payload assembly, issuing
   double wire_s = 0;         // waiting for the inner collectives
   double decode_s = 0;       // decompress, sums, finiteness
+  double sync_s = 0;         // reading a call's checks (tags, finiteness): on an
+                             // accelerator, the wait for its kernels to finish
   double forwarded_s = 0;    // forwarded collectives, start to end
 };
 
@@ -140,6 +143,24 @@ class PycommWork : public c10d::Work {
   std::vector<at::Tensor> result_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   int source_rank_ = -1;
+};
+
+// A compressed call on an accelerator whose checks (call tags, finiteness)
+// are still on their way to the host: its kernels and collectives are
+// queued, and the worker thread finishes it (keeps or discards its new
+// residuals, counts it, completes its Work) once the device has passed
+// `done`, without waiting for the device in between (docs/allreduce.md,
+// "Streams").
+// On a CPU the checks are read at once and the call is finished at the
+// worker's next turn: one path for every device.
+struct PendingCall {
+  std::optional<c10::Event> done;  // none on a CPU
+  at::Tensor checks;  // host copy (pinned on an accelerator) of the call's 0-dim bool checks
+  // Applies the checks; throws (the Work's error) when the tags differ.
+  std::function<void(const std::vector<bool>&)> finish;
+  c10::intrusive_ptr<PycommWork> work;
+  std::optional<c10::Stream> stream;
+  std::optional<int64_t> key;
 };
 
 class CompressedBackend : public c10d::Backend {
@@ -251,20 +272,46 @@ class CompressedBackend : public c10d::Backend {
 
  private:
   // Queues `body` for the worker thread; the Work completes when it returns.
+  // `stream` (an accelerator's, see caller_stream): the body runs with it
+  // current, and the Work's completion is recorded on it, so the work is
+  // ordered after what the caller queued before the call, and the caller's
+  // stream (not its host thread) waits for the result.
   c10::intrusive_ptr<c10d::Work> submit(c10d::OpType type, std::vector<at::Tensor> result,
-                                        std::function<void()> body);
-  // Issues an inner collective from the worker thread and waits for it there.
+                                        std::function<void()> body,
+                                        std::optional<c10::Stream> stream = std::nullopt,
+                                        bool overlaps = false);
+  // Issues an inner collective from the worker thread and waits for it there,
+  // on the caller's stream of the tensors' device (`tensors`, else `result`).
   c10::intrusive_ptr<c10d::Work> forward(c10d::OpType type, std::vector<at::Tensor> result,
-                                         std::function<c10::intrusive_ptr<c10d::Work>()> issue);
+                                         std::function<c10::intrusive_ptr<c10d::Work>()> issue,
+                                         const std::vector<at::Tensor>& tensors = {});
   void run_worker();
+  // Finishes pending calls in order: those the device has passed (`wait`
+  // false), or all of them (`wait` true), or all up to the last one on
+  // `key` (waiting for the device as needed).
+  void settle(bool wait, std::optional<int64_t> key = std::nullopt);
+  void finish_pending(PendingCall& call);
+  // Called by a running compressed call instead of reading `checks`: the
+  // call is finished later by `finish` (see PendingCall).
+  void defer(const std::vector<at::Tensor>& checks, std::optional<int64_t> key,
+             std::function<void(const std::vector<bool>&)> finish);
   // The running call's tag (spec.h, kTagWords int32s on its device), set
   // before its payloads are built.
   void set_tag(const at::Tensor& tensor, std::optional<int64_t> key, bool average);
-  // Whether each of the `world` slots of `slot` elements (int32 words or
-  // bytes) of an exchanged buffer ends with the running call's tag.
-  at::Tensor tags_match(const at::Tensor& buf, int world, int64_t slot) const;
-  // Raises, naming the cause, unless every check of `match` holds.
-  void require_tags(const std::vector<at::Tensor>& match) const;
+  // The tags ending each of the `world` slots of `slot` elements (int32
+  // words or bytes) of an exchanged buffer: a view, checked later.
+  at::Tensor tag_words(const at::Tensor& buf, int world, int64_t slot) const;
+  // Whether all of them are the running call's tag (a 0-dim bool tensor).
+  at::Tensor tags_ok(const std::vector<at::Tensor>& words) const;
+  // Raises, naming the cause, unless the tags matched.
+  void require_tags(bool ok) const;
+  void require_tags(const std::vector<at::Tensor>& words);
+  // Reads a call's 0-dim bool checks together (Profile::sync_s).
+  std::vector<bool> read_checks(const std::vector<at::Tensor>& checks);
+  // The tag check and whether `t` is finite (`sums`: float32 sums of its
+  // parts, taken on the way), with one host read when both hold.
+  bool checked_finite(const std::vector<at::Tensor>& words, const std::vector<at::Tensor>& sums,
+                      const at::Tensor& t);
   // Waits for an inner collective of a compressed call (Profile::wire_s).
   void wait_wire(const c10::intrusive_ptr<c10d::Work>& work);
   c10::intrusive_ptr<c10d::Work> forward_allreduce(std::vector<at::Tensor>& tensors,
@@ -278,8 +325,11 @@ class CompressedBackend : public c10d::Backend {
   bool double_buffered(const at::Tensor& x, const std::string& method) const;
   // Both return whether the reduced result is finite (the same on every
   // rank of `g`).
+  // `deferred_checks`: filled with the call's checks instead of reading
+  // them (the return value is then meaningless).
   bool run_blocks(const at::Tensor& x, ErrorFeedback* ef, bool average, const Group& g,
-                  const std::string& method);
+                  const std::string& method,
+                  std::vector<at::Tensor>* deferred_checks = nullptr);
   // The block length `method` runs with: the configured one, or its default.
   int64_t block_for(const std::string& method) const {
     return config_.block_size > 0 ? config_.block_size : default_block_size(method);
@@ -324,7 +374,17 @@ class CompressedBackend : public c10d::Backend {
 
   std::mutex queue_mutex_;
   std::condition_variable queue_cv_;
-  std::deque<std::function<void()>> queue_;
+  // A submitted collective; `overlaps`: a compressed call, which may start
+  // while earlier ones are pending. Anything else starts once every pending
+  // call is finished (the state accessors see settled residuals).
+  struct Task {
+    std::function<void()> run;
+    bool overlaps = false;
+  };
+  std::deque<Task> queue_;
+  // Touched by the worker thread only.
+  std::deque<PendingCall> pending_;
+  std::optional<PendingCall> deferred_;  // set by the running call (defer)
   bool stopping_ = false;
   std::thread worker_;
 
@@ -340,6 +400,9 @@ class CompressedBackend : public c10d::Backend {
   // Written by the worker thread only; read through the queue.
   Profile profile_;
   at::Tensor tag_;  // the running call's (set_tag)
+  // Tags already on a device, by (hash, device): a call's tag is copied to
+  // its device once, not every call (a blocking host-to-device copy).
+  std::map<std::pair<uint64_t, std::string>, at::Tensor> device_tags_;
   // Keyless calls run by a compressor with error feedback (onebit, topk,
   // int8, int4, registered): the stream of their rounding seeds.
   int64_t keyless_calls_ = 0;

@@ -34,7 +34,7 @@ from ..compressors.base import INT64_MAX, check_density, check_positive_int
 from ..compressors.plugin import is_plugin, options_json
 from ..wire import MAX_BLOCK_SIZE
 from ..compressors.quant import MASK32
-from .spec import CHECK_MODES, DEFAULT_BLOCK_SIZE, GROUP_METHODS, ROUNDINGS, check_mode
+from .spec import CHECK_MODES, DEFAULT_BLOCK_SIZE, DEFAULT_CHUNK_NUMEL_BY_INNER, GROUP_METHODS, ROUNDINGS, check_mode
 
 BACKEND_NAME = "pycomm"
 log = logging.getLogger(__name__)
@@ -49,7 +49,9 @@ class PycommOptions:
     :func:`pycomm.register_compressor`, built with ``compressor_options``.
     ``inner``: the wrapped backend, "gloo" or "nccl" (default: nccl when CUDA
     is available, else gloo). ``chunk_numel``: pipelining granularity (a
-    chunk is compressed while the previous one is on the wire).
+    chunk is compressed while the previous one is on the wire); None: the
+    inner backend's default (``spec.DEFAULT_CHUNK_NUMEL_BY_INNER``: 2^20
+    over Gloo, 2^26 over NCCL), which ``options_of(group)`` reports.
     ``block_size``: elements per scale of the block codecs (onebit, int8,
     int4), a multiple of 32; None: each one's default
     (``spec.DEFAULT_BLOCK_SIZE``: 2048 for onebit, 256 for int8/int4).
@@ -75,7 +77,7 @@ class PycommOptions:
     compressor: str = "onebit"
     inner: Optional[str] = None
     min_compress_numel: int = 65536
-    chunk_numel: int = 1 << 20
+    chunk_numel: Optional[int] = None
     block_size: Optional[int] = None
     density: float = 0.01
     approx: bool = True
@@ -99,7 +101,8 @@ class PycommOptions:
             raise ValueError(f"inner must be 'gloo', 'nccl' or None, got {self.inner!r}")
         # The engine holds these in int64: larger values would wrap.
         check_positive_int("min_compress_numel", self.min_compress_numel, INT64_MAX)
-        check_positive_int("chunk_numel", self.chunk_numel, INT64_MAX)
+        if self.chunk_numel is not None:
+            check_positive_int("chunk_numel", self.chunk_numel, INT64_MAX)
         if self.block_size is not None:
             check_positive_int("block_size", self.block_size, MAX_BLOCK_SIZE)
             if self.block_size % 32:
@@ -194,7 +197,7 @@ def _create_backend(dist_opts: Any, options: Optional[PycommOptions]) -> Any:
         inner,
         options.compressor,
         options.min_compress_numel,
-        options.chunk_numel,
+        options.chunk_numel or DEFAULT_CHUNK_NUMEL_BY_INNER[inner_name],
         options.block_size or 0,  # 0: each method's default
         options.density,
         options.approx,
@@ -251,7 +254,7 @@ def init_process_group(
     backend: Optional[str] = None,
     *,
     min_compress_numel: int = 65536,
-    chunk_numel: int = 1 << 20,
+    chunk_numel: Optional[int] = None,
     block_size: Optional[int] = None,
     density: float = 0.01,
     approx: bool = True,
@@ -582,7 +585,7 @@ def options_of(group: Optional[dist.ProcessGroup] = None, device: str = "cpu") -
 
 
 #: The phases of :func:`profile` (seconds), in the order a call passes them.
-PROFILE_PHASES = ("queued_s", "check_s", "encode_s", "wire_s", "decode_s", "other_s")
+PROFILE_PHASES = ("queued_s", "check_s", "encode_s", "wire_s", "decode_s", "sync_s", "other_s")
 
 
 def profile(group: Optional[dist.ProcessGroup] = None, device: str = "cpu", reset: bool = False) -> Dict[str, Any]:
@@ -597,7 +600,9 @@ def profile(group: Optional[dist.ProcessGroup] = None, device: str = "cpu", rese
     ``check_s`` (the cross-rank call check), ``encode_s`` (compressing, the
     error feedback, building payloads, issuing collectives), ``wire_s``
     (waiting for the inner collectives: the link and the slowest peer),
-    ``decode_s`` (decompressing, sums, finiteness) and ``other_s`` (the rest:
+    ``decode_s`` (decompressing, sums, finiteness), ``sync_s`` (reading the
+    call's checks, its tags and finiteness, in one read: on an accelerator
+    the wait for the call's kernels) and ``other_s`` (the rest:
     copies to and from other dtypes, allocation). ``forwarded`` /
     ``forwarded_s``: collectives passed to the inner backend unchanged. On an
     accelerator kernels are asynchronous: encode and decode then count
@@ -614,7 +619,7 @@ def profile(group: Optional[dist.ProcessGroup] = None, device: str = "cpu", rese
     if not isinstance(reset, bool):
         raise TypeError(f"reset must be a bool, got {reset!r}")
     d = dict(_pycomm_backend(group, _device(device)).profile(reset))
-    d["other_s"] = max(0.0, d["run_s"] - d["check_s"] - d["encode_s"] - d["wire_s"] - d["decode_s"])
+    d["other_s"] = max(0.0, d["run_s"] - sum(d[p] for p in PROFILE_PHASES[1:-1]))
     return d
 
 

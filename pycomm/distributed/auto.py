@@ -309,7 +309,7 @@ def calibrate(backend: Any, options: Any, device: str) -> Calibration:
     ``options.calibration`` when every rank has a matching one, else measured
     (and saved there by rank 0). Every rank of the group calls it."""
     rank = backend.rank()
-    settings = {"chunk_numel": options.chunk_numel, "block_size": options.block_size,
+    settings = {"chunk_numel": dict(backend.config)["chunk_numel"], "block_size": options.block_size,
                 "density": options.density, "approx": options.approx,
                 "min_compress_numel": options.min_compress_numel, "min_gain": MIN_GAIN}
     want = Calibration(backend.size(), backend.ranks_per_node, device, settings, list(SIZES), {}).key()

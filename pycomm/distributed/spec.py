@@ -42,9 +42,18 @@ DEFAULT_BLOCK_SIZE = {"onebit": 2048, "int8": 256, "int4": 256}
 #: The methods that keep error-feedback residuals.
 EF_METHODS = ("onebit", "topk", "int8", "int4")
 #: Chunk length (elements) of the engine's pipeline when none is given: 1 Mi
-#: elements (4 MiB of float32). Results depend on it (segment and block
-#: starts), so every party that must agree uses the same value.
+#: elements (4 MiB of float32), chunk i+1 compressed while chunk i is on the
+#: wire. Results depend on it (segment and block starts), so every party
+#: that must agree uses the same value: the one a group reports
+#: (``pd.options_of(group)["chunk_numel"]``).
 DEFAULT_CHUNK_NUMEL = 1 << 20
+#: The default by the wrapped backend. Over NCCL 64 Mi elements: a GPU
+#: compresses a 1 Mi chunk in microseconds, so overlapping it with the wire
+#: saves next to nothing, while each chunk costs the engine's thread a
+#: quarter of a millisecond of launches and collectives (measured on an
+#: H200: a 64 Mi-element onebit all-reduce took 18.2 ms in 1 Mi chunks, 1.4
+#: ms in one; docs/performance.md, "The engine on a GPU").
+DEFAULT_CHUNK_NUMEL_BY_INNER = {"gloo": DEFAULT_CHUNK_NUMEL, "nccl": 1 << 26}
 #: When the ranks compare their compressed calls: never, at the first use of
 #: each key and keyless (numel, dtype, op), or every call. The index is the
 #: engine's code. ``PYCOMM_DEBUG=detail`` in the environment means "every".
