@@ -35,7 +35,7 @@ fi
 tools_stamp="$VENV/.pycomm-tools"
 build_stamp="$VENV/.pycomm-build"
 tools_hash=$( { cat requirements-dev.txt; "$P" -c "import torch; print(torch.__version__)"; } | sha1sum)
-build_hash=$( { find CMakeLists.txt pyproject.toml csrc kernels -type f -print0 | sort -z | xargs -0 sha1sum;
+build_hash=$( { find CMakeLists.txt pyproject.toml cmake csrc kernels -type f -print0 | sort -z | xargs -0 sha1sum;
                 echo "$tools_hash"; } | sha1sum)
 if [ "$(cat "$tools_stamp" 2>/dev/null)" != "$tools_hash" ]; then
   echo "setup: build and test tools"
