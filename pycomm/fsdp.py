@@ -31,6 +31,7 @@ checkpoint: :meth:`FSDPCompression.state_dict` is a per-rank
 
 from __future__ import annotations
 
+import importlib
 import io
 import logging
 from collections.abc import Sequence
@@ -39,7 +40,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
 from .compressors.plugin import is_plugin
 from .distributed import BACKEND_NAME, PycommOptions
@@ -57,6 +57,84 @@ EF_BY_DEFAULT = ("onebit", "topk")
 COMPRESSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 __all__ = ["CompressedAllGather", "CompressedReduceScatter", "FSDPCompression", "compress", "engine_op"]
+
+# -- torch's private FSDP2 names ------------------------------------------------
+# FSDP2's custom-collective plug point lives in private modules whose names move
+# between torch releases: SymmMemAllGather / SymmMemReduceScatter are in 2.13,
+# not in 2.11 (importing them raised ImportError there); per-parameter meshes
+# (early 2026) turned a module's `_fsdp_param_group` into `_fsdp_param_groups`.
+# So nothing private is imported by name: each class is looked up with getattr,
+# and one this torch lacks is one nothing can be an instance of; attributes are
+# read with a fallback; mesh infos are told apart by their process groups. Only
+# the plug point itself (FSDPModule.set_custom_*, the AllGather/ReduceScatter
+# interfaces, the Default* collectives) is required: compress() names what is
+# missing. pyproject's torch floor (2.11) is the oldest release this ran on.
+_FSDP = "torch.distributed.fsdp._fully_shard."
+
+
+def _torch_classes(module: str, *names: str) -> tuple[type, ...]:
+    """The classes among ``names`` that torch's private module ``_FSDP +
+    module`` defines in this release (empty when none: ``isinstance(x, ())``
+    is False, as it should be for a class this torch does not have).
+
+    >>> _torch_classes("_fsdp_api", "ReduceScatter", "NoSuchClass")
+    (<class 'torch.distributed.fsdp._fully_shard._fsdp_api.ReduceScatter'>,)
+    """
+    try:
+        mod = importlib.import_module(_FSDP + module)
+    except ImportError:
+        return ()
+    return tuple(c for c in (getattr(mod, n, None) for n in names) if isinstance(c, type))
+
+
+# The interfaces a custom collective implements (torch >= 2.11). Without them
+# the classes below still define (on object) and compress() says why it cannot run.
+_AllGatherBase = (_torch_classes("_fsdp_api", "AllGather") or (object,))[0]
+_ReduceScatterBase = (_torch_classes("_fsdp_api", "ReduceScatter") or (object,))[0]
+
+
+def _unsupported_torch() -> str | None:
+    """Why this torch cannot take pycomm.fsdp's collectives, or None."""
+    missing = [n for n in ("set_custom_reduce_scatter", "set_custom_all_gather", "_get_fsdp_state")
+               if not hasattr(FSDPModule, n)]
+    missing += [f"{_FSDP}{m}.{n}" for m, n in (("_fsdp_api", "AllGather"), ("_fsdp_api", "ReduceScatter"),
+                                                ("_fsdp_collectives", "DefaultAllGather"),
+                                                ("_fsdp_collectives", "DefaultReduceScatter"))
+                if not _torch_classes(m, n)]
+    if not missing:
+        return None
+    return (f"pycomm.fsdp needs FSDP2's custom collectives (FSDPModule.set_custom_reduce_scatter, torch >= 2.11); "
+            f"this torch {torch.__version__} lacks {', '.join(missing)}")
+
+
+def _param_groups(module: Any) -> list[Any]:
+    """The FSDP parameter groups of one FSDP module: ``_fsdp_param_groups``
+    (torch with per-parameter meshes), else the one ``_fsdp_param_group``
+    (or none) of earlier releases."""
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [] if group is None else [group]
+    return list(groups)
+
+
+def _shard_pg(mesh_info: Any) -> dist.ProcessGroup | None:
+    """The shard-dimension group of a mesh info (FSDP or HSDP), else None."""
+    return getattr(mesh_info, "shard_process_group", None)
+
+
+def _replicate_pg(mesh_info: Any) -> dist.ProcessGroup | None:
+    """The replicate-dimension group of a mesh info (HSDP or DDP-style), else None."""
+    return getattr(mesh_info, "replicate_process_group", None)
+
+
+def _is_hsdp(group: Any) -> bool:
+    """Whether an FSDP parameter group shards and replicates (a 2-D mesh)."""
+    flag = getattr(group, "_is_hsdp", None)
+    if isinstance(flag, bool):
+        return flag
+    return _shard_pg(group.mesh_info) is not None and _replicate_pg(group.mesh_info) is not None
 
 
 def engine_op(op: Any, world_size: int) -> tuple[str, float | None]:
@@ -84,7 +162,7 @@ def _ranks(group: dist.ProcessGroup) -> tuple[int, ...]:
     return tuple(dist.get_process_group_ranks(group))
 
 
-class CompressedReduceScatter(ReduceScatter):
+class CompressedReduceScatter(_ReduceScatterBase):
     """FSDP2 ReduceScatter running the engine's compressed reduce-scatter
     for one module, under its own error-feedback key.
 
@@ -130,7 +208,7 @@ class CompressedReduceScatter(ReduceScatter):
         return f"CompressedReduceScatter(key={self.key}, module={self.fqn!r})"
 
 
-class CompressedAllGather(AllGather):
+class CompressedAllGather(_AllGatherBase):
     """FSDP2 AllGather running the engine's compressed all-gather (int8 by
     default) for one module's parameters, without error feedback: every rank
     decodes the same bytes, so the unsharded weights are identical on all
@@ -265,53 +343,51 @@ class FSDPCompression:
 
 
 def _check_param_group(module: FSDPModule, fqn: str) -> Any:
-    from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
-        DefaultAllGather,
-        DefaultReduceScatter,
-        ProcessGroupAllocAllGather,
-        ProcessGroupAllocReduceScatter,
-        SymmMemAllGather,
-        SymmMemReduceScatter,
-    )
+    # Looked up by name: the symmetric-memory collectives are absent from
+    # torch 2.11 (nothing can then use them), the process-group allocating
+    # ones may go the same way.
+    defaults = _torch_classes("_fsdp_collectives", "DefaultReduceScatter", "DefaultAllGather")
+    if len(defaults) != 2:
+        raise RuntimeError(_unsupported_torch() or "pycomm.fsdp: this torch has no FSDP2 default collectives")
+    symm_mem = _torch_classes("_fsdp_collectives", "SymmMemReduceScatter", "SymmMemAllGather")
+    pg_alloc = _torch_classes("_fsdp_collectives", "ProcessGroupAllocReduceScatter", "ProcessGroupAllocAllGather")
 
-    state = module._get_fsdp_state()
-    groups = state._fsdp_param_groups
+    groups = _param_groups(module)
     name = fqn or "<root>"
     if len(groups) > 1:
         raise ValueError(f"pycomm.fsdp: module {name!r} has {len(groups)} FSDP parameter groups (per-parameter "
                          f"meshes from shard_placement_fn); FSDP2 takes one custom reduce-scatter per module only")
     for g in groups:
-        for comm, what in ((g._reduce_scatter_comm, "reduce-scatter"), (g._all_gather_comm, "all-gather")):
-            if isinstance(comm, (SymmMemReduceScatter, SymmMemAllGather)):
+        for comm, what in ((getattr(g, "_reduce_scatter_comm", None), "reduce-scatter"),
+                           (getattr(g, "_all_gather_comm", None), "all-gather")):
+            if comm is None:
+                continue  # a torch that keeps no such attribute: nothing installed to check
+            if isinstance(comm, symm_mem):
                 raise ValueError(f"pycomm.fsdp: module {name!r} uses symmetric memory for its {what} "
                                  f"(set_symm_mem_for_comm); compressed collectives cannot run on it")
-            if isinstance(comm, (ProcessGroupAllocReduceScatter, ProcessGroupAllocAllGather)):
+            if isinstance(comm, pg_alloc):
                 raise ValueError(f"pycomm.fsdp: module {name!r} allocates its {what} buffers from the process "
                                  f"group (set_allocate_memory_from_process_group_for_comm); turn that off")
-            if not isinstance(comm, (DefaultReduceScatter, DefaultAllGather, CompressedReduceScatter,
-                                     CompressedAllGather)):
+            if not isinstance(comm, (*defaults, CompressedReduceScatter, CompressedAllGather)):
                 raise ValueError(f"pycomm.fsdp: module {name!r} already has a custom {what} "
                                  f"({type(comm).__name__})")
     return groups[0] if groups else None
 
 
 def _mesh_groups(param_groups: list[Any]) -> tuple[set, set]:
-    """Every (shard ranks, replicate ranks) set of this rank's modules."""
-    from torch.distributed.fsdp._fully_shard._fsdp_common import (
-        DDPMeshInfo,
-        FSDPMeshInfo,
-    )
-
+    """Every (shard ranks, replicate ranks) set of this rank's modules. Mesh
+    infos are read by their process groups, not their (private) classes:
+    FSDP has a shard group, DDP-style a replicate group, HSDP both."""
     shard, repl = set(), set()
     for g in param_groups:
         mi = g.mesh_info
-        if isinstance(mi, FSDPMeshInfo):
-            shard.add(_ranks(mi.shard_process_group))
-            pf = g.post_forward_mesh_info
-            if pf is not None and pf is not mi and isinstance(pf, FSDPMeshInfo):
-                shard.add(_ranks(pf.shard_process_group))
-        if isinstance(mi, DDPMeshInfo):
-            repl.add(_ranks(mi.replicate_process_group))
+        if _shard_pg(mi) is not None:
+            shard.add(_ranks(_shard_pg(mi)))
+            pf = getattr(g, "post_forward_mesh_info", None)
+            if pf is not None and pf is not mi and _shard_pg(pf) is not None:
+                shard.add(_ranks(_shard_pg(pf)))
+        if _replicate_pg(mi) is not None:
+            repl.add(_ranks(_replicate_pg(mi)))
     return shard, repl
 
 
@@ -356,6 +432,9 @@ def compress(
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    unsupported = _unsupported_torch()
+    if unsupported is not None:
+        raise RuntimeError(unsupported)
     if settings.get("rounding") == "stochastic" and not {compressor, weights, replicate} & {"int8", "int4"}:
         raise ValueError("rounding='stochastic' is for the int8 and int4 compressors; none of compressor, "
                          "weights and replicate is one")
@@ -387,7 +466,7 @@ def compress(
     for fqn, m in modules:
         g = _check_param_group(m, fqn)
         param_groups.append(g)
-    if any(g is not None and g._is_hsdp for g in param_groups) and shard == "exact" and replicate == "none":
+    if any(g is not None and _is_hsdp(g) for g in param_groups) and shard == "exact" and replicate == "none":
         log.warning("pycomm.fsdp: shard='exact' and replicate='none': nothing is compressed")
     replicate = compressor if replicate is None else replicate
 
@@ -433,9 +512,9 @@ def compress(
             m.set_custom_reduce_scatter(CompressedReduceScatter(comp, key, fqn))
         if weights is not None:
             m.set_custom_all_gather(CompressedAllGather(comp, fqn))
-        if g._is_hsdp and ("replicate", _ranks(g.mesh_info.replicate_process_group)) in comp.groups:
+        if _is_hsdp(g) and ("replicate", _ranks(_replicate_pg(g.mesh_info))) in comp.groups:
             # FSDP2 all-reduces the replicate dimension with dist.all_reduce
             # on this group: a pycomm group compresses it (keyless: no EF).
             g.mesh_info.replicate_process_group = comp.groups[("replicate", _ranks(
-                g.mesh_info.replicate_process_group))]
+                _replicate_pg(g.mesh_info)))]
     return comp

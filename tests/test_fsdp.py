@@ -103,7 +103,7 @@ def _rank(rank, world, names, ckpt):
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     import pycomm.distributed as pd
-    from pycomm.fsdp import CompressedReduceScatter
+    from pycomm.fsdp import CompressedReduceScatter, _param_groups
 
     out = {}
     for name in names:
@@ -136,8 +136,8 @@ def _rank(rank, world, names, ckpt):
     if rank == world - 1:
         x[before.numel() // 2] = math.inf
     y = torch.empty(before.numel() // world)
-    CompressedReduceScatter(comp, key, "0")(y, x, m[0]._get_fsdp_state()._fsdp_param_groups[0].
-                                           mesh_info.shard_process_group, dist.ReduceOp.AVG)
+    CompressedReduceScatter(comp, key, "0")(y, x, _param_groups(m[0])[0].mesh_info.shard_process_group,
+                                           dist.ReduceOp.AVG)
     out["nonfinite"] = (before, pd.error_feedback_state(pg, keys=[key])[key]["worker"].clone(),
                         bool(torch.isfinite(y).all()))
 
@@ -157,6 +157,17 @@ def _rank(rank, world, names, ckpt):
         out["mismatch"] = None
     except RuntimeError as exc:
         out["mismatch"] = str(exc)
+
+    # torch 2.11 has no symmetric-memory collectives (SymmMemAllGather,
+    # SymmMemReduceScatter): without them pycomm.fsdp runs as before.
+    import torch.distributed.fsdp._fully_shard._fsdp_collectives as fc
+
+    for n in ("SymmMemAllGather", "SymmMemReduceScatter", "ProcessGroupAllocAllGather",
+              "ProcessGroupAllocReduceScatter"):
+        if hasattr(fc, n):
+            delattr(fc, n)
+    m3, _, opt3 = _build(CASES["int8-avg"], world)
+    out["without_private_names"] = [_step(m3, opt3, s, rank) for s in range(STEPS)]
     return out
 
 
@@ -164,10 +175,11 @@ def _rank_hsdp(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
     import pycomm.distributed as pd
+    from pycomm.fsdp import _param_groups
 
     mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
     m, comp, opt = _build(("int8", False, None, None, None, {}), world, mesh=mesh)
-    g = m[0]._get_fsdp_state()._fsdp_param_groups[0]
+    g = _param_groups(m[0])[0]
     losses = [_step(m, opt, s, rank) for s in range(2)]
     return {"losses": losses, "shards": _shards(m), "replicate_is_pycomm": pd.is_pycomm_group(
         g.mesh_info.replicate_process_group), "roles": sorted({role for role, _ in comp.groups})}
@@ -267,27 +279,94 @@ def test_hsdp_compresses_the_replicate_all_reduce(results):
         assert all(torch.equal(a, b) for a, b in zip(res[r]["shards"], res[r + 2]["shards"]))
 
 
-def _fake_module(comms):
+def _fake_module(comms, singular=False):
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
 
     groups = [types.SimpleNamespace(_reduce_scatter_comm=c, _all_gather_comm=DefaultAllGather()) for c in comms]
-    return types.SimpleNamespace(_get_fsdp_state=lambda: types.SimpleNamespace(_fsdp_param_groups=groups))
+    if singular:  # a torch before per-parameter meshes: one `_fsdp_param_group` (or None) per module
+        state = types.SimpleNamespace(_fsdp_param_group=groups[0] if groups else None)
+    else:
+        state = types.SimpleNamespace(_fsdp_param_groups=groups)
+    return types.SimpleNamespace(_get_fsdp_state=lambda: state)
 
 
 def test_unsupported_setups_are_refused():
-    from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
-        DefaultReduceScatter,
-        SymmMemReduceScatter,
-    )
+    import torch.distributed.fsdp._fully_shard._fsdp_collectives as fc
 
     from pycomm.fsdp import _check_param_group
 
     with pytest.raises(ValueError, match=r"module 'layers.3' has 2 FSDP parameter groups"):
-        _check_param_group(_fake_module([DefaultReduceScatter(), DefaultReduceScatter()]), "layers.3")
-    symm = SymmMemReduceScatter.__new__(SymmMemReduceScatter)
-    with pytest.raises(ValueError, match=r"module 'layers.3' uses symmetric memory"):
-        _check_param_group(_fake_module([symm]), "layers.3")
-    assert _check_param_group(_fake_module([DefaultReduceScatter()]), "x") is not None
+        _check_param_group(_fake_module([fc.DefaultReduceScatter(), fc.DefaultReduceScatter()]), "layers.3")
+    symm_cls = getattr(fc, "SymmMemReduceScatter", None)  # torch >= 2.12 only
+    if symm_cls is not None:
+        with pytest.raises(ValueError, match=r"module 'layers.3' uses symmetric memory"):
+            _check_param_group(_fake_module([symm_cls.__new__(symm_cls)]), "layers.3")
+    alloc_cls = fc.ProcessGroupAllocReduceScatter
+    with pytest.raises(ValueError, match=r"module 'layers.3' allocates its reduce-scatter buffers"):
+        _check_param_group(_fake_module([alloc_cls.__new__(alloc_cls)]), "layers.3")
+    with pytest.raises(ValueError, match=r"module 'layers.3' already has a custom reduce-scatter \(object\)"):
+        _check_param_group(_fake_module([object()]), "layers.3")
+    assert _check_param_group(_fake_module([fc.DefaultReduceScatter()]), "x") is not None
+
+
+def test_private_torch_names_may_be_missing(monkeypatch):
+    """What torch 2.11 lacks (SymmMem* collectives; before per-parameter
+    meshes, `_fsdp_param_groups`) is not needed; what pycomm.fsdp cannot run
+    without is named in a clear error, not an ImportError from inside."""
+    import torch.distributed.fsdp._fully_shard._fsdp_collectives as fc
+    from torch.distributed.fsdp import FSDPModule
+
+    import pycomm.fsdp as pf
+
+    for n in ("SymmMemAllGather", "SymmMemReduceScatter", "ProcessGroupAllocAllGather",
+              "ProcessGroupAllocReduceScatter"):
+        monkeypatch.delattr(fc, n, raising=False)
+    assert pf._check_param_group(_fake_module([fc.DefaultReduceScatter()]), "x") is not None
+    assert pf._check_param_group(_fake_module([fc.DefaultReduceScatter()], singular=True), "x") is not None
+    assert pf._check_param_group(_fake_module([], singular=True), "x") is None
+    with pytest.raises(ValueError, match=r"already has a custom reduce-scatter \(object\)"):
+        pf._check_param_group(_fake_module([object()], singular=True), "x")
+    assert pf._unsupported_torch() is None
+
+    # The plug point itself missing: refused, naming what is missing and the floor.
+    monkeypatch.delattr(fc, "DefaultReduceScatter")
+    assert "_fsdp_collectives.DefaultReduceScatter" in pf._unsupported_torch()
+    with pytest.raises(RuntimeError, match=r"torch >= 2\.11.*lacks .*_fsdp_collectives\.DefaultReduceScatter"):
+        pf._check_param_group(_fake_module([object()]), "x")
+    monkeypatch.delattr(FSDPModule, "set_custom_reduce_scatter")
+    with pytest.raises(RuntimeError, match=r"torch >= 2\.11.*lacks set_custom_reduce_scatter"):
+        pf.compress(torch.nn.Linear(2, 2))
+
+
+def test_import_without_the_custom_collective_interfaces():
+    """A torch without _fsdp_api.AllGather/ReduceScatter: pycomm.fsdp still
+    imports, and compress() says why it cannot run (fresh interpreter: the
+    classes are looked up at import)."""
+    import pathlib
+    import subprocess
+    import sys
+
+    code = (
+        "import torch.distributed.fsdp._fully_shard._fsdp_api as api\n"
+        "del api.AllGather, api.ReduceScatter\n"
+        "import torch, pycomm.fsdp as pf\n"
+        "try:\n"
+        "    pf.compress(torch.nn.Linear(2, 2))\n"
+        "except RuntimeError as exc:\n"
+        "    print('REFUSED', exc)\n"
+    )
+    root = pathlib.Path(__file__).resolve().parents[1]
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=root)
+    assert res.returncode == 0, res.stderr
+    assert "REFUSED pycomm.fsdp needs FSDP2's custom collectives" in res.stdout, res.stdout
+    assert "_fsdp_api.AllGather" in res.stdout and "_fsdp_api.ReduceScatter" in res.stdout, res.stdout
+
+
+def test_runs_without_the_symm_mem_collectives(results):
+    """Over 2 Gloo ranks with SymmMem*/ProcessGroupAlloc* deleted from torch
+    (as on torch 2.11): the same training as with them, bit for bit."""
+    for r in range(2):
+        assert results[2][r]["without_private_names"] == results[2][r]["int8-avg"]["losses"], r
 
 
 def test_arguments_are_checked():
