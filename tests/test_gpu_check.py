@@ -102,6 +102,7 @@ def test_unknown_option_exits_with_usage(tmp_path: Path):
         (["--only", "build,nope"], "--only: unknown step 'nope'"),
         (["--numel"], "option --numel needs a value"),
         (["a", "b"], "at most one OUT_DIR"),
+        (["--dry-run", "--only", "op_errors"], "--only: unknown step 'op_errors' (a GPU step: not in --dry-run)"),
     ],
 )
 def test_bad_arguments_exit_with_usage(args, message):
@@ -126,3 +127,73 @@ def test_other_entry_points(command, prog):
     assert f"usage: {prog}" in proc.stdout and "--dry-run" in proc.stdout
     proc = _run(["--budget", "abc"], timeout=60, command=command)
     assert proc.returncode == 2 and "--budget" in proc.stderr
+
+
+GPU_STEPS = ["env", "build", "tests_product", "bench_engine", "op_errors", "tests_cuda", "bench", "tests_triton"]
+
+
+def test_gpu_plan_is_in_priority_order_and_fits_the_budget():
+    from pycomm.bench import gpu_check as G
+
+    plan = G.PLANS["gpu"]
+    assert [name for name, _, _ in plan] == GPU_STEPS
+    assert all(name in G.STEPS for name in GPU_STEPS)
+    # Every step's minimum is kept within the default budget (450 s, as parse_args says).
+    budget = G.parse_args(["/tmp/x"])["budget"]
+    assert budget == 450 and sum(m for _, _, m in plan) + G.REPORT_RESERVE <= budget
+    assert dict((n, c) for n, c, _ in plan)["bench_engine"] == 150
+
+
+def test_only_takes_the_gpu_steps():
+    from pycomm.bench import gpu_check as G
+
+    opts = G.parse_args(["--only", "build,tests_product,bench_engine,op_errors", "/tmp/x"])
+    assert opts["selected"] == ["bench_engine", "build", "op_errors", "tests_product"]
+    assert set(G.parse_args(["/tmp/x"])["selected"]) >= set(GPU_STEPS[1:])
+    assert G.parse_args(["--dry-run", "--only", "tests", "/tmp/x"])["selected"] == ["tests"]
+    # "tests" stands for every test step, op_errors included.
+    assert set(G.STEP_GROUPS["tests"]) >= {"tests_product", "op_errors", "tests_cuda", "tests_triton"}
+
+
+def _junit(path: Path, tests: int, failures: int) -> None:
+    path.write_text(f'<testsuites><testsuite name="pytest" errors="0" failures="{failures}" skipped="0" '
+                    f'tests="{tests}" time="2.0"></testsuite></testsuites>')
+
+
+def test_report_lists_the_new_steps(tmp_path: Path, capsys):
+    """summary.json and the printed table of a GPU run hold the new steps
+    and what they produced (results made up here: no GPU)."""
+    import time
+
+    from pycomm.bench import gpu_check as G
+
+    out = tmp_path
+    with open(out / "steps.tsv", "w") as fh:
+        fh.write("\t".join(G.STEP_FIELDS) + "\n")
+        for name in GPU_STEPS:
+            status = "failed" if name == "op_errors" else "ok"
+            fh.write("\t".join([name, status, "0", "10", "60", G.notes_for(name, str(out))]) + "\n")
+    (out / "engine.json").write_text(json.dumps({"records": [
+        {"method": "onebit", "numel": 1 << 26, "status": "ok", "engine_over_kernels": 0.31},
+        {"method": "int8", "numel": 1 << 26, "status": "ok", "engine_over_kernels": 0.42}]}))
+    (out / "op_errors.json").write_text(json.dumps({"cases": [{"outcome": "raised"}] * 6 + [{"outcome": "crashed"}]}))
+    _junit(out / "tests-product.xml", 12, 0)
+    _junit(out / "tests-op_errors.xml", 13, 1)
+    assert "12 tests, 0 failed" in G.notes_for("tests_product", str(out))
+    assert "onebit n=67108864 0.31" in G.notes_for("bench_engine", str(out))
+    assert "probe: 1 crashed, 6 raised" in G.notes_for("op_errors", str(out))
+
+    assert G.report(str(out), "gpu", int(time.time()), "256M") is False  # op_errors failed
+    printed = capsys.readouterr().out
+    summary = json.loads((out / "summary.json").read_text())
+    assert [s["step"] for s in summary["steps"]] == GPU_STEPS
+    assert summary["failed_steps"] == ["op_errors"]
+    assert summary["engine_over_kernels"] == {"onebit n=67108864": 0.31, "int8 n=67108864": 0.42}
+    assert summary["op_error_probe"] == {"raised": 6, "crashed": 1}
+    assert summary["tests"]["tests-product.xml"]["passed"] == 12
+    assert summary["tests"]["tests-op_errors.xml"]["failed"] == 1
+    for name in GPU_STEPS:
+        assert re.search(rf"^{name} +(ok|failed) ", printed, re.M), name
+    assert "engine over the bare kernels (engine.json, GB/s over GB/s): onebit n=67108864 0.31" in printed
+    assert "op error probe: 1 crashed, 6 raised" in printed
+    assert printed.rstrip().splitlines()[-1] == "RESULT: FAIL (op_errors)"

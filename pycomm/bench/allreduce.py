@@ -530,6 +530,11 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
     4M, few repeats) and lists parsed; raises ValueError naming the bad option."""
     from .cli import fill_defaults, list_option, positive_int
 
+    if _on_cuda(args):
+        # --device cuda: the engine on one GPU (pycomm.bench.engine_cuda).
+        from . import engine_cuda
+
+        return engine_cuda.resolve_args(args)
     a = argparse.Namespace(**vars(args))
     quick = bool(getattr(a, "quick", False))
     fill_defaults(a, quick, repeats=(DEFAULT_REPEATS, QUICK_REPEATS), warmup=(DEFAULT_WARMUP, QUICK_WARMUP))
@@ -562,13 +567,55 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
 
     device = torch.device(getattr(a, "device", None) or "cpu")
     if device.type != "cpu":
-        raise ValueError(f"argument --device: the all-reduce benchmark runs Gloo on cpu, got {device}")
+        raise ValueError(f"argument --device: the all-reduce benchmark runs Gloo on cpu or the engine on cuda, "
+                         f"got {device}")
     a.device = device
     a.progress = bool(getattr(a, "progress", True))
     a.threads = getattr(a, "threads", None)
     if getattr(a, "json", None) is None:
         a.json = default_json_path("allreduce", "cpu", quick=quick)
     return a
+
+
+def _on_cuda(args: argparse.Namespace) -> bool:
+    """Whether ``--device`` names a CUDA device (the engine benchmark)."""
+    return torch.device(getattr(args, "device", None) or "cpu").type == "cuda"
+
+
+def _device_arg(text: str) -> torch.device:
+    """argparse type of ``--device`` here: as every benchmark's, but a cuda
+    device on a machine without one is refused saying what it is for."""
+    from .cli import device_arg
+
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        device = None
+    if device is not None and device.type == "cuda" and not torch.cuda.is_available():
+        from .engine_cuda import CUDA_NEEDED
+
+        raise argparse.ArgumentTypeError(CUDA_NEEDED)
+    return device_arg(text)
+
+
+def _own_device_option(parser: argparse.ArgumentParser) -> None:
+    """Give this subcommand a ``--device`` of its own (the common one is
+    shared by every subcommand's parser): cuda runs the engine benchmark, and
+    asking for it without a GPU says so."""
+    import copy
+
+    for i, action in enumerate(parser._actions):
+        if "--device" not in action.option_strings:
+            continue
+        mine = copy.copy(action)
+        mine.type = _device_arg
+        mine.help = ("cpu: Gloo on local ranks (default); cuda[:N]: the engine on one GPU, one rank over NCCL "
+                     "(pycomm.bench.engine_cuda)")
+        parser._actions[i] = mine
+        for option in action.option_strings:
+            parser._option_string_actions[option] = mine
+        for group in parser._action_groups:
+            group._group_actions[:] = [mine if a is action else a for a in group._group_actions]
 
 
 def make_args(**overrides: Any) -> argparse.Namespace:
@@ -596,6 +643,10 @@ def run_allreduce(args: argparse.Namespace) -> Dict[str, Any]:
         >>> sorted({r["method"] for r in doc["records"]})                       # doctest: +SKIP
         ['fp16', 'onebit', 'plain', 'topk-0.001', 'topk-0.01']
     """
+    if _on_cuda(args):
+        from . import engine_cuda
+
+        return engine_cuda.run_from_args(args)
     args = resolve_args(args)
     started = _dt.datetime.now().isoformat(timespec="seconds")
     t_start = time.monotonic()
@@ -710,6 +761,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``allreduce`` options (the common ones are already there)."""
     from .cli import positive_int
 
+    _own_device_option(parser)
     g = parser.add_argument_group("allreduce options")
     g.add_argument("--ranks", nargs="+", metavar="W", default=None,
                    help="world sizes, comma or space separated, each run as that many local "
@@ -734,6 +786,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """``pycomm-bench allreduce``: run, print the table, write the JSON.
     Exit status 1 if a method failed verification or a world size failed."""
+    if _on_cuda(args):
+        from . import engine_cuda
+
+        return engine_cuda.run(args)
     t0 = time.monotonic()
     doc = run_allreduce(args)
     return finish(doc, args.json, format_table(doc), failed(doc), t0)

@@ -10,6 +10,17 @@ system-wide; no network), in under 8 minutes:
   register/spill report), Triton kernels compiled ahead of time for sm_90a
   (their registers/spills), and pip install --no-build-isolation --no-deps
   --no-index -e . with PYCOMM_CUDA=ON (verbose log in build.log);
+* tests_product: pytest tests/test_gpu_product.py -m gpu (the product on the
+  GPU: the engine over NCCL against the simulation, Gloo with CUDA tensors,
+  the DDP hook, OneBitAdam/OneBitSGD, pycomm.fsdp, no host sync under
+  ``torch.cuda.set_sync_debug_mode``);
+* bench_engine: ``pycomm-bench allreduce --device cuda --json engine.json``
+  (the engine's GB/s beside the bare kernels' and plain NCCL's; per method
+  engine_over_kernels);
+* op_errors: benchmarks/op_error_probe.py (each of tests/test_triton.py's
+  ERROR_CASES in a subprocess of its own: raised, wrong message or crashed)
+  and pytest tests/test_triton.py -k test_op_errors_match_cpp: hostile input
+  to the CUDA build's C++ ops;
 * tests_cuda: pytest tests/test_onebit.py tests/test_topk.py tests/test_quant.py -m gpu (the
   impl="cuda" cases against the reference);
 * bench: ``pycomm-bench kernels --device cuda --numel 256M`` (CUDA, Triton,
@@ -17,15 +28,17 @@ system-wide; no network), in under 8 minutes:
   CUDA events, medians, GB/s against a device-to-device copy timed in the
   same run;
 * tests_triton: pytest tests/test_triton.py (on the GPU: Triton compiled;
-  last, as the longest: the budget cuts it, not the benchmark);
+  last, as the longest);
 * report: summary.json and a short table, printed last.
 
-Every step runs in its own process group under a time limit taken from one
-overall budget (default 450 s: with the report and the kill grace, all ends
-within 8 minutes); a step that fails does not stop the next; the exit status
-is 1 if any failed. tests/test_backend.py and the other multi-process tests
-are not run here: they run Gloo on CPU tensors, which the CPU test suite
-already covers.
+The steps run in that order, which is their priority: when the budget runs
+short, the last ones are cut (each step's minimum, in PLANS, is kept for it
+while earlier steps run). Every step runs in its own process group under a
+time limit taken from one overall budget (default 450 s: with the report and
+the kill grace, all ends within 8 minutes); a step that fails does not stop
+the next; the exit status is 1 if any failed. tests/test_backend.py and the
+other multi-process tests on CPU tensors are not run here: the CPU test
+suite already covers them.
 
 ``--dry-run`` (CPU machines, no GPU): everything that runs without one: the
 argument handling, the environment checks (of the interpreter at hand; no
@@ -45,6 +58,7 @@ Example::
 
     $ python -m pycomm.bench gpu-check --dry-run          # or: python -m pycomm.bench.gpu_check --dry-run
     $ python pycomm/bench/gpu_check.py --only build,tests /tmp/gpu-out
+    $ python pycomm/bench/gpu_check.py --only build,bench_engine,op_errors /tmp/gpu-out
 """
 
 from __future__ import annotations
@@ -83,9 +97,12 @@ usage: {prog} [--dry-run] [--only STEPS] [--budget SECONDS] [--numel N]
                      benchmarks/results/gpu-<date>/, or gpu-dryrun-<date>/
                      with --dry-run)
   --dry-run          CPU machine: run all that needs no GPU, skip the rest
-  --only STEPS       comma-separated subset of: build,tests,bench (env and
-                     report always run; without build, the venv and the
-                     build of an earlier run are reused)
+  --only STEPS       comma-separated steps: build, tests_product,
+                     bench_engine, op_errors, tests_cuda, bench, tests_triton;
+                     "tests" is every test step (tests_*, op_errors). With
+                     --dry-run: build, tests, bench. env and report always
+                     run; without build, the venv and the build of an
+                     earlier run are reused
   --budget SECONDS   time for the steps (default 450; 170 with --dry-run)
   --numel N          benchmark size (default 256M; 64k with --dry-run)
   --wheelhouse DIR   install missing build/test tools from wheels in DIR
@@ -102,11 +119,16 @@ PYCOMM_GPU_ARCHS (default "90a-real;90-virtual"), PYCOMM_GPU_OUT, CUDA_HOME.
 #: name:cap:min -- cap = most seconds the step may take; min = seconds kept
 #: for it while earlier steps run (the budget is shared, first come first
 #: served, but never eats the minimum of a later step or of the report).
+#: The order is the priority: what is cut when time runs short comes last.
+#: GPU: the minimums (420 s) fit the default budget (450 s, less the report's
+#: 15 s); bench_engine's ~150 s is its cap, two thirds of it kept for it.
 PLANS = {
     "dry": [("env", 30, 5), ("build", 100, 30), ("tests", 90, 30), ("bench", 60, 20)],
-    "gpu": [("env", 90, 20), ("build", 240, 60), ("tests_cuda", 150, 40), ("bench", 200, 60),
-            ("tests_triton", 180, 50)],
+    "gpu": [("env", 60, 20), ("build", 180, 60), ("tests_product", 150, 60), ("bench_engine", 150, 120),
+            ("op_errors", 120, 60), ("tests_cuda", 120, 30), ("bench", 150, 40), ("tests_triton", 150, 30)],
 }
+#: --only names that stand for several steps.
+STEP_GROUPS = {"tests": ("tests", "tests_product", "op_errors", "tests_cuda", "tests_triton")}
 REPORT_RESERVE = 15
 #: Seconds between SIGTERM and SIGKILL of a step that ran out of time.
 KILL_GRACE = 5
@@ -161,14 +183,16 @@ def parse_args(argv: Sequence[str]) -> Dict[str, object]:
         raise UsageError(f"--budget: an integer >= 30 seconds, got '{budget}'")
     if not re.fullmatch(r"[0-9]+[kKmMgG]?", numel):
         raise UsageError(f"--numel: a positive integer with an optional k/M/G suffix, got '{numel}'")
-    selected = {"build", "tests", "bench"}
+    choices = list(dict.fromkeys([n for n, _, _ in PLANS[mode] if n != "env"] + list(STEP_GROUPS)))
+    selected = set(choices)
     if only:
         parts = only.split(",")
         if parts and parts[-1] == "":
             parts.pop()  # "build," is "build"
         for s in parts:
-            if s not in selected:
-                raise UsageError(f"--only: unknown step '{s}' (choose from build,tests,bench)")
+            if s not in choices:
+                gpu_only = " (a GPU step: not in --dry-run)" if any(n == s for n, _, _ in PLANS["gpu"]) else ""
+                raise UsageError(f"--only: unknown step '{s}'{gpu_only} (choose from {','.join(choices)})")
         selected = set(parts)
     if wheelhouse:
         if not os.path.isdir(wheelhouse):
@@ -630,7 +654,8 @@ def step_build(st: Dict[str, object]) -> int:
         build_log = os.path.join(out, "build.log")
         with open(build_log, "w", encoding="utf-8") as fh:
             rc = subprocess.run([py, "-m", "pip", "install", "-v", "--no-build-isolation", "--no-deps", "--no-index",
-                                 "-e", ".", *defs], cwd=root, stdout=fh, stderr=subprocess.STDOUT).returncode
+                                 "-e", ".", *defs], cwd=root, stdout=fh, stderr=subprocess.STDOUT,
+                                env=_compiler_env()).returncode
         log = _read(build_log)
         took = int(time.monotonic() - t0)
         if rc == 0:
@@ -690,6 +715,25 @@ def step_build(st: Dict[str, object]) -> int:
     return fail
 
 
+def _compiler_env() -> Dict[str, str]:
+    """The build's environment. A CXX that is a wrapper script is replaced by
+    the system's g++: the GPU machine's CXX (/opt/gcc/bin/g++, a script)
+    links libstdc++ statically into shared libraries, which CMakeLists.txt
+    refuses (an extension with its own libstdc++ beside torch's crashed
+    whenever an error message held a number)."""
+    env = dict(os.environ)
+    cxx = env.get("CXX", "")
+    try:
+        with open(cxx, "rb") as fh:
+            script = fh.read(2) == b"#!"
+    except OSError:
+        script = False
+    if script and os.path.exists("/usr/bin/g++"):
+        say(f"CXX={cxx} is a wrapper script: building with /usr/bin/g++ (libstdc++ linked as a shared library)")
+        env.update(CXX="/usr/bin/g++", CC="/usr/bin/gcc", CUDAHOSTCXX="/usr/bin/g++")
+    return env
+
+
 def _print_build_commands(build_dir: str, pattern: str, root: str) -> None:
     """The nvcc command lines ninja would run for the CUDA kernels, relative to the repository."""
     rc, text = _out(["ninja", "-C", build_dir, "-t", "commands", "pycomm_cuda_kernels"])
@@ -715,6 +759,48 @@ def step_tests_triton(st: Dict[str, object]) -> int:
     return _pytest(st, "triton", "tests/test_triton.py", "--maxfail=50")
 
 
+def step_tests_product(st: Dict[str, object]) -> int:
+    path = "tests/test_gpu_product.py"
+    say(f"pytest {path} -m gpu (engine over NCCL vs the simulation, Gloo with CUDA tensors, the DDP hook, "
+        "OneBitAdam/OneBitSGD, pycomm.fsdp, no host sync under set_sync_debug_mode)")
+    if not os.path.isfile(os.path.join(st["root"], path)):
+        problem(f"{path} not found")
+        return 1
+    return _pytest(st, "product", path, "-m", "gpu", "--maxfail=50")
+
+
+def step_bench_engine(st: Dict[str, object]) -> int:
+    path = os.path.join(st["out"], "engine.json")
+    say("pycomm-bench allreduce --device cuda --json engine.json (the engine's GB/s beside the kernels' and "
+        "plain NCCL's)")
+    return _sh([st["py"], "-m", "pycomm.bench", "allreduce", "--device", "cuda", "--no-progress", "--json", path],
+               cwd=st["root"])
+
+
+def step_op_errors(st: Dict[str, object]) -> int:
+    """Hostile input to the CUDA build's ops: the probe runs each case in a
+    process of its own (a segfault is a finding, not the end of the step),
+    then the test itself, whose one crash would end it."""
+    fail = 0
+    probe = os.path.join(st["root"], "benchmarks", "op_error_probe.py")
+    say("benchmarks/op_error_probe.py (each ERROR_CASES case in a subprocess: raised / wrong message / crashed)")
+    if not os.path.isfile(probe):
+        problem("benchmarks/op_error_probe.py not found")
+        fail = 1
+    else:
+        args = [st["py"], probe]
+        if '"--json"' in _read(probe):  # the probe writes JSON: keep it with the results
+            args += ["--json", os.path.join(st["out"], "op_errors.json")]
+        rc = _sh(args, cwd=st["root"])
+        if rc != 0:
+            problem(f"the op error probe exited {rc}: a case crashed or raised the wrong error (above)")
+            fail = 1
+    say("pytest tests/test_triton.py -k test_op_errors_match_cpp (the Triton and the C++ ops, same errors)")
+    if _pytest(st, "op_errors", "tests/test_triton.py", "-k", "test_op_errors_match_cpp") != 0:
+        fail = 1
+    return fail
+
+
 def step_tests(st: Dict[str, object]) -> int:
     """The dry run's: the CPU half, quickly."""
     say("pytest tests/test_onebit.py -x -m 'not gpu' --strict-markers (the CPU half; the GPU half needs a device)")
@@ -732,7 +818,8 @@ def step_bench(st: Dict[str, object]) -> int:
                 "--no-progress", "--json", os.path.join(st["out"], f"kernels-cuda-{st['date']}.json")], cwd=st["root"])
 
 
-STEPS = {"env": step_env, "build": step_build, "tests": step_tests, "tests_cuda": step_tests_cuda,
+STEPS = {"env": step_env, "build": step_build, "tests": step_tests, "tests_product": step_tests_product,
+         "bench_engine": step_bench_engine, "op_errors": step_op_errors, "tests_cuda": step_tests_cuda,
          "tests_triton": step_tests_triton, "bench": step_bench}
 
 
@@ -1067,11 +1154,22 @@ def notes_for(name: str, out: str) -> str:
             return "; ".join(notes)
         if name.startswith("tests"):
             xml = os.path.join(out, "tests-cpu.xml" if name == "tests" else f"tests-{name[len('tests_'):]}.xml")
-            if not os.path.isfile(xml):
+            return _xml_note(xml)
+        if name == "op_errors":
+            notes = []
+            counts = _op_error_outcomes(_load(os.path.join(out, "op_errors.json")))
+            if counts:
+                notes.append("probe: " + ", ".join(f"{n} {k}" for k, n in sorted(counts.items())))
+            notes.append(_xml_note(os.path.join(out, "tests-op_errors.xml")))
+            return "; ".join(n for n in notes if n)
+        if name == "bench_engine":
+            d = _load(os.path.join(out, "engine.json"))
+            if d is None:
                 return ""
-            a = _suite(xml).attrib
-            return (f"{a.get('tests')} tests, {a.get('failures')} failed, {a.get('errors')} errors, "
-                    f"{a.get('skipped')} skipped")
+            ratios = _engine_ratios(d)
+            bad = [r for r in d.get("records", []) if isinstance(r, dict) and r.get("status", "ok") != "ok"]
+            return (f"{len(d.get('records', []))} records, {len(bad)} not ok; engine/kernels "
+                    + (", ".join(f"{m} {_fmt_any(v)}" for m, v in ratios.items()) or "?"))
         if name == "bench":
             found = sorted(glob.glob(os.path.join(out, "kernels-*.json")))
             d = _load(found[0]) if found else None
@@ -1082,6 +1180,61 @@ def notes_for(name: str, out: str) -> str:
     except (KeyError, TypeError, ValueError, AttributeError, ET.ParseError):
         pass
     return ""
+
+
+def _xml_note(xml: str) -> str:
+    if not os.path.isfile(xml):
+        return ""
+    a = _suite(xml).attrib
+    return f"{a.get('tests')} tests, {a.get('failures')} failed, {a.get('errors')} errors, {a.get('skipped')} skipped"
+
+
+def _engine_ratios(doc: object) -> Dict[str, object]:
+    """Method -> engine_over_kernels (engine GB/s over the bare kernels'),
+    wherever engine.json keeps it: a map per method, or a field of records
+    that name their method (and size).
+
+    >>> _engine_ratios({"records": [{"method": "onebit", "numel": 64, "engine_over_kernels": 0.5}]})
+    {'onebit n=64': 0.5}
+    """
+    found: Dict[str, object] = {}
+
+    def walk(x: object, key: Optional[str]) -> None:
+        if isinstance(x, dict):
+            v = x.get("engine_over_kernels")
+            name = x.get("method", key)  # a record's method, or the key it is filed under
+            if isinstance(v, dict):
+                found.update((str(k), val) for k, val in v.items())
+            elif v is not None and name is not None:
+                found[str(name) + (f" n={x['numel']}" if "numel" in x else "")] = v
+            for k, val in x.items():
+                if k != "engine_over_kernels":
+                    walk(val, str(k))
+        elif isinstance(x, list):
+            for val in x:
+                walk(val, None)
+
+    walk(doc, None)
+    return found
+
+
+def _fmt_any(v: object) -> str:
+    """A number to 2 significant digits; anything else as text (cut short)."""
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return fmt_number(float(v), 2)
+    return str(v)[:40]
+
+
+def _op_error_outcomes(doc: object) -> Dict[str, int]:
+    """Outcome -> number of cases in op_error_probe's JSON (a list of cases,
+    or {"cases": [...]}, each with an "outcome" or a "status")."""
+    cases = doc.get("cases") if isinstance(doc, dict) else doc
+    counts: Dict[str, int] = {}
+    for c in cases if isinstance(cases, list) else []:
+        if isinstance(c, dict):
+            key = str(c.get("outcome", c.get("status", "?")))
+            counts[key] = counts.get(key, 0) + 1
+    return counts
 
 
 def _suite(xml_path: str):
@@ -1190,6 +1343,9 @@ def report(out: str, mode: str, start_s: int, numel: str) -> bool:
             tests[os.path.basename(path)] = {"error": str(exc)}
     bench_path = next(iter(sorted(glob.glob(os.path.join(out, "kernels-*.json")))), None)
     bench = _load(bench_path) if bench_path else None
+    engine = _load(os.path.join(out, "engine.json"))
+    engine_ratios = _engine_ratios(engine) if engine is not None else {}
+    op_errors = _op_error_outcomes(_load(os.path.join(out, "op_errors.json")))
     smi = _read(os.path.join(out, "nvidia-smi.txt")) or None
     bad = [s["step"] for s in steps if s["status"] not in ("ok", "warn", "not run")]
     skipped_dry = [
@@ -1198,6 +1354,8 @@ def report(out: str, mode: str, start_s: int, numel: str) -> bool:
         "the CUDA and Triton tests on a GPU (tests/test_onebit.py tests/test_topk.py -m gpu, tests/test_triton.py): "
         "only the CPU half of tests/test_onebit.py ran",
         f"the benchmark on cuda at 256M elements with CUDA events: it ran on cpu with --quick (numel {numel})",
+        "tests_product (tests/test_gpu_product.py -m gpu), bench_engine (pycomm-bench allreduce --device cuda) "
+        "and op_errors (benchmarks/op_error_probe.py and test_op_errors_match_cpp on the CUDA build)",
         "the CuPy packbits peer (numpy stood in for CuPy, through the same DLPack code)",
         "nvidia-smi and the device checks (no GPU here)",
     ]
@@ -1216,6 +1374,9 @@ def report(out: str, mode: str, start_s: int, numel: str) -> bool:
         "tests": tests,
         "bench_json": os.path.basename(bench_path) if bench_path else None,
         "bench_copy_gbps": bench.get("copy_gbps") if bench else None,
+        "engine_json": "engine.json" if engine is not None else None,
+        "engine_over_kernels": engine_ratios,
+        "op_error_probe": op_errors,
         "skipped_in_dry_run": skipped_dry if mode == "dry" else [],
         "log": "gpu_check.log",
     }
@@ -1229,9 +1390,9 @@ def report(out: str, mode: str, start_s: int, numel: str) -> bool:
     title = "DRY RUN (no GPU)" if mode == "dry" else (env.get("device_name") or "GPU ?")
     print(f"pycomm GPU check: {title}, {summary['date']}, {summary['seconds']} s, torch {env.get('torch')} "
           f"(CUDA {env.get('torch_cuda')}), triton {env.get('triton')}, cupy {env.get('cupy')}")
-    print(f"{'step':13} {'status':9} {'s':>5} {'limit':>5}  note")
+    print(f"{'step':14} {'status':9} {'s':>5} {'limit':>5}  note")
     for s in steps:
-        print(f"{s['step']:13} {s['status']:9} {s['seconds']:>5} {s['limit_s']:>5}  {s['note']}")
+        print(f"{s['step']:14} {s['status']:9} {s['seconds']:>5} {s['limit_s']:>5}  {s['note']}")
     if ptx:
         spills = sum(1 for r in ptx if (r.get("spill_stores") or 0) + (r.get("spill_loads") or 0))
         print(f"nvcc sm_90a: {len(ptx)} kernels, max {max((r.get('registers') or 0) for r in ptx)} registers, "
@@ -1259,6 +1420,11 @@ def report(out: str, mode: str, start_s: int, numel: str) -> bool:
                   f"{fmt(r.get('pct_copy'), 2):>6} {fmt(r.get('speedup_vs_unfused')):>6} "
                   f"{fmt(r.get('speedup_vs_torch_topk')):>6}  {r['status'] if r['status'] != 'ok' else ''}"
                   f"{(' ' + str(r.get('error'))[:60]) if r.get('error') else ''}")
+    if engine_ratios:
+        print("engine over the bare kernels (engine.json, GB/s over GB/s): "
+              + ", ".join(f"{m} {_fmt_any(v)}" for m, v in engine_ratios.items()))
+    if op_errors:
+        print("op error probe: " + ", ".join(f"{n} {k}" for k, n in sorted(op_errors.items())))
     if mode == "dry":
         print("SKIPPED in this dry run (they need a GPU):")
         for s in skipped_dry:
@@ -1344,8 +1510,7 @@ def _check(opts: Dict[str, object], out: str, work: str, run_dir: str, date: str
     chosen = set(opts["selected"])  # type: ignore[arg-type]
 
     def selected(step: str) -> bool:
-        group = "tests" if step.startswith("tests") else step
-        return group not in ("build", "tests", "bench") or group in chosen
+        return step == "env" or step in chosen or any(step in STEP_GROUPS.get(g, ()) for g in chosen)
 
     ctx = {"deadline": start_s + budget, "budget": budget, "steps_tsv": steps_tsv, "out": out,
            "state_path": os.path.join(run_dir, "state.json")}
