@@ -34,7 +34,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Union
 
 from pycomm._optional import require
 from pycomm.compressors.topk import topk_capacity, topk_k
-from pycomm.distributed.spec import chunk_length
+from pycomm.distributed.spec import DEFAULT_CHUNK_NUMEL_BY_INNER, chunk_bounds, chunk_length
 
 WORD_BITS = 32
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -45,7 +45,6 @@ METHODS = ("allreduce",) + COMPRESSORS[1:]  # what predict_allreduce_time models
 DEFAULT_TOKENS = 1 << 22
 DEFAULT_MFU = 0.4  # typical of well-tuned large dense runs (PaLM reports 46%)
 DEFAULT_BUCKET_MB = 25.0  # torch DDP's default bucket_cap_mb
-DEFAULT_CHUNK_NUMEL = 1 << 20  # pycomm's chunk (docs/allreduce.md, "Chunks")
 DEFAULT_MIN_SAVING = 0.10  # below this saving of step time, plain is fine
 
 
@@ -273,6 +272,17 @@ def predict_allreduce_time(
 
 
 # ----------------------------------------------------------- kernel timing ---
+def default_chunk_numel(kernel_device: str) -> int:
+    """pycomm's chunk where the gradients are compressed: the default of the
+    backend it wraps there (NCCL on cuda, Gloo on cpu; docs/allreduce.md,
+    "Chunks").
+
+    >>> default_chunk_numel("cuda"), default_chunk_numel("cpu")
+    (67108864, 1048576)
+    """
+    return DEFAULT_CHUNK_NUMEL_BY_INNER["nccl" if kernel_device == "cuda" else "gloo"]
+
+
 def _results_dirs() -> List[str]:
     here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results")
     cwd = os.path.abspath(os.path.join("benchmarks", "results"))
@@ -296,6 +306,73 @@ def find_kernels_json(device: str) -> Optional[str]:
             if best is None or date > best[0]:
                 best = (date, path)
     return best[1] if best else None
+
+
+def find_engine_json(device: str) -> Optional[str]:
+    """The newest ``benchmarks/results/allreduce-<device>-*.json`` written by
+    the engine benchmark (``pycomm-bench allreduce --device cuda``: it has
+    per-method ``records`` and a ``bucket`` part), as :func:`find_kernels_json`
+    finds kernel results. None if there is none."""
+    best = None
+    for d in _results_dirs():
+        for path in glob.glob(os.path.join(d, f"allreduce-{device}-*.json")):
+            if path.endswith("-quick.json"):
+                continue
+            try:
+                with open(path) as f:
+                    doc = json.load(f)
+            except (OSError, ValueError):
+                continue
+            if not isinstance(doc, dict) or "records" not in doc or "bucket" not in doc:
+                continue  # the multi-rank Gloo benchmark's format
+            if best is None or str(doc.get("date", "")) > best[0]:
+                best = (str(doc.get("date", "")), path)
+    return best[1] if best else None
+
+
+def engine_cost(doc: Mapping, method: str, block_size: int = 2048, density: float = 0.01,
+                approx: bool = True) -> Optional[Dict[str, object]]:
+    """The engine's own time for a compressed all-reduce of ``method``, from
+    an engine benchmark result: ``per_call_s + chunks * per_chunk_s + numel *
+    per_element_s``, fitted exactly through the three times it measured (the
+    large tensor in one chunk and in many, and a DDP bucket). Measured on one
+    rank, where nothing crosses a wire, it is the time the engine adds to
+    the collectives: its kernels, its launches and its host work. None when
+    the file has no such method at these settings.
+
+    >>> doc = {"gpu": "GPU9", "date": "2026-12-04T10:00:00", "records": [
+    ...     {"method": "onebit", "status": "ok", "numel": 1000, "chunks": 1, "block_size": 2048,
+    ...      "engine_ms": 3.0, "variants": {"small": {"status": "ok", "chunks": 11, "engine_ms": 8.0}}}],
+    ...     "bucket": {"numel": 100, "methods": {"onebit": {"chunk_numel": 1000, "gpu_ms": 1.2}}}}
+    >>> c = engine_cost(doc, "onebit")
+    >>> [round(c[k] * 1e3, 6) for k in ("per_call_s", "per_chunk_s", "per_element_s")]
+    [0.5, 0.5, 0.002]
+    """
+    rec = next((r for r in doc.get("records", []) if r.get("method") == method and r.get("status") == "ok"), None)
+    if rec is None or not rec.get("engine_ms") or not rec.get("chunks"):
+        return None
+    if method in ("onebit", "int8", "int4") and rec.get("block_size") not in (None, block_size):
+        return None
+    if method == "topk" and (rec.get("density", density), rec.get("approx", approx)) != (density, approx):
+        return None
+    n1, c1, t1 = rec["numel"], rec["chunks"], rec["engine_ms"] / 1e3
+    more = [v for v in (rec.get("variants") or {}).values()
+            if v.get("status") == "ok" and v.get("engine_ms") and (v.get("chunks") or 0) > c1]
+    bucket = doc.get("bucket") or {}
+    b = (bucket.get("methods") or {}).get(method) or {}
+    if not more or not b.get("gpu_ms") or not bucket.get("numel") or bucket["numel"] == n1:
+        return None
+    c2, t2 = more[0]["chunks"], more[0]["engine_ms"] / 1e3
+    n3, t3 = bucket["numel"], b["gpu_ms"] / 1e3
+    c3 = len(chunk_bounds(n3, b.get("chunk_numel") or n3))
+    per_chunk = max(0.0, (t2 - t1) / (c2 - c1))
+    per_element = max(0.0, (t1 - t3 - per_chunk * (c1 - c3)) / (n1 - n3))
+    per_call = max(0.0, t1 - per_chunk * c1 - per_element * n1)
+    where = doc.get("gpu") or (doc.get("machine") or {}).get("gpu") or "unknown device"
+    return {"per_call_s": per_call, "per_chunk_s": per_chunk, "per_element_s": per_element,
+            "label": (f"engine measured on {where} ({doc.get('backend', 'nccl')}, one rank), "
+                      f"{str(doc.get('date', '?'))[:10]}: {fmt_s(per_call)} per call + {fmt_s(per_chunk)} "
+                      f"per chunk + {per_element * 1e12:.3g} ps per element")}
 
 
 def kernel_throughput(doc: Mapping, compressor: str, block_size: int = 2048, density: float = 0.01,
@@ -341,18 +418,26 @@ def plan(params: float, gpus: int, gpus_per_node: int = 8, intra: str = "nvlink4
          compressor: str = "none", density: float = 0.01, block_size: int = 2048, topk_exact: bool = False,
          tp: int = 1, pp: int = 1, dtype: str = "fp32", tokens_per_step: float = DEFAULT_TOKENS,
          gpu: str = "h100", peak_tflops: Optional[float] = None, mfu: float = DEFAULT_MFU, overlap: float = 0.0,
-         bucket_mb: float = DEFAULT_BUCKET_MB, chunk_numel: int = DEFAULT_CHUNK_NUMEL,
+         bucket_mb: float = DEFAULT_BUCKET_MB, chunk_numel: Optional[int] = None,
          kernels_json: Union[None, bool, str] = None, kernel_device: str = "cuda",
+         engine_json: Union[None, bool, str] = None,
          intra_alpha: Optional[float] = None, inter_alpha: Optional[float] = None,
          min_saving: float = DEFAULT_MIN_SAVING) -> Dict[str, object]:
     """The plan for one setup as data (what ``pycomm plan`` prints). Errors
     name the command-line flag. ``kernels_json``: a result file, None for the
     newest ``kernels-<kernel_device>-*.json``, False for none.
+    ``engine_json``: an engine benchmark result (``pycomm-bench allreduce
+    --device cuda``), None for the newest ``allreduce-<kernel_device>-*.json``
+    of that kind, False for none; where it has the compressor at these
+    settings, the compressor's compute is the engine's measured time
+    (:func:`engine_cost`), kernels included, instead of the kernels' rates.
+    ``chunk_numel``: None for pycomm's default where the gradients are
+    compressed (:func:`default_chunk_numel`).
 
     Example::
 
         >>> p = plan(params=4.9e6, gpus=4, gpus_per_node=1, inter="1gbit", compressor="onebit",
-        ...          kernels_json=False)
+        ...          kernels_json=False, engine_json=False)
         >>> [(m["method"], round(m["wire_s"], 3)) for m in p["methods"]]
         [('flat ring', 0.235), ('hierarchical', 0.235), ('onebit', 0.008), ('hierarchical + onebit', 0.008)]
         >>> p["methods"][2]["compute"]
@@ -363,6 +448,10 @@ def plan(params: float, gpus: int, gpus_per_node: int = 8, intra: str = "nvlink4
         ValueError: --gpus 12 is not a multiple of --tp x --pp = 8 x 1 = 8
     """
     params = parse_count(params)
+    if kernel_device not in ("cuda", "cpu"):
+        raise ValueError(f"--kernel-device must be cuda or cpu, got {kernel_device!r}")
+    if chunk_numel is None:
+        chunk_numel = default_chunk_numel(kernel_device)
     for flag, v in (("--gpus", gpus), ("--gpus-per-node", gpus_per_node), ("--tp", tp), ("--pp", pp),
                     ("--block-size", block_size), ("--chunk-numel", chunk_numel)):
         _check_int(flag, v, 0 if flag == "--chunk-numel" else 1)
@@ -372,8 +461,6 @@ def plan(params: float, gpus: int, gpus_per_node: int = 8, intra: str = "nvlink4
         raise ValueError(f"--dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
     if gpu not in GPUS and peak_tflops is None:
         raise ValueError(f"--gpu must be one of {', '.join(GPUS)} (or give --peak-tflops), got {gpu!r}")
-    if kernel_device not in ("cuda", "cpu"):
-        raise ValueError(f"--kernel-device must be cuda or cpu, got {kernel_device!r}")
     for flag, v, lo, hi in (("--density", density, 0, 1), ("--mfu", mfu, 0, 1), ("--overlap", overlap, -1e-12, 1),
                             ("--min-saving", min_saving, -1e-12, 1)):
         if not (lo < v <= hi):  # lo < 0 stands for "0 allowed"
@@ -437,6 +524,30 @@ def plan(params: float, gpus: int, gpus_per_node: int = 8, intra: str = "nvlink4
         kernels["note"] = "casts are not timed by the kernel benchmark: left out" if compressor != "none" else "-"
     opts = dict(compress_throughput=kernels["rates"] or None, density=density, block_size=block_size,
                 approx=not topk_exact, dtype=dtype)
+    engine: Optional[Dict[str, object]] = None
+    engine_path = None
+    if compressor != "none" and engine_json is not False:
+        engine_path = engine_json or find_engine_json(kernel_device)
+        if engine_path:
+            try:
+                with open(engine_path) as f:
+                    engine = engine_cost(json.load(f), compressor, block_size, density, not topk_exact)
+            except (OSError, ValueError) as err:
+                raise ValueError(f"--engine-json {engine_path}: cannot read an engine benchmark result ({err})") \
+                    from None
+    if engine:
+        kernels["note"] = str(engine["label"]) + " (the compressor's compute below)"
+    kernels["engine"] = {"path": engine_path, **(engine or {})}
+
+    def with_engine(part: Dict[str, object], numel: int, chunks: int) -> Dict[str, object]:
+        # The engine's measured time replaces the kernels' estimate: it holds
+        # them, and the launches and host work around them.
+        if not engine:
+            return part
+        s = (buckets * float(engine["per_call_s"]) + chunks * float(engine["per_chunk_s"])
+             + numel * float(engine["per_element_s"]))
+        return {**part, "compute_s": s, "compute_ops": ["engine"], "compute_excluded": [],
+                "total_s": float(part["wire_s"]) + s}
 
     def row(name: str, parts: Sequence[Dict[str, object]]) -> Dict[str, object]:
         out: Dict[str, object] = {"method": name}
@@ -459,12 +570,13 @@ def plan(params: float, gpus: int, gpus_per_node: int = 8, intra: str = "nvlink4
     shard_ar = exact(ring_allreduce(grad_bytes / local, dp_nodes, inter_l.bytes_per_s, inter_l.alpha_s, buckets))
     methods = [row("flat ring", [flat]), row("hierarchical", [rs, shard_ar, rs] if dp_nodes > 1 else [flat])]
     if compressor != "none":
-        comp = predict_allreduce_time(compressor, n, dp, flat_link.bytes_per_s, flat_link.alpha_s,
-                                      chunks=cchunks, **opts)
+        comp = with_engine(predict_allreduce_time(compressor, n, dp, flat_link.bytes_per_s, flat_link.alpha_s,
+                                                  chunks=cchunks, **opts), n, cchunks)
         methods.append(row(compressor, [comp]))
         if dp_nodes > 1 and local > 1:
-            inner = predict_allreduce_time(compressor, max(1, n // local), dp_nodes, inter_l.bytes_per_s,
-                                           inter_l.alpha_s, chunks=shard_chunks, **opts)
+            inner = with_engine(predict_allreduce_time(compressor, max(1, n // local), dp_nodes,
+                                                       inter_l.bytes_per_s, inter_l.alpha_s, chunks=shard_chunks,
+                                                       **opts), max(1, n // local), shard_chunks)
             methods.append(row(f"hierarchical + {compressor}", [rs, inner, rs]))
         else:  # one GPU per node or one node: nothing to split
             methods.append(row(f"hierarchical + {compressor}", [comp]))
@@ -484,8 +596,13 @@ def plan(params: float, gpus: int, gpus_per_node: int = 8, intra: str = "nvlink4
     elif compressor == "none":
         advice = f"use {plain['method']} (pass --compressor to see whether compression pays)"
     elif best is plain or best["saving_vs_plain"] < min_saving:
-        advice = (f"use {plain['method']} (plain): compression would save "
-                  f"{max(0.0, best['saving_vs_plain']):.0%} of step time, under {min_saving:.0%}; plain is fine")
+        fastest = min(methods[2:], key=lambda m: m["step_s"])
+        if fastest["step_s"] > plain["step_s"]:
+            advice = (f"use {plain['method']} (plain): it wins here; {fastest['method']} would take "
+                      f"{fmt_s(fastest['total_s'])} per step to communicate against {fmt_s(plain['total_s'])}")
+        else:
+            advice = (f"use {plain['method']} (plain): compression would save "
+                      f"{best['saving_vs_plain']:.0%} of step time, under {min_saving:.0%}; plain is fine")
     else:
         advice = f"use {best['method']}: saves {best['saving_vs_plain']:.0%} of step time over {plain['method']}"
         if best["compute"] != "measured":
@@ -641,10 +758,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--overlap", type=float, default=0.0,
                     help="fraction of communication hidden behind backward compute (0: none, the worst case)")
     ap.add_argument("--bucket-mb", type=float, default=DEFAULT_BUCKET_MB, help="DDP bucket size (torch's default)")
-    ap.add_argument("--chunk-numel", type=int, default=DEFAULT_CHUNK_NUMEL,
-                    help="pycomm chunk, elements (each chunk is its own collectives); 0: one per bucket")
+    ap.add_argument("--chunk-numel", type=int, default=None,
+                    help="pycomm chunk, elements (each chunk is its own collectives); 0: one per bucket; "
+                         "default: pycomm's where the gradients are compressed (2^26 on cuda, 2^20 on cpu)")
     ap.add_argument("--kernels-json", help="pycomm-bench kernels result for compressor throughput "
                                            "(default: newest benchmarks/results/kernels-<kernel-device>-*.json)")
+    ap.add_argument("--engine-json", help="pycomm-bench allreduce --device cuda result: the engine's measured time "
+                                          "per call, chunk and element as the compressor's compute (default: newest "
+                                          "benchmarks/results/allreduce-<kernel-device>-*.json with engine records)")
     ap.add_argument("--kernel-device", choices=("cuda", "cpu"), default="cuda",
                     help="where gradients are compressed (cuda for GPU training)")
     ap.add_argument("--min-saving", type=float, default=DEFAULT_MIN_SAVING,
@@ -669,6 +790,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                  tp=a.tp, pp=a.pp, dtype=a.dtype, tokens_per_step=a.tokens_per_step, gpu=a.gpu,
                  peak_tflops=a.peak_tflops, mfu=a.mfu, overlap=a.overlap, bucket_mb=a.bucket_mb,
                  chunk_numel=a.chunk_numel, kernels_json=a.kernels_json, kernel_device=a.kernel_device,
+                 engine_json=a.engine_json,
                  intra_alpha=a.intra_alpha, inter_alpha=a.inter_alpha, min_saving=a.min_saving)
     except (ValueError, OSError) as err:
         ap.error(str(err))

@@ -197,11 +197,12 @@ def test_json_output_keys(tmp_path, capsys):
 
 def test_recommendation():
     # a slow network and a small model: compression pays
-    p = P.plan(params=4.9e6, gpus=4, gpus_per_node=1, inter="1gbit", compressor="onebit", kernels_json=False)
+    p = P.plan(params=4.9e6, gpus=4, gpus_per_node=1, inter="1gbit", compressor="onebit", kernels_json=False,
+               engine_json=False)
     assert p["best"] == "onebit" and p["recommendation"].startswith("use onebit")
     assert "lower bound" in p["recommendation"]  # compute was not measured
     # fast links, big batch: communication is small next to compute
-    p = P.plan(params=7e9, gpus=64, inter="ib-ndr400", compressor="fp16", kernels_json=False)
+    p = P.plan(params=7e9, gpus=64, inter="ib-ndr400", compressor="fp16", kernels_json=False, engine_json=False)
     assert "plain is fine" in p["recommendation"]
     p = P.plan(params=70e9, gpus=64, tp=8, pp=8, kernels_json=False)
     assert p["topology"]["dp"] == 1 and "no gradient all-reduce" in p["recommendation"]
@@ -228,3 +229,48 @@ def test_docs_examples_run():
     path = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "plan.md")
     result = doctest.testfile(path, module_relative=False)
     assert result.failed == 0 and result.attempted >= 5
+
+
+ENGINE_DOC = {"gpu": "GPU9", "backend": "nccl", "date": "2026-12-04T10:00:00", "records": [
+    {"method": "onebit", "status": "ok", "numel": 1 << 26, "chunks": 1, "block_size": 2048, "engine_ms": 1.1,
+     "variants": {"1M": {"status": "ok", "chunks": 64, "engine_ms": 11.7}}}],
+    "bucket": {"numel": 6553600, "methods": {"onebit": {"chunk_numel": 1 << 26, "gpu_ms": 0.37}}}}
+
+
+def test_engine_cost_is_the_compressor_compute(tmp_path):
+    path = tmp_path / "allreduce-cuda-gpu9-2026-12-04.json"
+    path.write_text(json.dumps(ENGINE_DOC))
+    c = P.engine_cost(ENGINE_DOC, "onebit")
+    # The fit goes through the three measured times.
+    for n, chunks, ms in ((1 << 26, 1, 1.1), (1 << 26, 64, 11.7), (6553600, 1, 0.37)):
+        t = c["per_call_s"] + chunks * c["per_chunk_s"] + n * c["per_element_s"]
+        assert t == pytest.approx(ms / 1e3)
+    assert P.engine_cost(ENGINE_DOC, "onebit", block_size=256) is None  # not measured at that block
+    assert P.engine_cost(ENGINE_DOC, "topk") is None
+    p = P.plan(params=4.9e6, gpus=4, gpus_per_node=1, inter="1gbit", compressor="onebit", kernels_json=False,
+               engine_json=str(path))
+    ob = p["methods"][2]
+    buckets, chunks = p["topology"]["buckets"], p["topology"]["compressed_chunks"]
+    want = buckets * c["per_call_s"] + chunks * c["per_chunk_s"] + p["gradient_elements"] * c["per_element_s"]
+    assert ob["compute"] == "measured" and ob["compute_s"] == pytest.approx(want)
+    assert ob["total_s"] == pytest.approx(ob["wire_s"] + want)
+    assert p["kernels"]["note"].startswith("engine measured on GPU9 (nccl, one rank), 2026-12-04")
+    assert "lower bound" not in p["recommendation"]
+
+
+def test_plain_wins_on_fast_links(tmp_path):
+    # NVLink and a small model: the engine's time is more than plain's wire time.
+    path = tmp_path / "allreduce-cuda-gpu9-2026-12-04.json"
+    path.write_text(json.dumps(ENGINE_DOC))
+    p = P.plan(params=100e6, gpus=8, gpus_per_node=8, intra="nvlink4", compressor="onebit", kernels_json=False,
+               engine_json=str(path))
+    assert p["best"] in ("flat ring", "hierarchical")
+    assert "it wins here" in p["recommendation"] and "onebit would take" in p["recommendation"]
+
+
+def test_default_chunk_follows_the_device():
+    p = P.plan(params=1e9, gpus=16, compressor="onebit", kernels_json=False, engine_json=False)
+    assert p["inputs"]["chunk_numel"] == P.default_chunk_numel("cuda")
+    q = P.plan(params=1e9, gpus=16, compressor="onebit", kernels_json=False, engine_json=False, kernel_device="cpu")
+    assert q["inputs"]["chunk_numel"] == P.default_chunk_numel("cpu")
+    assert q["topology"]["compressed_chunks"] > p["topology"]["compressed_chunks"]
