@@ -50,6 +50,20 @@ inline void check_compress_inputs(const at::Tensor& grad,
               "written while grad is read, so they must be separate tensors");
 }
 
+// The pair of a compress_into: both checked as residuals of grad, and one
+// tensor (in place) or disjoint: the kernels read residual while they write
+// residual_out, so a partial overlap would read values already written.
+inline void check_residual_pair(const at::Tensor& grad, const at::Tensor& residual,
+                                const at::Tensor& residual_out) {
+  check_compress_inputs(grad, residual);
+  check_compress_inputs(grad, residual_out);
+  const float* r_in = residual.const_data_ptr<float>();
+  const float* r_out = residual_out.const_data_ptr<float>();
+  const int64_t n = grad.numel();
+  TORCH_CHECK(r_in == r_out || r_in + n <= r_out || r_out + n <= r_in,
+              "residual and residual_out must be the same tensor or not overlap");
+}
+
 inline void check_out(const at::Tensor& out, const at::Device& device) {
   TORCH_CHECK(out.scalar_type() == at::kFloat, "out must be float32, got ", out.scalar_type());
   TORCH_CHECK(out.is_contiguous(), "out must be contiguous: it is written in place");

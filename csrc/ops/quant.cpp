@@ -87,14 +87,8 @@ std::tuple<at::Tensor, at::Tensor> quant_compress_cpu(const at::Tensor& grad,
 void check_compress_into(const at::Tensor& grad, const at::Tensor& residual,
                          const at::Tensor& residual_out, int64_t bits, int64_t block_size,
                          int64_t seed) {
-  check_compress_inputs(grad, residual);
-  check_compress_inputs(grad, residual_out);
+  check_residual_pair(grad, residual, residual_out);
   check_quant_args(bits, block_size, seed);
-  const float* r_in = residual.const_data_ptr<float>();
-  const float* r_out = residual_out.const_data_ptr<float>();
-  const int64_t n = grad.numel();
-  TORCH_CHECK(r_in == r_out || r_in + n <= r_out || r_out + n <= r_in,
-              "residual and residual_out must be the same tensor or not overlap");
 }
 
 // grad + residual compressed, the new residual written to residual_out and

@@ -915,12 +915,16 @@ class _CompressedMomentum(Optimizer):
             numel = sum(e[6] for e in self._layout)
         else:
             numel = sum(p.numel() for _, p in self._params())
+        settings = dict(self.compressor_settings)
+        if not settings.get("chunk_numel") and self._engine is not None:
+            # The chunk the engine runs (its default depends on the backend it wraps).
+            settings["chunk_numel"] = pd.options_of(self._engine, self._device().type)["chunk_numel"]
         if self._overlap and self._buckets:
             # One call per bucket (as sent in the last step), and one for the rest.
             sizes = [b[2].numel() for b in self._buckets.values()]
             sizes.append(numel - sum(sizes))
-            return sum(_compressed_bytes(self.compressor, self.compressor_settings, n, world) for n in sizes)
-        return _compressed_bytes(self.compressor, self.compressor_settings, numel, world)
+            return sum(_compressed_bytes(self.compressor, settings, n, world) for n in sizes)
+        return _compressed_bytes(self.compressor, settings, numel, world)
 
     # -- state -------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
