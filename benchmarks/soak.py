@@ -10,7 +10,8 @@ odd lengths) and two groups (onebit and topk); most calls keep error
 feedback under a key per size, every fifth is keyless. Checks, after a
 warm-up of 10% of the calls (at least 50):
 
-* resident memory grows by less than 5%;
+* resident memory at the end is less than 5% above the highest reading of
+  the first half (after the warm-up): no growth past the plateau;
 * the number of open file descriptors and of threads does not change;
 * results: every keyless call equals the single-process simulation with the
   same kernels (bit for bit), and a digest of every result is the same on
@@ -68,7 +69,7 @@ def _rank(me) -> None:
     rank, calls, in_flight = me.rank, me.cfg["calls"], me.cfg["in_flight"]
     groups = {m: pd.wrap(compressor=m, min_compress_numel=1, **s) for m, s in GROUPS.items()}
     digest = hashlib.sha256()
-    warm = max(50, calls // 10)
+    warm = warm_calls(calls)
     probes, mismatches, keyless, trace = {}, [], 0, []
     start = time.monotonic()
     call = 0
@@ -103,6 +104,11 @@ def _rank(me) -> None:
             digests_equal=len(set(digests)) == 1, seconds=elapsed)
 
 
+def warm_calls(calls: int) -> int:
+    """Calls before the first memory reading: 10% of them, at least 50."""
+    return max(50, calls // 10)
+
+
 def run(calls: int = 2000, in_flight: int = 4, timeout: float = 600.0) -> dict:
     """Runs the soak on 2 local ranks; returns the report (see ``checks``).
 
@@ -114,7 +120,12 @@ def run(calls: int = 2000, in_flight: int = 4, timeout: float = 600.0) -> dict:
     checks = {}
     for rank, res in sorted(results.items()):
         warm, end = res["probes"]["warm"], res["probes"]["end"]
-        growth = end["rss"] / warm["rss"] - 1
+        # Against the highest reading of the first half after the warm-up:
+        # the allocator's plateau moves by a few percent from one reading to
+        # the next (measured: +-4% over 3000 calls with no growth), while a
+        # leak keeps climbing past every earlier peak.
+        half = [rss for c, rss in res["rss_trace"] if warm_calls(calls) <= c <= calls // 2] + [warm["rss"]]
+        growth = end["rss"] / max(half) - 1
         checks[f"rank {rank}: rss growth {growth:+.2%} < {RSS_GROWTH_LIMIT:.0%}"] = growth < RSS_GROWTH_LIMIT
         checks[f"rank {rank}: fds {warm['fds']} -> {end['fds']}"] = warm["fds"] == end["fds"]
         checks[f"rank {rank}: threads {warm['threads']} -> {end['threads']}"] = warm["threads"] == end["threads"]

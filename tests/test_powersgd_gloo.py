@@ -151,7 +151,8 @@ def test_powersgd_many_buckets_fails_plain(tmp_path):
         # connection drop, or is killed by the harness before reporting. Or
         # the ranks wait on different collectives until Gloo's own timeout.
         msg = str(info.value)
-        signs = ("doesn't match expected size", "exited with code -6", "Connection", "closed", "Timed out waiting")
+        signs = ("doesn't match expected size", "exited with code -6", "Connection", "closed", "Timed out waiting",
+                 "Application timeout caused pair closure")
         assert any(s in msg for s in signs), msg[-3000:]
 
 
