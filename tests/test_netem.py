@@ -197,3 +197,13 @@ def test_helpers():
     assert netem.tbf_burst_bytes(2.5e9) == 312500
     with pytest.raises(ValueError):
         EmulatedCluster(2, 1e8, prefix="bad name; rm")
+
+
+def test_bad_netns_prefix_names_the_flag():
+    # Refused before any namespace is made, naming the flag (not --merge).
+    with pytest.raises(ValueError, match=r"--netns-prefix: bad namespace prefix 'ncq-'"):
+        EmulatedCluster(2, 1e9, prefix="ncq-")
+    proc = subprocess.run([sys.executable, "-m", "pycomm.bench", "ddp", "--netns-prefix", "ncq-"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "--netns-prefix: bad namespace prefix 'ncq-'" in proc.stderr and "--merge" not in proc.stderr

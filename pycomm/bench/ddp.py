@@ -1234,8 +1234,8 @@ def run(args: argparse.Namespace) -> int:
     except RanksFailed as exc:
         print(f"pycomm-bench ddp: {exc}", file=sys.stderr)
         return 1
-    except (OSError, ValueError) as exc:  # --merge: unreadable or incompatible files
-        print(f"pycomm-bench ddp: --merge: {exc}", file=sys.stderr)
+    except (OSError, ValueError) as exc:  # unreadable or incompatible --merge files; bad settings
+        print(f"pycomm-bench ddp: {'--merge: ' if args.merge else ''}{exc}", file=sys.stderr)
         return 2
     print()
     bad = sorted({r["method"] for r in records if not r["params_identical"]})

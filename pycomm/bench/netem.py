@@ -366,7 +366,8 @@ class EmulatedCluster(_ClusterBase):
         if rate_bits_per_s is not None and not rate_bits_per_s > 0:
             raise ValueError(f"rate must be > 0 bit/s or None, got {rate_bits_per_s}")
         if not _NAME_OK.match(prefix) or len(prefix) > 40:
-            raise ValueError(f"bad namespace prefix {prefix!r}")
+            raise ValueError(f"--netns-prefix: bad namespace prefix {prefix!r}: letters, digits, '_' and '.', "
+                             f"in words joined by single '-', at most 40 characters")
         self.world_size = world_size
         self.ranks_per_node = _check_ranks_per_node(ranks_per_node, world_size)
         self.rate_bits_per_s = rate_bits_per_s
