@@ -289,33 +289,14 @@ def _results_dirs() -> List[str]:
     return [here] if here == cwd else [here, cwd]
 
 
-def find_kernels_json(device: str) -> Optional[str]:
-    """The newest ``benchmarks/results/kernels-<device>-*.json`` (by its
-    ``date``), next to the package or under the working directory; ``--quick``
-    smoke runs are skipped (too small to trust). None if there is none."""
+def _newest_result(pattern: str, accept=lambda doc: True) -> Optional[str]:
+    """The newest ``benchmarks/results/<pattern>`` (by its ``date``) whose
+    document ``accept`` takes, next to the package or under the working
+    directory; ``--quick`` smoke runs are skipped (too small to trust). None
+    if there is none."""
     best = None
     for d in _results_dirs():
-        for path in glob.glob(os.path.join(d, f"kernels-{device}-*.json")):
-            if path.endswith("-quick.json"):
-                continue
-            try:
-                with open(path) as f:
-                    date = json.load(f).get("date", "")
-            except (OSError, ValueError):
-                continue
-            if best is None or date > best[0]:
-                best = (date, path)
-    return best[1] if best else None
-
-
-def find_engine_json(device: str) -> Optional[str]:
-    """The newest ``benchmarks/results/allreduce-<device>-*.json`` written by
-    the engine benchmark (``pycomm-bench allreduce --device cuda``: it has
-    per-method ``records`` and a ``bucket`` part), as :func:`find_kernels_json`
-    finds kernel results. None if there is none."""
-    best = None
-    for d in _results_dirs():
-        for path in glob.glob(os.path.join(d, f"allreduce-{device}-*.json")):
+        for path in glob.glob(os.path.join(d, pattern)):
             if path.endswith("-quick.json"):
                 continue
             try:
@@ -323,11 +304,25 @@ def find_engine_json(device: str) -> Optional[str]:
                     doc = json.load(f)
             except (OSError, ValueError):
                 continue
-            if not isinstance(doc, dict) or "records" not in doc or "bucket" not in doc:
-                continue  # the multi-rank Gloo benchmark's format
-            if best is None or str(doc.get("date", "")) > best[0]:
-                best = (str(doc.get("date", "")), path)
+            if not isinstance(doc, dict) or not accept(doc):
+                continue
+            date = str(doc.get("date", ""))
+            if best is None or date > best[0]:
+                best = (date, path)
     return best[1] if best else None
+
+
+def find_kernels_json(device: str) -> Optional[str]:
+    """The newest ``benchmarks/results/kernels-<device>-*.json``."""
+    return _newest_result(f"kernels-{device}-*.json")
+
+
+def find_engine_json(device: str) -> Optional[str]:
+    """The newest ``benchmarks/results/allreduce-<device>-*.json`` written by
+    the engine benchmark (``pycomm-bench allreduce --device cuda``: it has
+    per-method ``records`` and a ``bucket`` part, which the multi-rank Gloo
+    benchmark's files do not)."""
+    return _newest_result(f"allreduce-{device}-*.json", lambda doc: "records" in doc and "bucket" in doc)
 
 
 def engine_cost(doc: Mapping, method: str, block_size: int = 2048, density: float = 0.01,
