@@ -42,8 +42,14 @@ ErrorFeedback error_feedback_from_dict(const py::dict& d) {
 py::dict spec_dict() {
   using namespace pycomm::dist;
   py::dict d;
-  py::list methods, fields;
+  py::list methods, fields, rows;
   for (const char* m : kMethods) methods.append(m);
+  using namespace pybind11::literals;
+  for (const MethodRow& r : kMethodTable)
+    rows.append(py::dict("name"_a = r.name, "kind"_a = r.kind, "bits"_a = r.bits,
+                         "block_size"_a = r.block_size, "rounds"_a = r.rounds,
+                         "residuals"_a = r.residuals));
+  d["method_table"] = py::tuple(rows);
   for (const char* f : kFieldNames) fields.append(f);
   py::list collectives;
   for (const char* c : kCollectives) collectives.append(c);

@@ -5,10 +5,11 @@ An alpha-beta model: a collective that sends ``m`` sequential messages and
 ``m * alpha + b / B``. A ring all-reduce of ``n`` bytes over ``W`` ranks is
 ``2(W-1) alpha + 2(W-1)/W * n / B``. From this, for one training setup, it
 predicts the flat ring, the hierarchical all-reduce, the compressed
-all-reduce (onebit, topk, fp16/bf16 as pycomm runs them, see
-docs/allreduce.md) and hierarchical + compressed; it adds the compressor's
-kernel time only where a kernel benchmark measured it, estimates the compute
-time of a step (6 N tokens FLOPs) and says what to use. Every formula,
+all-reduce (any of pycomm's methods as pycomm runs it, its bytes from
+``spec.wire_bytes``, see docs/allreduce.md) and hierarchical + compressed;
+it adds the method's kernel time only where a benchmark measured it,
+estimates the compute time of a step (6 N tokens FLOPs) and says what to
+use. Every formula,
 preset and assumption is in docs/plan.md.
 
 Example::
@@ -33,13 +34,17 @@ from dataclasses import asdict, dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Union
 
 from pycomm._optional import require
-from pycomm.compressors.topk import topk_capacity, topk_k
+from pycomm.distributed import spec
 from pycomm.distributed.spec import DEFAULT_CHUNK_NUMEL_BY_INNER, chunk_bounds, chunk_length
 
-WORD_BITS = 32
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-COMPRESSORS = ("none", "onebit", "topk", "fp16", "bf16")
-METHODS = ("allreduce",) + COMPRESSORS[1:]  # what predict_allreduce_time models
+#: What ``--compressor`` takes: the exact all-reduce (no compression, the
+#: default), then every compressing method in code order.
+COMPRESSORS = (spec.EXACT_METHOD,) + tuple(m for m in spec.METHODS if m != spec.EXACT_METHOD)
+#: What predict_allreduce_time models: "allreduce" is the exact ring.
+METHODS = ("allreduce",) + COMPRESSORS[1:]
+#: The kinds of method whose kernels ``pycomm-bench kernels`` times.
+KERNEL_KINDS = ("block", "sparse")
 
 #: 4M = 2**22 tokens: 1024 sequences of 4096 tokens, Llama 2's global batch.
 DEFAULT_TOKENS = 1 << 22
@@ -181,6 +186,27 @@ def _n_chunks(numel: int, chunk_numel: Optional[int]) -> int:
     return 1 if not chunk_numel else -(-numel // chunk_length(numel, chunk_numel))
 
 
+def chunked_wire_bytes(method: str, numel: int, world: int, chunks: int = 1, **settings) -> int:
+    """Bytes one rank sends in an all-reduce of ``numel`` elements cut into
+    ``chunks`` collectives of near-equal length (DDP buckets x pycomm
+    chunks): :func:`pycomm.distributed.spec.wire_bytes` of each, one chunk
+    each (``method``: a method of :data:`METHODS`, "allreduce" the exact
+    ring; ``settings``: ``block_size``, ``density``, ``approx``, ``itemsize``).
+
+    >>> chunked_wire_bytes("allreduce", 1000, 4), chunked_wire_bytes("bf16", 1000, 4)
+    (6000, 3000)
+    >>> chunked_wire_bytes("topk", 1000, 4, density=0.01)    # 3 x (count + 12 entries of 8 B + tag)
+    324
+    """
+    name = spec.EXACT_METHOD if method == "allreduce" else method
+    q, r = divmod(numel, chunks)
+
+    def one(m: int) -> int:
+        return spec.wire_bytes(name, m, world, chunk_numel=max(1, m), **settings)
+
+    return (chunks - r) * one(q) + (r * one(q + 1) if r else 0)
+
+
 def predict_allreduce_time(
     method: str,
     numel: int,
@@ -189,21 +215,26 @@ def predict_allreduce_time(
     alpha_s: float,
     compress_throughput: Union[None, float, Mapping[str, float]] = None,
     density: float = 0.01,
-    block_size: int = 2048,
+    block_size: Optional[int] = None,
     approx: bool = True,
     dtype: str = "fp32",
     chunks: int = 1,
 ) -> Dict[str, object]:
     """Predicted time of one all-reduce of ``numel`` gradient elements over
     ``world`` ranks on one link (``bandwidth_bytes_per_s`` per direction,
-    latency ``alpha_s``), as pycomm runs ``method`` (docs/allreduce.md):
+    latency ``alpha_s``), as pycomm runs ``method`` (docs/allreduce.md); the
+    bytes are :func:`chunked_wire_bytes`, pycomm's own count (``spec.wire_bytes``):
 
-    - ``allreduce``: ring all-reduce of ``numel`` x bytes of ``dtype``;
-    - ``onebit``: all-to-all + all-gather, each ``(W-1)`` messages and
-      ``(W-1)/W`` x the payload (1 bit per element + a float32 scale per block);
-    - ``topk``: ring all-gather of the ``4 + 8 cap`` byte payloads, ``(W-1)`` x
-      per rank (``cap = k``, or ``floor(1.25 k)`` approximate; ``k = ceil(density n)``);
-    - ``fp16`` / ``bf16``: ring all-reduce of 2 bytes per element.
+    - ``allreduce``: ring all-reduce of ``numel`` x bytes of ``dtype``,
+      ``2(W-1)`` messages;
+    - a block codec (``onebit``, ``int8``, ``int4``): all-to-all +
+      all-gather, each ``(W-1)`` messages and ``(W-1)/W`` x the payload (the
+      method's bits per element + a float32 scale per block, ``block_size``
+      elements, None: the method's default), and the call's tag;
+    - ``topk``: all-gather of the ``4 + 8 cap`` byte payloads and the tag,
+      ``(W-1)`` messages and ``(W-1)`` x per rank (``cap = k``, or
+      ``floor(1.25 k)`` approximate; ``k = ceil(density n)``);
+    - a cast (``fp16`` / ``bf16``): ring all-reduce of its 2 bytes per element.
 
     ``chunks``: separate collectives the tensor is cut into (DDP buckets x
     pycomm chunks); each pays the latency term. ``compress_throughput``: kernel
@@ -218,10 +249,13 @@ def predict_allreduce_time(
         >>> round(r["wire_s"], 9)       # 2*3*1e-5 + 2*3/4 * 4e6 / 1e9
         0.00606
         >>> r = predict_allreduce_time("onebit", 1_000_000, 4, 1e9, 1e-5, compress_throughput=1e9)
-        >>> r["bytes_per_rank"]         # 2*3/4 * (31250 words + 489 scales) * 4
-        190434.0
+        >>> r["bytes_per_rank"]         # ~ 2*3/4 * (31250 words + 489 scales) * 4, padded, and 3 tags
+        191904.0
         >>> round(r["compute_s"], 6)    # (1e6 + 1e6/4 + 1e6 + 1e6) / 1e9: worker+server compress, acc, decode
         0.00325
+        >>> r = predict_allreduce_time("int4", 1_000_000, 4, 1e9, 1e-5)
+        >>> r["bytes_per_rank"]         # 4 bits (1/8 of 6 MB) + a float32 per 256 elements, padded, and 3 tags
+        773808.0
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
@@ -233,29 +267,26 @@ def predict_allreduce_time(
     if not bandwidth_bytes_per_s > 0 or not alpha_s >= 0:
         raise ValueError("bandwidth_bytes_per_s must be > 0 and alpha_s >= 0")
     W, n = world, numel
+    kind = spec.method_spec(spec.EXACT_METHOD if method == "allreduce" else method).kind
     work: Dict[str, float] = {}  # kernel op -> elements it processes per rank
     unmeasurable: List[str] = []  # work the kernel benchmark does not time
+    nbytes = float(chunked_wire_bytes(method, n, W, chunks, block_size=block_size, density=density,
+                                      approx=approx, itemsize=DTYPE_BYTES[dtype]))
     if W == 1:
         cost = _cost(0, 0.0, bandwidth_bytes_per_s, alpha_s)
-    elif method in ("allreduce", "fp16", "bf16"):
-        width = DTYPE_BYTES[dtype] if method == "allreduce" else 2
-        cost = ring_allreduce(n * width, W, bandwidth_bytes_per_s, alpha_s, chunks)
-        if method != "allreduce":
-            unmeasurable.append("cast")
-    elif method == "onebit":
-        m = n / chunks
-        payload = chunks * 4 * (math.ceil(m / WORD_BITS) + math.ceil(m / block_size))
-        cost = _cost(2 * (W - 1) * chunks, 2 * (W - 1) / W * payload, bandwidth_bytes_per_s, alpha_s)
-        # worker compress (n) + server compress of its segment (n/W); the server
-        # accumulates W segment payloads (n); everyone decodes all segments (n).
-        work = {"compress": n + n / W, "decompress_acc": n, "decompress": n}
-    else:  # topk
-        m = max(1, n // chunks)
-        k = topk_k(m, density)
-        payload = chunks * (4 + 8 * (topk_capacity(k) if approx else k))
-        cost = _cost((W - 1) * chunks, (W - 1) * payload, bandwidth_bytes_per_s, alpha_s)
+    elif kind == "sparse":
+        cost = _cost((W - 1) * chunks, nbytes, bandwidth_bytes_per_s, alpha_s)
         work = {"compress": n}
         unmeasurable.append("scatter-add of W payloads")
+    else:  # a ring all-reduce, or a block codec's all-to-all then all-gather
+        cost = _cost(2 * (W - 1) * chunks, nbytes, bandwidth_bytes_per_s, alpha_s)
+        if kind == "cast":
+            unmeasurable.append("cast")
+        elif kind == "block":
+            # worker compress (n) + server compress of its segment (n/W); the
+            # server accumulates W segment payloads (n); everyone decodes all
+            # segments (n).
+            work = {"compress": n + n / W, "decompress_acc": n, "decompress": n}
     if isinstance(compress_throughput, (int, float)) and not isinstance(compress_throughput, bool):
         rates: Mapping[str, float] = {op: float(compress_throughput) for op in work}
     else:
@@ -325,7 +356,7 @@ def find_engine_json(device: str) -> Optional[str]:
     return _newest_result(f"allreduce-{device}-*.json", lambda doc: "records" in doc and "bucket" in doc)
 
 
-def engine_cost(doc: Mapping, method: str, block_size: int = 2048, density: float = 0.01,
+def engine_cost(doc: Mapping, method: str, block_size: Optional[int] = None, density: float = 0.01,
                 approx: bool = True) -> Optional[Dict[str, object]]:
     """The engine's own time for a compressed all-reduce of ``method``, from
     an engine benchmark result: ``per_call_s + chunks * per_chunk_s + numel *
@@ -333,7 +364,8 @@ def engine_cost(doc: Mapping, method: str, block_size: int = 2048, density: floa
     large tensor in one chunk and in many, and a DDP bucket). Measured on one
     rank, where nothing crosses a wire, it is the time the engine adds to
     the collectives: its kernels, its launches and its host work. None when
-    the file has no such method at these settings.
+    the file has no such method at these settings (``block_size`` None: the
+    method's default).
 
     >>> doc = {"gpu": "GPU9", "date": "2026-12-04T10:00:00", "records": [
     ...     {"method": "onebit", "status": "ok", "numel": 1000, "chunks": 1, "block_size": 2048,
@@ -346,9 +378,10 @@ def engine_cost(doc: Mapping, method: str, block_size: int = 2048, density: floa
     rec = next((r for r in doc.get("records", []) if r.get("method") == method and r.get("status") == "ok"), None)
     if rec is None or not rec.get("engine_ms") or not rec.get("chunks"):
         return None
-    if method in ("onebit", "int8", "int4") and rec.get("block_size") not in (None, block_size):
+    kind = spec.method_spec(method).kind
+    if kind == "block" and rec.get("block_size") not in (None, spec.block_size_for(method, block_size)):
         return None
-    if method == "topk" and (rec.get("density", density), rec.get("approx", approx)) != (density, approx):
+    if kind == "sparse" and (rec.get("density", density), rec.get("approx", approx)) != (density, approx):
         return None
     n1, c1, t1 = rec["numel"], rec["chunks"], rec["engine_ms"] / 1e3
     more = [v for v in (rec.get("variants") or {}).values()
@@ -370,12 +403,13 @@ def engine_cost(doc: Mapping, method: str, block_size: int = 2048, density: floa
                       f"per chunk + {per_element * 1e12:.3g} ps per element")}
 
 
-def kernel_throughput(doc: Mapping, compressor: str, block_size: int = 2048, density: float = 0.01,
+def kernel_throughput(doc: Mapping, compressor: str, block_size: Optional[int] = None, density: float = 0.01,
                       approx: bool = True) -> Dict[str, object]:
     """Elements/s per kernel op for ``compressor`` from a ``pycomm-bench
     kernels`` result (the fastest implementation that ran and verified), and
     a label saying where it was measured; ``rates`` is empty when the file
-    has no row for this configuration.
+    has no row for this configuration (``block_size`` None: the method's
+    default).
 
     >>> doc = {"device": "cpu", "date": "2026-01-02T10:00:00", "machine": {"cpu_model": "EPYC"},
     ...        "rows": [{"family": "onebit", "params": {"block_size": 2048}, "op": "compress",
@@ -384,7 +418,9 @@ def kernel_throughput(doc: Mapping, compressor: str, block_size: int = 2048, den
     >>> k["rates"], k["label"]
     ({'compress': 3000000000.0}, 'measured on EPYC (cpu, cpu kernels), 2026-01-02')
     """
-    want = {"onebit": {"block_size": block_size}, "topk": {"density": density, "approx": approx}}.get(compressor)
+    kind = spec.method_spec(compressor).kind
+    want = ({"block_size": spec.block_size_for(compressor, block_size)} if kind == "block"
+            else {"density": density, "approx": approx} if kind == "sparse" else None)
     machine = doc.get("machine", {})
     where = machine.get("gpu") or machine.get("cpu_model") or machine.get("node") or "unknown machine"
     rates: Dict[str, float] = {}
@@ -410,7 +446,8 @@ def _check_int(name: str, value, minimum: int = 1) -> int:
 
 
 def plan(params: float, gpus: int, gpus_per_node: int = 8, intra: str = "nvlink4", inter: str = "ib-ndr400",
-         compressor: str = "none", density: float = 0.01, block_size: int = 2048, topk_exact: bool = False,
+         compressor: str = spec.EXACT_METHOD, density: float = 0.01, block_size: Optional[int] = None,
+         topk_exact: bool = False,
          tp: int = 1, pp: int = 1, dtype: str = "fp32", tokens_per_step: float = DEFAULT_TOKENS,
          gpu: str = "h100", peak_tflops: Optional[float] = None, mfu: float = DEFAULT_MFU, overlap: float = 0.0,
          bucket_mb: float = DEFAULT_BUCKET_MB, chunk_numel: Optional[int] = None,
@@ -427,7 +464,8 @@ def plan(params: float, gpus: int, gpus_per_node: int = 8, intra: str = "nvlink4
     settings, the compressor's compute is the engine's measured time
     (:func:`engine_cost`), kernels included, instead of the kernels' rates.
     ``chunk_numel``: None for pycomm's default where the gradients are
-    compressed (:func:`default_chunk_numel`).
+    compressed (:func:`default_chunk_numel`). ``block_size``: None for the
+    block codec's default (``spec.DEFAULT_BLOCK_SIZE``).
 
     Example::
 
@@ -448,10 +486,16 @@ def plan(params: float, gpus: int, gpus_per_node: int = 8, intra: str = "nvlink4
     if chunk_numel is None:
         chunk_numel = default_chunk_numel(kernel_device)
     for flag, v in (("--gpus", gpus), ("--gpus-per-node", gpus_per_node), ("--tp", tp), ("--pp", pp),
-                    ("--block-size", block_size), ("--chunk-numel", chunk_numel)):
+                    ("--chunk-numel", chunk_numel)):
         _check_int(flag, v, 0 if flag == "--chunk-numel" else 1)
+    if block_size is not None:
+        _check_int("--block-size", block_size)
     if compressor not in COMPRESSORS:
         raise ValueError(f"--compressor must be one of {', '.join(COMPRESSORS)}, got {compressor!r}")
+    kind = spec.method_spec(compressor).kind
+    compressed = kind != "exact"
+    # What the inputs report: the block length the codec runs with.
+    block_size = spec.block_size_for(compressor, block_size) or block_size
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"--dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
     if gpu not in GPUS and peak_tflops is None:
@@ -496,7 +540,7 @@ def plan(params: float, gpus: int, gpus_per_node: int = 8, intra: str = "nvlink4
     shard_chunks = buckets * _n_chunks(max(1, bucket_numel // local), chunk_numel)
 
     kernels: Dict[str, object] = {"path": None, "label": None, "rates": {}}
-    if compressor in ("onebit", "topk") and kernels_json is not False:
+    if kind in KERNEL_KINDS and kernels_json is not False:
         path = kernels_json or find_kernels_json(kernel_device)
         kernels["path"] = path
         if path:
@@ -513,15 +557,15 @@ def plan(params: float, gpus: int, gpus_per_node: int = 8, intra: str = "nvlink4
                    else f"no benchmarks/results/kernels-{kernel_device}-*.json")
             kernels["note"] = (f"no measurement ({why}; run `pycomm-bench kernels --device {kernel_device}`): "
                                "compressor compute left out of the totals")
-    elif compressor in ("onebit", "topk"):
+    elif kind in KERNEL_KINDS:
         kernels["note"] = "not read (kernels_json=False): compressor compute left out of the totals"
     else:
-        kernels["note"] = "casts are not timed by the kernel benchmark: left out" if compressor != "none" else "-"
+        kernels["note"] = "casts are not timed by the kernel benchmark: left out" if compressed else "-"
     opts = dict(compress_throughput=kernels["rates"] or None, density=density, block_size=block_size,
                 approx=not topk_exact, dtype=dtype)
     engine: Optional[Dict[str, object]] = None
     engine_path = None
-    if compressor != "none" and engine_json is not False:
+    if compressed and engine_json is not False:
         engine_path = engine_json or find_engine_json(kernel_device)
         if engine_path:
             try:
@@ -564,7 +608,7 @@ def plan(params: float, gpus: int, gpus_per_node: int = 8, intra: str = "nvlink4
     flat = exact(ring_allreduce(grad_bytes, dp, flat_link.bytes_per_s, flat_link.alpha_s, buckets))
     shard_ar = exact(ring_allreduce(grad_bytes / local, dp_nodes, inter_l.bytes_per_s, inter_l.alpha_s, buckets))
     methods = [row("flat ring", [flat]), row("hierarchical", [rs, shard_ar, rs] if dp_nodes > 1 else [flat])]
-    if compressor != "none":
+    if compressed:
         comp = with_engine(predict_allreduce_time(compressor, n, dp, flat_link.bytes_per_s, flat_link.alpha_s,
                                                   chunks=cchunks, **opts), n, cchunks)
         methods.append(row(compressor, [comp]))
@@ -588,7 +632,7 @@ def plan(params: float, gpus: int, gpus_per_node: int = 8, intra: str = "nvlink4
         m["saving_vs_plain"] = 1 - m["step_s"] / plain["step_s"] if plain["step_s"] else 0.0
     if dp == 1:
         advice = "data-parallel degree 1: no gradient all-reduce to plan"
-    elif compressor == "none":
+    elif not compressed:
         advice = f"use {plain['method']} (pass --compressor to see whether compression pays)"
     elif best is plain or best["saving_vs_plain"] < min_saving:
         fastest = min(methods[2:], key=lambda m: m["step_s"])
@@ -691,12 +735,12 @@ def format_plan(p: Mapping) -> str:
         f"= {fmt_s(p['methods'][0]['total_s'])} (flat ring over {t['flat_ring_link']} links)",
         f"({t['buckets']} DDP bucket(s) of {i['bucket_mb']:g} MB"
         + (f"; {i['compressor']}: {t['compressed_chunks']} chunk(s) of ~{fmt_count(i['chunk_numel'])} elements, "
-           "each its own collectives)" if i["compressor"] != "none" and i["chunk_numel"] else ")"),
+           "each its own collectives)" if i["compressor"] != spec.EXACT_METHOD and i["chunk_numel"] else ")"),
         "",
         require("tabulate").tabulate(rows, headers=["method", "sent/rank (all links)", "latency", "transfer", "compressor compute",
                                 "comm", "step", "vs plain"], disable_numparse=True),
         "",
-        *([f"compressor kernels: {p['kernels']['note']}"] if i["compressor"] != "none" else []),
+        *([f"compressor kernels: {p['kernels']['note']}"] if i["compressor"] != spec.EXACT_METHOD else []),
         f"compute per step: 6 x {fmt_count(i['params'])} params x {fmt_count(i['tokens_per_step'])} tokens / "
         f"({i['gpus']} GPUs x {i['peak_tflops']:g} TFLOP/s x MFU {i['mfu']:g}) = {fmt_s(p['compute']['seconds'])}"
         f" (communication overlap {i['overlap']:.0%})",
@@ -736,11 +780,13 @@ def build_parser() -> argparse.ArgumentParser:
                          "rate, e.g. 50gbit): a preset as for --intra or a rate per direction (1gbit, 2.5gbit, 100mbit)")
     ap.add_argument("--intra-alpha", type=_alpha, help="override the intra link latency (e.g. 3us)")
     ap.add_argument("--inter-alpha", type=_alpha, help="override the inter link latency (free rates: 30us, TCP)")
-    ap.add_argument("--compressor", choices=COMPRESSORS, default="none")
+    ap.add_argument("--compressor", choices=COMPRESSORS, default=spec.EXACT_METHOD)
     ap.add_argument("--density", type=float, default=0.01, help="topk: fraction of entries sent")
     ap.add_argument("--topk-exact", action="store_true", help="topk: exact selection (default approximate, "
                                                              "whose payload reserves 1.25 k entries)")
-    ap.add_argument("--block-size", type=int, default=2048, help="onebit: elements per float32 scale")
+    ap.add_argument("--block-size", type=int, default=None,
+                    help="block codecs: elements per float32 scale; default each one's ("
+                         + ", ".join(f"{m} {b}" for m, b in spec.DEFAULT_BLOCK_SIZE.items()) + ")")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (innermost, inside a node)")
     ap.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree (outermost)")
     ap.add_argument("--dtype", choices=tuple(DTYPE_BYTES), default="fp32", help="gradient dtype on the wire")

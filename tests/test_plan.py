@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from pycomm import plan as P
+from pycomm.distributed import spec
 
 
 def test_70b_fp32_over_pcie4_envelope():
@@ -63,13 +64,33 @@ def test_single_node_hierarchical_is_flat():
     assert p["methods"][0]["total_s"] == p["methods"][1]["total_s"]
 
 
-def test_onebit_traffic_about_one_32nd():
-    n, W = 1 << 24, 8
+@pytest.mark.parametrize("method", spec.BLOCK_METHODS)
+def test_block_codec_traffic_is_its_bits(method):
+    # Two phases of (W-1)/W of one compressed copy: bits/32 of fp32's ring
+    # bytes, plus the scales; padding and the tags (8 bytes per peer) are
+    # what the old approximation left out.
+    n, W, bits = 1 << 24, 8, spec.method_spec(method).bits
+    block = spec.DEFAULT_BLOCK_SIZE[method]
     dense = P.predict_allreduce_time("allreduce", n, W, 1e9, 0.0)
-    onebit = P.predict_allreduce_time("onebit", n, W, 1e9, 0.0, block_size=2048)
-    scales = 2 * (W - 1) / W * 4 * math.ceil(n / 2048)
-    assert onebit["bytes_per_rank"] == pytest.approx(dense["bytes_per_rank"] / 32 + scales)
-    assert onebit["messages"] == 2 * (W - 1)
+    got = P.predict_allreduce_time(method, n, W, 1e9, 0.0)
+    scales = 2 * (W - 1) / W * 4 * math.ceil(n / block)
+    approx = dense["bytes_per_rank"] * bits / 32 + scales
+    assert approx < got["bytes_per_rank"] <= approx + 8 * (W - 1) + 4 * 2 * (W - 1) * (1 + 32 // bits)
+    assert got["bytes_per_rank"] == spec.wire_bytes(method, n, W, chunk_numel=n)
+    assert got["messages"] == 2 * (W - 1)
+    # Its own default block size; a given one changes the scales' bytes.
+    coarse = P.predict_allreduce_time(method, n, W, 1e9, 0.0, block_size=4 * block)["bytes_per_rank"]
+    assert got["bytes_per_rank"] - coarse == pytest.approx(scales * 3 / 4, abs=8 * W)
+    # Worker and server compress, the server's sum, the decode: as onebit.
+    r = P.predict_allreduce_time(method, n, W, 1e9, 0.0, compress_throughput=1e9)
+    assert r["compute_s"] == pytest.approx((n + n / W + n + n) / 1e9)
+
+
+def test_int4_sends_half_of_int8():
+    n, W = 1 << 24, 8
+    int8, int4 = (P.predict_allreduce_time(m, n, W, 1e9, 0.0)["bytes_per_rank"] for m in ("int8", "int4"))
+    scales = 2 * (W - 1) / W * 4 * n / 256
+    assert int4 - scales == pytest.approx((int8 - scales) / 2, rel=1e-4)
 
 
 def test_topk_traffic_grows_with_world():
@@ -78,9 +99,36 @@ def test_topk_traffic_grows_with_world():
             for W in (2, 4, 8, 16)]
     assert sent == sorted(sent) and sent[-1] > 7 * sent[0]
     k = math.ceil(0.01 * n)
-    assert sent[1] == 3 * (4 + 8 * k)  # (W-1) payloads of a count word + k (index, value)
+    assert sent[1] == 3 * (4 + 8 * k + 8)  # (W-1) payloads of a count word + k (index, value) + the tag
     approx = P.predict_allreduce_time("topk", n, 4, 1e9, 0.0, density=0.01)["bytes_per_rank"]
-    assert approx == 3 * (4 + 8 * (k + k // 4))  # approximate mode reserves 1.25 k
+    assert approx == 3 * (4 + 8 * (k + k // 4) + 8)  # approximate mode reserves 1.25 k
+
+
+@pytest.mark.parametrize("method", P.METHODS)
+@pytest.mark.parametrize("n,world,chunks", [(1000, 2, 1), (1 << 20, 4, 3), (10_000_019, 7, 5), (5, 3, 8)])
+def test_bytes_are_the_spec_s(method, n, world, chunks):
+    # Each of `chunks` collectives is one chunk of n/chunks elements, counted
+    # by the spec's formula.
+    name = spec.EXACT_METHOD if method == "allreduce" else method
+    lengths = [n // chunks + (i < n % chunks) for i in range(chunks)]
+    want = sum(spec.wire_bytes(name, m, world, chunk_numel=max(1, m)) for m in lengths)
+    assert P.predict_allreduce_time(method, n, world, 1e9, 0.0, chunks=chunks)["bytes_per_rank"] == want
+
+
+def test_every_method_is_planned():
+    assert set(P.COMPRESSORS) == set(spec.METHODS)
+    assert P.COMPRESSORS[0] == spec.EXACT_METHOD  # the default comes first in --help
+    for m in spec.METHODS:
+        if m == spec.EXACT_METHOD:
+            continue
+        p = P.plan(params=4.9e6, gpus=4, gpus_per_node=1, inter="1gbit", compressor=m, kernels_json=False,
+                   engine_json=False)
+        row = p["methods"][2]
+        assert row["method"] == m and 0 < row["bytes_per_rank"] < p["methods"][0]["bytes_per_rank"]
+    p = P.plan(params=4.9e6, gpus=4, gpus_per_node=1, inter="1gbit", compressor="int8", kernels_json=False,
+               engine_json=False)
+    assert p["inputs"]["block_size"] == spec.DEFAULT_BLOCK_SIZE["int8"]
+    assert p["methods"][2]["compute"] == "no measurement"
 
 
 def test_half_precision_halves_bytes():
@@ -104,7 +152,9 @@ def test_chunks_multiply_latency_only():
     one = P.predict_allreduce_time("onebit", 1 << 22, 4, 1e9, 1e-3)
     four = P.predict_allreduce_time("onebit", 1 << 22, 4, 1e9, 1e-3, chunks=4)
     assert four["latency_s"] == pytest.approx(4 * one["latency_s"])
-    assert four["bytes_per_rank"] == pytest.approx(one["bytes_per_rank"])
+    # The same bytes but each extra chunk's tag (8 bytes to each of W-1 peers):
+    # 2^22 elements cut in 4 leave every segment a whole number of blocks.
+    assert four["bytes_per_rank"] == one["bytes_per_rank"] + 3 * 3 * 8
 
 
 def test_kernel_json_measured_and_missing(tmp_path):
@@ -148,12 +198,13 @@ def test_free_rates_and_presets():
     (dict(intra="nvlink9"), "--intra: unknown link"),
     (dict(gpus=12, tp=8), "--gpus 12 is not a multiple of --tp x --pp = 8 x 1 = 8"),
     (dict(gpus=20, gpus_per_node=8), "--gpus 20 is not a multiple of --gpus-per-node 8"),
-    (dict(compressor="zip"), "--compressor must be one of none, onebit, topk, fp16, bf16"),
+    (dict(compressor="zip"), "--compressor must be one of none, onebit, topk, fp16, bf16, int8, int4, got 'zip'"),
     (dict(dtype="fp8"), "--dtype must be one of fp32, bf16, fp16"),
     (dict(gpu="tpu"), "--gpu must be one of h100, h200, a100, v100"),
     (dict(mfu=1.5), "--mfu must be in"),
     (dict(density=0.0, compressor="topk"), "--density must be in"),
     (dict(gpus=0), "--gpus must be an integer >= 1"),
+    (dict(block_size=0, compressor="int4"), "--block-size must be an integer >= 1"),
     (dict(params="lots"), "--params: expected a positive number"),
     (dict(tp=3, gpus=24), "--tp 3 must divide --gpus-per-node 8"),
 ])

@@ -1,6 +1,7 @@
 """The spec is defined once (pycomm/distributed/spec.py) and mirrored by the
 C++ engine (csrc/distributed/spec.h): the two copies must agree, and every
-other part of pycomm must take its method names from the spec."""
+other part of pycomm must take its method names from the spec
+(tests/test_method_table.py)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,24 @@ def test_names_and_codes_match(cpp):
     assert [spec.method_code(m) for m in spec.METHODS] == list(range(len(spec.METHODS)))
     with pytest.raises(ValueError, match="unknown method 'int3'"):
         spec.method_code("int3")
+
+
+#: The fields of a MethodSpec that the engine's rows hold too.
+CPP_FIELDS = ("name", "kind", "bits", "block_size", "rounds", "residuals")
+
+
+def test_method_tables_match_row_by_row(cpp):
+    # Same rows in the same order (the order is the code on the wire), and
+    # each field the engine keeps equal, named where it is not.
+    rows = cpp["method_table"]
+    assert [r["name"] for r in rows] == [m.name for m in spec.METHOD_TABLE]
+    for r, m in zip(rows, spec.METHOD_TABLE):
+        assert set(r) == set(CPP_FIELDS)
+        for f in CPP_FIELDS:
+            assert r[f] == getattr(m, f), f"{m.name}.{f}: C++ {r[f]!r}, Python {getattr(m, f)!r}"
+    # The engine's derived names and per-method functions come from its rows.
+    assert cpp["methods"] == tuple(r["name"] for r in rows)
+    assert cpp["block_bits"] == {r["name"]: (0 if r["bits"] == 1 else r["bits"]) for r in rows if r["kind"] == "block"}
 
 
 @settings(max_examples=300, deadline=None)

@@ -1,12 +1,14 @@
 // The spec of the compressed collectives, C++ side: a mirror of
-// pycomm/distributed/spec.py (method names and codes, call-check fields,
-// chunk and segment layout). pycomm._C.spec() exports these and
+// pycomm/distributed/spec.py (the method table, call-check fields, chunk and
+// segment layout). pycomm._C.spec() exports these and
 // tests/test_spec.py compares them with the Python spec.
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "pycomm/compress_math.h"
@@ -14,33 +16,81 @@
 namespace pycomm {
 namespace dist {
 
-// Index = the method's code in call descriptors (spec.METHODS).
-inline constexpr const char* kMethods[] = {"onebit", "topk", "fp16", "bf16", "none", "int8", "int4"};
-inline constexpr int kNumMethods = sizeof(kMethods) / sizeof(kMethods[0]);
+// One row per method (spec.METHOD_TABLE, field by field; pycomm._C.spec()
+// exports the rows and tests/test_spec.py compares them). The row's index is
+// the method's code in call descriptors. `kind`: "block" (a scale per block,
+// all-reduced in two phases: segment j reduced by rank j, then gathered),
+// "sparse" (top-k), "cast" (a ring all-reduce of a narrower float) or
+// "exact". `bits`: bits per element on the wire (0 for top-k, whose payload
+// is per kept entry). `block_size`: the block length when none is given
+// (0: no blocks); onebit's scale is a mean, int8/int4's an absmax, which
+// needs shorter blocks to keep its levels fine. `rounds`: takes stochastic
+// rounding. `residuals`: keeps error-feedback residuals.
+struct MethodRow {
+  const char* name;
+  const char* kind;
+  int bits;
+  int64_t block_size;
+  bool rounds;
+  bool residuals;
+};
+inline constexpr MethodRow kMethodTable[] = {
+    {"onebit", "block", 1, 2048, false, true},
+    {"topk", "sparse", 0, 0, false, true},
+    {"fp16", "cast", 16, 0, false, false},
+    {"bf16", "cast", 16, 0, false, false},
+    {"none", "exact", 32, 0, false, false},
+    {"int8", "block", 8, 256, true, true},
+    {"int4", "block", 4, 256, true, true},
+};
+inline constexpr int kNumMethods = sizeof(kMethodTable) / sizeof(kMethodTable[0]);
+
+// The names alone, in code order (spec.METHODS), derived from the table.
+template <size_t... I>
+constexpr std::array<const char*, sizeof...(I)> method_names(std::index_sequence<I...>) {
+  return {kMethodTable[I].name...};
+}
+inline constexpr std::array<const char*, kNumMethods> kMethods =
+    method_names(std::make_index_sequence<kNumMethods>{});
 inline constexpr int64_t kDefaultChunkNumel = int64_t(1) << 20;
 
 inline int64_t method_code(const std::string& m) {
   for (int64_t i = 0; i < kNumMethods; ++i)
-    if (m == kMethods[i]) return i;
+    if (m == kMethodTable[i].name) return i;
   return -1;
 }
 inline bool known_method(const std::string& m) { return method_code(m) >= 0; }
-
-// The block codecs (spec.BLOCK_METHODS): a scale per block, all-reduced in
-// two phases (segment j reduced by rank j, then gathered). `bits` 0 is
-// onebit's sign bits, 8 / 4 int8 / int4 levels.
-inline int block_bits(const std::string& m) { return m == "int8" ? 8 : m == "int4" ? 4 : 0; }
-inline bool is_block_method(const std::string& m) {
-  return m == "onebit" || m == "int8" || m == "int4";
+// The row of a known method, nullptr for any other name ("auto", a
+// registered compressor).
+inline const MethodRow* method_row(const std::string& m) {
+  const int64_t c = method_code(m);
+  return c < 0 ? nullptr : &kMethodTable[c];
 }
-// block_size when none is given (spec.DEFAULT_BLOCK_SIZE): onebit's scale
-// is a mean, int8/int4's an absmax, which needs smaller blocks to keep the
-// levels fine.
+inline bool method_is(const std::string& m, const char* kind) {
+  const MethodRow* r = method_row(m);
+  return r != nullptr && std::string(r->kind) == kind;
+}
+
+// The block codecs (spec.BLOCK_METHODS). block_bits is the kernels' code of
+// a block codec's data (spec.BLOCK_BITS): its bits, 0 for onebit's sign
+// bits (and for any method without blocks).
+inline bool is_block_method(const std::string& m) { return method_is(m, "block"); }
+inline int block_bits(const std::string& m) {
+  const MethodRow* r = method_row(m);
+  return r != nullptr && std::string(r->kind) == "block" && r->bits != 1 ? r->bits : 0;
+}
+// block_size when none is given (spec.DEFAULT_BLOCK_SIZE); 0 without blocks.
 inline int64_t default_block_size(const std::string& m) {
-  return m == "onebit" ? 2048 : (m == "int8" || m == "int4") ? 256 : 0;
+  const MethodRow* r = method_row(m);
+  return r != nullptr ? r->block_size : 0;
+}
+// Keeps error-feedback residuals (spec.EF_METHODS).
+inline bool method_residuals(const std::string& m) {
+  const MethodRow* r = method_row(m);
+  return r != nullptr && r->residuals;
 }
 
-// The code of a compressor registered in Python: kPluginCode plus a hash of
+// The code of a registered compressor: kPluginCode plus a hash of
 // its name and options, so that ranks running different ones disagree.
 inline constexpr int64_t kPluginCode = 1000;
 inline int64_t plugin_code(const std::string& name, const std::string& options) {

@@ -1,11 +1,18 @@
 """What every compressor shares: argument checks, impl selection, the registry.
 
-A compressor family (onebit, topk, ...) is one module in this package. It
-defines a :class:`Compressor` subclass, decorated with :func:`register`, and a
-table of implementations (``Impl`` objects) keyed by name: ``reference`` (pure
-torch, the test oracle), ``cpu`` (C++ ops), ``cuda`` (CUDA ops) and
-``triton``. The DDP hook, the backend and the benchmarks only ever read the
-registry, so adding a compressor means adding a file.
+Each of pycomm's compressing methods (onebit, topk, int8, int4) has one
+module in this package. It defines a :class:`Compressor` subclass, registered
+under the method's name with :func:`register`, and a table of
+implementations (``Impl`` objects) keyed by name: ``reference`` (pure torch,
+the test oracle), ``cpu`` (C++ ops), ``cuda`` (CUDA ops) and ``triton``.
+
+What pycomm knows about a method (its kind, bits, default block size,
+whether it rounds or keeps residuals) is its row of
+``pycomm.distributed.spec.METHOD_TABLE``, mirrored by the engine in
+csrc/distributed/spec.h; every list of methods derives from that table. So
+adding a method means its kernels, a module here, and a row in both tables.
+A registered compressor (:func:`register_compressor`) needs none of these:
+it is a user's class, run by name through :mod:`pycomm.compressors.plugin`.
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ def register(name: str) -> Callable[[type], type]:
 
 
 def register_compressor(name: str, cls: type) -> type:
-    """Make ``cls`` the compressor called ``name``: :func:`pycomm.get_compressor`
+    """Make ``cls`` the registered compressor called ``name``: :func:`pycomm.get_compressor`
     builds it, and process groups, the DDP hook and the simulation run it
     (``compressor=name``; its contract: :mod:`pycomm.compressors.plugin`).
 
@@ -60,7 +67,12 @@ def register_compressor(name: str, cls: type) -> type:
 
 
 def compressor_names() -> List[str]:
-    """Names of every registered compressor, e.g. ``["onebit", "topk"]``."""
+    """Names in the registry, sorted: the compressors of pycomm's methods and
+    the registered compressors alike.
+
+    >>> "int8" in compressor_names()
+    True
+    """
     return sorted(_REGISTRY)
 
 

@@ -1,9 +1,10 @@
-"""Compressors registered from Python run in the C++ engine.
+"""Registered compressors run in the C++ engine.
 
-A compressor is a class registered by name with
-:func:`pycomm.register_compressor`. Besides pycomm's own methods (onebit,
-topk, fp16, bf16), the engine runs any registered class that follows this
-contract, in pure Python (torch ops only) or calling its own kernels:
+A registered compressor is a class registered by name with
+:func:`pycomm.register_compressor`. Besides pycomm's own methods (the rows
+of ``pycomm.distributed.spec.METHOD_TABLE``), the engine runs any registered
+class that follows this contract, in pure Python (torch ops only) or calling
+its own kernels:
 
 - ``__init__(**options)``: the settings (``compressor_options`` of a group;
   JSON-serializable values);
@@ -60,14 +61,19 @@ import torch
 
 from .base import compressor_class
 
-#: pycomm's own methods: the engine runs them natively, never through the ops.
-BUILTIN = ("onebit", "topk", "fp16", "bf16", "none", "auto", "int8", "int4")
-
 
 def is_plugin(name: str) -> bool:
-    """True when ``name`` is a compressor registered from Python that the
-    engine runs through the plugin ops (not one of pycomm's own methods)."""
-    if not isinstance(name, str) or name in BUILTIN:
+    """True when ``name`` is a registered compressor, which the engine runs
+    through the ops below; False for pycomm's own methods (and "auto"),
+    which it runs natively, and for unknown names.
+
+    >>> is_plugin("onebit"), is_plugin("no-such-compressor")
+    (False, False)
+    """
+    # Imported here: pycomm.distributed imports this module.
+    from ..distributed.spec import GROUP_METHODS
+
+    if not isinstance(name, str) or name in GROUP_METHODS:
         return False
     try:
         compressor_class(name)

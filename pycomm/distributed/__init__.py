@@ -21,6 +21,8 @@ too.
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import logging
 import os
 from dataclasses import dataclass, fields
@@ -34,7 +36,8 @@ from ..compressors.base import INT64_MAX, check_density, check_positive_int
 from ..compressors.plugin import is_plugin, options_json
 from ..wire import MAX_BLOCK_SIZE
 from ..compressors.quant import MASK32
-from .spec import CHECK_MODES, DEFAULT_BLOCK_SIZE, DEFAULT_CHUNK_NUMEL_BY_INNER, GROUP_METHODS, ROUNDINGS, check_mode
+from .spec import (AUTO_METHOD, CHECK_MODES, DEFAULT_BLOCK_SIZE, DEFAULT_CHUNK_NUMEL_BY_INNER, GROUP_METHODS,
+                   ROUNDING_METHODS, ROUNDINGS, check_mode)
 
 BACKEND_NAME = "pycomm"
 log = logging.getLogger(__name__)
@@ -44,9 +47,10 @@ log = logging.getLogger(__name__)
 class PycommOptions:
     """Configuration of a ``"pycomm"`` process group.
 
-    ``compressor``: "onebit", "int8", "int4", "topk", "fp16", "bf16", "none"
-    (forward all), "auto", or the name of a compressor registered with
-    :func:`pycomm.register_compressor`, built with ``compressor_options``.
+    ``compressor``: a method ("onebit", "int8", "int4", "topk", "fp16",
+    "bf16", "none" (forward all): ``spec.METHODS``), "auto", or the name of a
+    registered compressor (:func:`pycomm.register_compressor`), built with
+    ``compressor_options``.
     ``inner``: the wrapped backend, "gloo" or "nccl" (default: nccl when CUDA
     is available, else gloo). ``chunk_numel``: pipelining granularity (a
     chunk is compressed while the previous one is on the wire); None: the
@@ -121,9 +125,10 @@ class PycommOptions:
             raise TypeError(f"calibration must be a path or None, got {self.calibration!r}")
         if self.rounding not in ROUNDINGS:
             raise ValueError(f"rounding must be one of {list(ROUNDINGS)}, got {self.rounding!r}")
-        if self.rounding == "stochastic" and self.compressor not in ("int8", "int4", "auto"):
-            raise ValueError(f"rounding='stochastic' is for the int8 and int4 compressors (or 'auto'); "
-                             f"{self.compressor!r} does not round")
+        # "auto" may choose a method that rounds.
+        if self.rounding == "stochastic" and self.compressor not in ROUNDING_METHODS + (AUTO_METHOD,):
+            raise ValueError(f"rounding='stochastic' is for the {' and '.join(ROUNDING_METHODS)} methods "
+                             f"(or 'auto'); {self.compressor!r} does not round")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= MASK32:
             raise ValueError(f"seed must be an integer in [0, 2**32), got {self.seed!r}")
 
@@ -207,7 +212,7 @@ def _create_backend(dist_opts: Any, options: Optional[PycommOptions]) -> Any:
         options_json(options.compressor, options.compressor_options) if is_plugin(options.compressor) else "{}",
         options.rounding_seed,
     )
-    if options.compressor == "auto":
+    if options.compressor == AUTO_METHOD:
         from .auto import calibrate
 
         calibrate(backend, options, "cuda" if inner_name == "nccl" else "cpu")
@@ -311,7 +316,31 @@ def wrap(group: Optional[dist.ProcessGroup] = None, compressor: str = "onebit", 
         raise ValueError(f"can wrap a gloo, nccl or pycomm group, this one is {inner!r}")
     options = PycommOptions(compressor=compressor, inner=inner, **settings)
     ranks = dist.get_process_group_ranks(group)
-    return dist.new_group(ranks=ranks, backend=BACKEND_NAME, pg_options=options)
+    # The user's timeout, not torch's default (30 minutes): a rank that
+    # disagrees then fails the call when the user said it should.
+    return dist.new_group(ranks=ranks, backend=BACKEND_NAME, pg_options=options, timeout=timeout_of(group))
+
+
+def timeout_of(group: Optional[dist.ProcessGroup] = None) -> Optional[timedelta]:
+    """The timeout ``group``'s collectives run with (the inner backend's for
+    a pycomm group); None when torch does not say (its default applies).
+
+    >>> timeout_of(None) is None or isinstance(timeout_of(None), timedelta)
+    True
+    """
+    if not dist.is_initialized():
+        return None
+    group = group or dist.group.WORLD
+    for device in ("cpu", "cuda"):
+        try:
+            backend = group._get_backend(torch.device(device))
+        except Exception:  # noqa: BLE001 - no backend for this device type
+            continue
+        backend = getattr(backend, "inner", backend)
+        timeout = getattr(getattr(backend, "options", None), "_timeout", None)
+        if isinstance(timeout, timedelta):
+            return timeout
+    return None
 
 
 def _check_group(group: Any) -> None:
@@ -329,8 +358,40 @@ def _device(device: Any) -> torch.device:
 
 
 def _check_key(key: Any) -> None:
-    if key is not None and (isinstance(key, bool) or not isinstance(key, int) or key < 0):
-        raise ValueError(f"key must be a non-negative int or None, got {key!r}")
+    if key is not None and (isinstance(key, bool) or not isinstance(key, int) or not 0 <= key <= INT64_MAX):
+        raise ValueError(f"key must be an int in [0, 2**63) (the engine's keys are int64) or None, got {key!r}")
+
+
+def _span(t: torch.Tensor) -> tuple:
+    """The bytes ``t`` can touch: (start, end) in its storage."""
+    start = t.data_ptr()
+    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 0)
+    return start, start + (last + 1) * t.element_size()
+
+
+def _own_shard(whole: torch.Tensor, n: int, group: Optional[dist.ProcessGroup]) -> Optional[torch.Tensor]:
+    """This rank's ``n``-element shard of ``whole`` (None if it has none)."""
+    rank = dist.get_rank(group) if dist.is_initialized() else 0
+    if not whole.is_contiguous() or whole.numel() < (rank + 1) * n:
+        return None
+    return whole.reshape(-1)[rank * n:(rank + 1) * n]
+
+
+def _check_outside(output: torch.Tensor, input: torch.Tensor, allowed: Optional[torch.Tensor] = None) -> None:
+    """Refuse an ``output`` whose memory overlaps ``input``'s, except when
+    the smaller of the two is exactly ``allowed``, this rank's own shard of
+    the larger (an in-place reduce-scatter or all-gather): the engine reads
+    the input while it writes the output, so any other overlap gives a
+    wrong result."""
+    if output.numel() == 0 or input.numel() == 0 or output.device != input.device:
+        return
+    (a0, a1), (b0, b1) = _span(output), _span(input)
+    if a0 < b1 and b0 < a1:
+        small = output if output.numel() <= input.numel() else input
+        if allowed is not None and _span(small) == _span(allowed) and small.stride() == allowed.stride():
+            return
+        raise ValueError("output overlaps input's memory outside this rank's own shard: the collective "
+                         "reads the input while it writes the output; give output memory of its own")
 
 
 def _backend_of(group: Optional[dist.ProcessGroup], device: torch.device) -> Any:
@@ -355,6 +416,9 @@ def is_pycomm_group(group: Optional[dist.ProcessGroup] = None, device: str | tor
 
 
 def _pycomm_backend(group: Optional[dist.ProcessGroup], device: torch.device) -> Any:
+    if device.type == "meta":
+        raise ValueError("the tensor is on the meta device (a shape without data): nothing to communicate; "
+                         "materialize it on cpu or cuda first")
     backend = _backend_of(group, device)
     if backend is None:
         raise ValueError(
@@ -437,6 +501,7 @@ def reduce_scatter(
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if not isinstance(async_op, bool):
         raise TypeError(f"async_op must be a bool, got {async_op!r}")
+    _check_outside(output, input, _own_shard(input, output.numel(), group))
     work = _pycomm_backend(group, input.device).reduce_scatter_keyed(output, input, key, op == "avg")
     if async_op:
         return work
@@ -473,6 +538,7 @@ def all_gather(
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if not isinstance(async_op, bool):
         raise TypeError(f"async_op must be a bool, got {async_op!r}")
+    _check_outside(output, input, _own_shard(output, input.numel(), group))
     work = _pycomm_backend(group, input.device).all_gather_keyed(output, input, key)
     if async_op:
         return work

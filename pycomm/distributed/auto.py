@@ -5,7 +5,8 @@ which one is slower depends on the link, the device, the world size and the
 tensor size. So a group created with ``compressor="auto"`` measures, once,
 what every candidate costs *through the group itself* (same link, same
 kernels, same CPU contention, the hierarchy if there is one): the exact
-all-reduce ("none"), fp16, int8, int4, onebit and topk, each at two tensor sizes, the
+all-reduce ("none"), fp16, int8, int4, onebit and topk (the methods of
+``spec.METHOD_TABLE`` with ``auto_candidate``), each at two tensor sizes, the
 median of a few runs, then the maximum over ranks. Each method gets an
 alpha-beta line ``t(n) = alpha + n / throughput`` through its two points, and
 a tensor of ``n`` elements runs the method whose line is lowest at ``n``. A
@@ -43,10 +44,13 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from .spec import AUTO_METHODS, EXACT_METHOD
+
 log = logging.getLogger(__name__)
 
-#: The methods "auto" chooses from ("none": the exact all-reduce).
-CANDIDATES = ("none", "fp16", "int8", "int4", "onebit", "topk")
+#: The methods "auto" chooses from, the exact all-reduce first; of methods
+#: predicted equally fast the earlier one wins.
+CANDIDATES = AUTO_METHODS
 #: Tensor sizes (elements) measured: a small DDP bucket and one chunk.
 SIZES = (1 << 16, 1 << 20)
 REPEATS = 3
@@ -54,7 +58,8 @@ REPEATS = 3
 MIN_GAIN = 0.10
 #: Exclusive upper bound of the last size range (any tensor).
 NO_BOUND = 1 << 62
-#: 2: int8 and int4 measured too (a version-1 file is measured again).
+#: 2: int8 and int4 measured too (a version-1 file is measured again). A
+#: file that lacks a candidate is measured again too (_bad_measurements).
 VERSION = 2
 
 @dataclass
@@ -101,7 +106,7 @@ class Calibration:
         # Lossy methods are charged min_gain: exact wins unless clearly slower.
         alpha, per_element = fits[method]
         t = alpha + numel * per_element
-        return t if method == "none" else t * (1 + self.min_gain)
+        return t if method == EXACT_METHOD else t * (1 + self.min_gain)
 
     def choose(self, numel: int) -> str:
         """The method run for a tensor of ``numel`` elements (exact below the
@@ -112,7 +117,7 @@ class Calibration:
         ('none', 'onebit')
         """
         if numel < self.settings.get("min_compress_numel", 1):
-            return "none"
+            return EXACT_METHOD
         fits = self.fit()
         methods = [m for m in CANDIDATES if m in fits]
         return min(methods, key=lambda m: (self._effective(fits, m, numel), methods.index(m)))
@@ -164,7 +169,7 @@ class Calibration:
     def link(self) -> Dict[str, float]:
         """The link as the exact all-reduce saw it (ring model: ``2(W-1)``
         messages and ``2(W-1)/W`` x 4 bytes per element per rank)."""
-        alpha, per_element = self.fit()["none"]
+        alpha, per_element = self.fit()[EXACT_METHOD]
         w = self.world_size
         if w < 2:
             return {"alpha_s": 0.0, "bandwidth_bytes_per_s": math.inf}
@@ -183,7 +188,7 @@ class Calibration:
                 if m in self.seconds:
                     row[f"{m} ms"] = self.predict(m, n) * 1e3
             below = n < self.settings.get("min_compress_numel", 1)
-            row["chosen"] = "none (< min_compress_numel)" if below else self.choose(n)
+            row["chosen"] = f"{EXACT_METHOD} (< min_compress_numel)" if below else self.choose(n)
             out.append(row)
         return out
 

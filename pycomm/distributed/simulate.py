@@ -49,16 +49,20 @@ from .. import get_compressor
 from ..compressors.plugin import _instance as _plugin_instance
 from ..compressors.plugin import is_plugin, options_json
 from .spec import (
+    ALL_GATHER_SUFFIX,
+    BLOCK_METHODS,
+    CAST_METHODS,
+    COLLECTIVES,
     DEFAULT_CHUNK_NUMEL,
     EF_METHODS,
+    EXACT_METHOD,
     METHODS,
-    ALL_GATHER_SUFFIX,
     REDUCE_SCATTER_SUFFIX,
-    chunk_bounds,
-    normalize_op,
-    BLOCK_METHODS,
-    COLLECTIVES,
+    UNCOMPRESSED_METHODS,
     block_segments,
+    chunk_bounds,
+    method_spec,
+    normalize_op,
     rounding_seed,
 )
 
@@ -361,12 +365,12 @@ def simulate_allreduce(
     n = inputs[0].numel()
     xs = [x.detach().reshape(-1).to(torch.float32) for x in inputs]  # read as float32
 
-    if method in ("fp16", "bf16"):
+    if method in CAST_METHODS:
         if efs is not None:
             raise ValueError(f"method {method!r} has no error feedback: pass efs=None")
         if compressor_kwargs:
             raise TypeError(f"method {method!r} takes no compressor arguments")
-        out = _simulate_cast(xs, torch.float16 if method == "fp16" else torch.bfloat16, avg)
+        out = _simulate_cast(xs, method_spec(method).dtype, avg)
     elif method in EF_METHODS:
         compressor_kwargs.setdefault("impl", "reference")
         comp = get_compressor(method, **compressor_kwargs)
@@ -417,8 +421,9 @@ def simulate_allreduce(
             for ef in efs:
                 ef.rollback()
     else:
-        raise ValueError(f"unknown method {method!r}; choose one of {[m for m in METHODS if m != 'none']} "
-                         f"or a registered compressor")
+        # The exact all-reduce is no compressed call: nothing to simulate.
+        raise ValueError(f"unknown method {method!r}; choose one of "
+                         f"{[m for m in METHODS if m != EXACT_METHOD]} or a registered compressor")
 
     return [out.view(shape).to(dtype).clone() for _ in range(world)]
 
@@ -469,6 +474,12 @@ def _simulate_topk_chunk(chunk, comp, avg, workers) -> torch.Tensor:
     return out
 
 
+def _wire_dtype(method: str) -> torch.dtype:
+    """The dtype an uncompressed method sends: a cast's, else float32 (the
+    simulation reads every input as float32)."""
+    return method_spec(method).dtype or torch.float32
+
+
 def _simulate_cast(xs, dtype, avg) -> torch.Tensor:
     world = len(xs)
     ys = [(x / world if avg else x).to(dtype) for x in xs]
@@ -508,7 +519,7 @@ def simulate_hierarchical_allreduce(
     world, L = len(inputs), ranks_per_node
     if isinstance(L, bool) or not isinstance(L, int) or L < 1 or world % L:
         raise ValueError(f"ranks_per_node must be a positive divisor of the {world} inputs, got {L!r}")
-    if method in ("fp16", "bf16", "none"):
+    if method in UNCOMPRESSED_METHODS:
         raise ValueError(f"method {method!r} runs flat, not hierarchically")
     shape, dtype = inputs[0].shape, inputs[0].dtype
     avg = normalize_op(op) == "avg"
@@ -582,17 +593,19 @@ def simulate_reduce_scatter(
     xs = [x.detach().reshape(-1).to(torch.float32) for x in inputs]
     outs = [torch.empty(shard, dtype=torch.float32, device=xs[0].device) for _ in range(world)]
 
-    if method in ("none", "fp16", "bf16"):
+    if method in UNCOMPRESSED_METHODS:
         if efs is not None:
             raise ValueError(f"method {method!r} has no error feedback: pass efs=None")
-        cast = {"none": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[method]
-        ys = [((x / world) if avg and method != "none" else x).to(cast) for x in xs]
+        # A cast divides before it narrows (the sum must fit its range); the
+        # exact reduce-scatter divides its float32 sum.
+        cast = method in CAST_METHODS
+        ys = [((x / world) if avg and cast else x).to(_wire_dtype(method)) for x in xs]
         for j in range(world):
             acc = ys[0][j * shard:(j + 1) * shard].clone()
             for y in ys[1:]:
                 acc = acc + y[j * shard:(j + 1) * shard]
             outs[j] = acc.to(torch.float32)
-            if avg and method == "none":
+            if avg and not cast:
                 outs[j].div_(world)
         return [o.to(dtype) for o in outs]
 
@@ -634,8 +647,10 @@ def _payload_codec(method: str, compressor_kwargs: Dict[str, Any]):
         compressor_kwargs.setdefault("impl", "reference")
         comp = get_compressor(method, **compressor_kwargs)
 
+        sparse = method_spec(method).kind == "sparse"
+
         def decode(p, dst, accumulate):
-            if method == "topk":  # scattered onto zeros, as the engine does
+            if sparse:  # scattered onto zeros, as the engine does
                 if not accumulate:
                     dst.zero_()
                 accumulate = True
@@ -680,11 +695,10 @@ def simulate_all_gather(
         raise ValueError("inputs are empty")
     chunk_numel = DEFAULT_CHUNK_NUMEL if chunk_numel is None else chunk_numel
     xs = [x.detach().reshape(-1).to(torch.float32) for x in inputs]
-    if method in ("none", "fp16", "bf16"):
+    if method in UNCOMPRESSED_METHODS:
         if efs is not None:
             raise ValueError(f"method {method!r} has no error feedback: pass efs=None")
-        cast = {"none": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[method]
-        out = torch.cat([x.to(cast).to(torch.float32) for x in xs])
+        out = torch.cat([x.to(_wire_dtype(method)).to(torch.float32) for x in xs])
         return [out.to(dtype) for _ in range(world)]
     comp, encode, decode = _payload_codec(method, compressor_kwargs)
     if efs is not None:

@@ -1,9 +1,11 @@
 """The spec of pycomm's compressed collectives, defined once (docs/allreduce.md).
 
-Method names and their codes, the chunk layout, onebit's segment layout, the
-wire sizes and the fields of the cross-rank call check. The C++ engine
-(csrc/distributed/spec.h) mirrors these; ``pycomm._C.spec()`` returns its
-copy and tests/test_spec.py compares the two, so neither can drift.
+The method table (:data:`METHOD_TABLE`, one row per method, from which every
+list of methods derives), the chunk layout, the block codecs' segment
+layout, the wire sizes (:func:`wire_bytes`) and the fields of the cross-rank
+call check. The C++ engine (csrc/distributed/spec.h) mirrors these;
+``pycomm._C.spec()`` returns its copy and tests/test_spec.py compares the
+two, so neither can drift.
 
 Example::
 
@@ -19,28 +21,141 @@ Example::
 from __future__ import annotations
 
 import os
-from typing import Any, List, Tuple
+from dataclasses import dataclass, fields
+from typing import Any, Callable, List, Optional, Tuple
 
+import torch
 import torch.distributed as dist
 
 from ..wire import WORD_BITS, quant_num_bytes, topk_capacity, topk_k
 
-#: What a compressed call can run; the index is the method's code on the wire
-#: of the call check. "none" is the exact all-reduce of the inner backend.
-METHODS = ("onebit", "topk", "fp16", "bf16", "none", "int8", "int4")
-#: What a group can be configured with: a method, or "auto" (one per size,
-#: from a calibration: docs/auto.md).
-GROUP_METHODS = METHODS + ("auto",)
-#: The block codecs: a scale per block, all-reduced in two phases (segment
-#: ``j`` of each chunk reduced by rank ``j``, then all-gathered); the value is
-#: the bits per element of the codec's data (0: onebit's sign bits).
-BLOCK_BITS = {"onebit": 0, "int8": 8, "int4": 4}
-BLOCK_METHODS = tuple(BLOCK_BITS)
-#: block_size when none is given: onebit's scale is a mean; int8/int4's an
-#: absmax, which needs shorter blocks to keep its levels fine.
-DEFAULT_BLOCK_SIZE = {"onebit": 2048, "int8": 256, "int4": 256}
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """One row of :data:`METHOD_TABLE`: what pycomm knows about a method.
+
+    - ``name``: what users pass (``compressor="int8"``); its index in the
+      table is its code on the wire of the call check.
+    - ``kind``: ``"block"`` (a scale per block, all-reduced in two phases:
+      segment ``j`` of each chunk reduced by rank ``j``, then all-gathered),
+      ``"sparse"`` (top-k entries all-gathered), ``"cast"`` (a ring
+      all-reduce of a narrower float) or ``"exact"`` (the inner backend's
+      all-reduce). A registered compressor has kind ``"plugin"``
+      (:func:`method_spec`).
+    - ``bits``: bits per element of the data on the wire (0: top-k, whose
+      payload is per kept entry, not per element).
+    - ``block_size``: the block length when none is given (0: no blocks).
+      onebit's scale is a mean; int8/int4's an absmax, which needs shorter
+      blocks to keep its levels fine.
+    - ``rounds``: takes ``rounding="stochastic"``.
+    - ``residuals``: can keep error-feedback residuals.
+    - ``error_feedback``: biased enough that error feedback is on by default
+      where a user does not choose (FSDP; docs/fsdp.md).
+    - ``dtype``: the wire dtype of a cast, else None.
+    - ``auto_candidate``: measured by ``compressor="auto"`` (docs/auto.md).
+      bf16 is not: it costs what fp16 costs and keeps fewer mantissa bits.
+
+    >>> method_spec("int4").bits, method_spec("onebit").block_size, method_spec("bf16").dtype
+    (4, 2048, torch.bfloat16)
+    """
+
+    name: str
+    kind: str
+    bits: int
+    block_size: int = 0
+    rounds: bool = False
+    residuals: bool = False
+    error_feedback: bool = False
+    dtype: Optional[torch.dtype] = None
+    auto_candidate: bool = True
+
+
+#: Every method a compressed call can run, once. The row's index is the
+#: method's code on the wire of the call check. csrc/distributed/spec.h
+#: mirrors the table (tests/test_spec.py compares the two field by field),
+#: and every list of methods in pycomm derives from it
+#: (tests/test_method_table.py fails on a literal one anywhere else). Adding
+#: a block codec: its kernels, a row here and in spec.h, its tests
+#: (docs/architecture.md).
+METHOD_TABLE = (
+    MethodSpec("onebit", "block", 1, block_size=2048, residuals=True, error_feedback=True),
+    MethodSpec("topk", "sparse", 0, residuals=True, error_feedback=True),
+    MethodSpec("fp16", "cast", 16, dtype=torch.float16),
+    MethodSpec("bf16", "cast", 16, dtype=torch.bfloat16, auto_candidate=False),
+    MethodSpec("none", "exact", 32),
+    MethodSpec("int8", "block", 8, block_size=256, rounds=True, residuals=True),
+    MethodSpec("int4", "block", 4, block_size=256, rounds=True, residuals=True),
+)
+#: The kinds of :class:`MethodSpec`, built-in first.
+KINDS = ("block", "sparse", "cast", "exact", "plugin")
+
+
+def methods(**where: Any) -> Tuple[str, ...]:
+    """The names of the table's rows whose fields equal ``where``, in code
+    order.
+
+    >>> methods(kind="block"), methods(rounds=True), methods(kind="cast")
+    (('onebit', 'int8', 'int4'), ('int8', 'int4'), ('fp16', 'bf16'))
+    """
+    bad = set(where) - {f.name for f in fields(MethodSpec)}
+    if bad:
+        raise TypeError(f"MethodSpec has no field {sorted(bad)[0]!r}")
+    return tuple(m.name for m in METHOD_TABLE if all(getattr(m, k) == v for k, v in where.items()))
+
+
+#: What a compressed call can run, in code order. "none" is the exact
+#: all-reduce of the inner backend.
+METHODS = methods()
+#: The exact all-reduce of the inner backend: what every tensor below a
+#: group's ``min_compress_numel`` runs.
+EXACT_METHOD = methods(kind="exact")[0]
+#: A group setting, not a method: each all-reduce runs the method a
+#: calibration predicts fastest for its size (docs/auto.md).
+AUTO_METHOD = "auto"
+#: What a group can be configured with: a method, or "auto".
+GROUP_METHODS = METHODS + (AUTO_METHOD,)
+#: The methods "auto" measures and chooses from, most bits first: of two
+#: methods predicted equally fast, the more exact one wins (the exact
+#: all-reduce first).
+AUTO_METHODS = tuple(m.name for m in sorted(METHOD_TABLE, key=lambda m: -m.bits) if m.auto_candidate)
+#: The block codecs.
+BLOCK_METHODS = methods(kind="block")
+#: The engine's code for a block codec's data (kernels and
+#: :func:`block_wire_numel`): its bits, 0 for onebit's sign bits.
+BLOCK_BITS = {m.name: (0 if m.bits == 1 else m.bits) for m in METHOD_TABLE if m.kind == "block"}
+#: block_size when none is given.
+DEFAULT_BLOCK_SIZE = {m.name: m.block_size for m in METHOD_TABLE if m.block_size}
 #: The methods that keep error-feedback residuals.
-EF_METHODS = ("onebit", "topk", "int8", "int4")
+EF_METHODS = methods(residuals=True)
+#: The methods that take ``rounding="stochastic"``.
+ROUNDING_METHODS = methods(rounds=True)
+#: The ring all-reduces of a narrower float, and the exact one.
+CAST_METHODS = methods(kind="cast")
+UNCOMPRESSED_METHODS = CAST_METHODS + methods(kind="exact")
+
+
+def method_spec(name: str) -> MethodSpec:
+    """The table's row of ``name``; a registered compressor
+    (``pycomm.register_compressor``) gets a ``"plugin"`` row that keeps
+    residuals.
+
+    >>> method_spec("topk").kind
+    'sparse'
+    >>> method_spec("int3")
+    Traceback (most recent call last):
+    ...
+    ValueError: unknown method 'int3'; choose one of ['onebit', 'topk', 'fp16', 'bf16', 'none', 'int8', 'int4'] or a registered compressor
+    """
+    for m in METHOD_TABLE:
+        if m.name == name:
+            return m
+    from ..compressors.plugin import is_plugin
+
+    if isinstance(name, str) and is_plugin(name):
+        return MethodSpec(name, "plugin", 0, residuals=True, error_feedback=True, auto_candidate=False)
+    raise ValueError(f"unknown method {name!r}; choose one of {list(METHODS)} or a registered compressor")
+
+
 #: Chunk length (elements) of the engine's pipeline when none is given: 1 Mi
 #: elements (4 MiB of float32), chunk i+1 compressed while chunk i is on the
 #: wire. Results depend on it (segment and block starts), so every party
@@ -193,6 +308,61 @@ def topk_wire_numel(m: int, density: float, approx: bool) -> int:
     k = topk_k(m, density)
     cap = topk_capacity(k) if approx else k
     return 1 + 2 * cap + TAG_WORDS
+
+
+def wire_bytes(method: str, numel: int, world_size: int, *, chunk_numel: int = DEFAULT_CHUNK_NUMEL,
+               block_size: Optional[int] = None, density: float = 0.01, approx: bool = True,
+               itemsize: int = 4, payload_nbytes: Optional[Callable[[int], int]] = None) -> int:
+    """Bytes one rank puts on the wire per all-reduce of ``numel`` elements
+    by ``method`` over ``world_size`` ranks: the most any rank sends, where
+    ranks differ. The one byte formula of pycomm (the optimizers, the
+    benchmarks and ``pycomm plan`` use it; docs/allreduce.md, "Bytes").
+
+    - ``none``: a ring all-reduce, 2 (W-1) steps of n/W elements of
+      ``itemsize`` bytes; a cast the same ring on its dtype's width.
+    - a block codec, per chunk: the all_to_all sends segment j's payload to
+      rank j for every j != r ((W-1)/W of one compressed copy), the
+      all_gather this rank's server payload, padded to segment 0's, and the
+      call's tag to each of the W-1 peers.
+    - ``topk``, per chunk: the padded ``1 + 2 cap`` int32 buffer and the tag
+      to each of the W-1 peers.
+    - a registered compressor, per chunk: its payload
+      (``payload_nbytes(chunk length)``) and the tag to each of the W-1 peers.
+
+    The piece a rank "sends" to itself never reaches the wire.
+
+    >>> wire_bytes("none", 1 << 20, 4)          # 1.5 * 4 MiB
+    6291456
+    >>> wire_bytes("onebit", 1 << 20, 4)        # 2 (W-1) payloads of 8192 words + 128 scales, 3 tags
+    199704
+    >>> wire_bytes("bf16", 1 << 20, 4), wire_bytes("int8", 1000, 1)
+    (3145728, 0)
+    """
+    spec_ = method_spec(method)
+    if world_size < 2 or numel == 0:
+        return 0
+    if spec_.kind in ("exact", "cast"):
+        width = itemsize if spec_.kind == "exact" else spec_.dtype.itemsize
+        return 2 * (world_size - 1) * width * numel // world_size
+    if spec_.kind == "plugin" and payload_nbytes is None:
+        raise ValueError(f"wire_bytes of the registered compressor {method!r} needs payload_nbytes")
+    block = block_size_for(method, block_size)
+    total = [0] * world_size
+    for begin, end in chunk_bounds(numel, chunk_numel):
+        m = end - begin
+        if spec_.kind == "block":
+            _, segs = block_segments(m, world_size, block)
+            sizes = [block_wire_numel(e - b, block, BLOCK_BITS[method]) for b, e in segs]
+            for r in range(world_size):
+                total[r] += 4 * (sum(sizes[j] for j in range(world_size) if j != r)
+                                 + (world_size - 1) * (sizes[0] + TAG_WORDS))
+        elif spec_.kind == "sparse":
+            per_peer = 4 * topk_wire_numel(m, density, approx)
+            total = [t + (world_size - 1) * per_peer for t in total]
+        else:
+            per_peer = int(payload_nbytes(m)) + 4 * TAG_WORDS
+            total = [t + (world_size - 1) * per_peer for t in total]
+    return max(total)
 
 
 def normalize_op(op: Any) -> str:
