@@ -27,6 +27,26 @@ def dataset(rows: int = 256):
     return torch.utils.data.TensorDataset(x, torch.tanh(x @ w))
 
 
+def train(args, rank, net, opt, start, checkpoint):
+    """Steps ``start`` to ``args.steps`` of the regression on ``net`` (the
+    DDP model or the module), rank ``rank``'s rows of each step's batch, the
+    same in any run; at ``args.save_at`` each rank saves ``checkpoint(step)``
+    (a dict) to ``args.checkpoint/rank<r>.pt``. Returns the last loss."""
+    data = dataset()
+    loss = torch.tensor(0.0)
+    for step in range(start, args.steps):
+        rows = torch.arange(args.batch) + (step * dist.get_world_size() + rank) * args.batch
+        x, y = data[rows % len(data)]
+        loss = nn.functional.mse_loss(net(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if args.checkpoint and step + 1 == args.save_at:
+            os.makedirs(args.checkpoint, exist_ok=True)
+            torch.save(checkpoint(step + 1), os.path.join(args.checkpoint, f"rank{rank}.pt"))
+    return loss
+
+
 def report(out_dir, rank, model, loss, state) -> dict:
     """What a run ends with; rank 0 prints it, ``out_dir`` gets every rank's.
     ``state``: the hook's CompressionState, or a pycomm.optim optimizer."""

@@ -18,12 +18,11 @@ import os
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from pycomm.optim import OneBitAdam
 
-from _common import dataset, make_model, report
+from _common import make_model, report, train
 
 
 def main():
@@ -54,20 +53,8 @@ def main():
         opt.load_state_dict(ck["opt"])  # this rank's residuals
         start = ck["step"]
 
-    data = dataset()
-    loss = torch.tensor(0.0)
-    for step in range(start, args.steps):
-        rows = torch.arange(args.batch) + (step * dist.get_world_size() + rank) * args.batch
-        x, y = data[rows % len(data)]
-        loss = nn.functional.mse_loss(ddp(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if args.checkpoint and step + 1 == args.save_at:
-            os.makedirs(args.checkpoint, exist_ok=True)
-            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step + 1},
-                       os.path.join(args.checkpoint, f"rank{rank}.pt"))
-
+    loss = train(args, rank, ddp, opt, start,
+                 lambda step: {"model": model.state_dict(), "opt": opt.state_dict(), "step": step})
     report(args.out, rank, model, loss.item(), opt)
     dist.destroy_process_group()
 

@@ -47,12 +47,12 @@ from .distributed import all_gather as _pd_all_gather
 from .distributed import error_feedback_state as _pd_ef_state
 from .distributed import load_error_feedback_state as _pd_load_ef_state
 from .distributed import reduce_scatter as _pd_reduce_scatter
+from .distributed import spec
+from .distributed.session import check_residuals
 from .distributed.spec import GROUP_METHODS
 
 log = logging.getLogger(__name__)
 
-#: compressors that converge only with error feedback: on by default.
-EF_BY_DEFAULT = ("onebit", "topk")
 #: dtypes the engine compresses; others are forwarded exactly.
 COMPRESSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -322,9 +322,11 @@ class FSDPCompression:
         if saved["keys"] != self.keys:
             raise ValueError("pycomm.fsdp: the saved residuals belong to other FSDP modules "
                              f"({sorted(saved['keys'])} vs {sorted(self.keys)})")
+        residuals = check_residuals("the saved residuals", saved["residuals"],
+                                    (self.compressor + spec.REDUCE_SCATTER_SUFFIX,))
         pg = self._grad_group()
-        if pg is not None and saved["residuals"]:
-            _pd_load_ef_state(saved["residuals"], pg, device=self._device, replace=False)
+        if pg is not None and residuals:
+            _pd_load_ef_state(residuals, pg, device=self._device, replace=False)
 
     def residual_bytes(self) -> int:
         """Bytes of error-feedback residuals this rank holds now (one buffer
@@ -435,23 +437,33 @@ def compress(
     unsupported = _unsupported_torch()
     if unsupported is not None:
         raise RuntimeError(unsupported)
-    if settings.get("rounding") == "stochastic" and not {compressor, weights, replicate} & {"int8", "int4"}:
+    if settings.get("rounding") == "stochastic" and not {compressor, weights, replicate} & set(spec.ROUNDING_METHODS):
         raise ValueError("rounding='stochastic' is for the int8 and int4 compressors; none of compressor, "
                          "weights and replicate is one")
-    if not dist.is_initialized():
-        raise RuntimeError("pycomm.fsdp.compress: torch.distributed is not initialized")
     for name, value in (("compressor", compressor), ("weights", weights), ("replicate", replicate)):
         if value is not None and value not in GROUP_METHODS and not is_plugin(value):
             raise ValueError(f"{name} must be one of {list(GROUP_METHODS)} or a registered compressor, got {value!r}")
     if compressor == "auto" or weights == "auto" or replicate == "auto":
         raise ValueError("compressor='auto' is for all-reduces; name a compressor for FSDP")
+    if weights is not None and spec.method_spec(weights).kind != "plugin" and spec.method_spec(weights).bits < 4:
+        # Weights are not corrected by error feedback: a forward pass on
+        # sign bits or on a few percent of the entries is another model.
+        raise ValueError(f"weights={weights!r} would run the forward pass on weights that keep "
+                         f"{'their signs only' if weights == 'onebit' else 'a few entries'}; weights take a "
+                         f"codec of 4 bits or more ({[m for m in GROUP_METHODS if m != 'auto' and spec.method_spec(m).bits >= 4]})")
+    if getattr(model, "_pycomm_fsdp", None) is not None:
+        raise ValueError("pycomm.fsdp.compress was already called on this model (its collectives are installed); "
+                         "call it once, after fully_shard, with every setting")
+    if not dist.is_initialized():
+        raise RuntimeError("pycomm.fsdp.compress: torch.distributed is not initialized")
     if shard not in ("compressed", "exact"):
         raise ValueError(f"shard must be 'compressed' or 'exact', got {shard!r}")
     if error_feedback is None:
-        error_feedback = compressor in EF_BY_DEFAULT or is_plugin(compressor)
+        # Biased codecs converge only with error feedback: on by default for them.
+        error_feedback = spec.method_spec(compressor).error_feedback
     if not isinstance(error_feedback, bool):
         raise TypeError(f"error_feedback must be a bool or None, got {error_feedback!r}")
-    if error_feedback and compressor in ("fp16", "bf16", "none"):
+    if error_feedback and not spec.method_spec(compressor).residuals:
         raise ValueError(f"compressor {compressor!r} has no error feedback: pass error_feedback=False")
     allowed = {f for f in PycommOptions.__dataclass_fields__ if f not in ("compressor", "inner", "hierarchy",
                                                                           "calibration")}
@@ -496,8 +508,8 @@ def compress(
             base = dict(settings)
             if role != "grad" and not is_plugin(method):
                 base.pop("compressor_options", None)
-            if method not in ("int8", "int4"):
-                base.pop("rounding", None)  # only int8/int4 round
+            if method not in spec.ROUNDING_METHODS:
+                base.pop("rounding", None)  # only these round
                 base.pop("seed", None)
             opts = PycommOptions(compressor=method, inner=inner, hierarchy="flat", **base)
             pg = dist.new_group(ranks=list(ranks), backend=BACKEND_NAME, pg_options=opts)
@@ -517,4 +529,5 @@ def compress(
             # on this group: a pycomm group compresses it (keyless: no EF).
             g.mesh_info.replicate_process_group = comp.groups[("replicate", _ranks(
                 _replicate_pg(g.mesh_info)))]
+    model._pycomm_fsdp = comp
     return comp

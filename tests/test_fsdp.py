@@ -378,3 +378,11 @@ def test_arguments_are_checked():
         pf.compress(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="rounding='stochastic' is for the int8 and int4"):
         pf.compress(torch.nn.Linear(2, 2), "onebit", weights="bf16", rounding="stochastic")
+    # Weights are used by the forward pass as decoded: no sign bits, no top-k.
+    for weights in ("onebit", "topk"):
+        with pytest.raises(ValueError, match=f"weights={weights!r} would run the forward pass"):
+            pf.compress(torch.nn.Linear(2, 2), "int8", weights=weights)
+    model = torch.nn.Linear(2, 2)
+    model._pycomm_fsdp = object()  # what a first compress() leaves
+    with pytest.raises(ValueError, match="already called on this model"):
+        pf.compress(model, "int8")

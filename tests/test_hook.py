@@ -299,7 +299,7 @@ def test_hook_over_pycomm_group(training, name):
     assert res["loss"] <= EF_MARGIN[name] * plain, f"{res['loss']:.4f} vs plain {plain:.4f}"
     # The residuals live in the backend, one per DDP bucket index.
     assert res["backend_keys"] == [0, 1, 2]
-    assert "runs the pycomm backend with method='onebit'" in training[0]["mismatch"]
+    assert "runs the pycomm backend with compressor='onebit'" in training[0]["mismatch"]
     # The hook's own refusals keep their type in DDP's message.
     assert "ValueError" in training[0]["mismatch"]
 

@@ -52,15 +52,16 @@ own type and message.
 # No `from __future__ import annotations`: DDP compares the hook's annotations
 # with dist.GradBucket and torch.futures.Future[torch.Tensor] as objects.
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from .. import distributed as pd
 from ..compressors.base import check_density
-from ..compressors.plugin import is_plugin, options_json
-from ..distributed.spec import BLOCK_METHODS, EF_METHODS, GROUP_METHODS, block_size_for, chunk_bounds, check_mode
+from ..compressors.plugin import is_plugin
+from ..distributed.session import KEY_SPAN, EngineSession, agree, check_residuals, residual_methods
+from ..distributed.spec import EF_METHODS, GROUP_METHODS, ROUNDING_METHODS, check_mode
 
 __all__ = ["CompressionState", "compressed_hook"]
 
@@ -76,21 +77,16 @@ _CONFIG_FIELDS = ("compressor", "density", "approx", "block_size", "chunk_numel"
 _CONFIG_DEFAULTS = {"rounding": "nearest", "seed": 0}
 #: The settings an engine group is built with (the others only steer the hook).
 _ENGINE_FIELDS = ("compressor", "density", "approx", "block_size", "chunk_numel", "rounding", "seed")
-_RESIDUAL_FIELDS = ("numel", "world_size", "chunk_numel", "method", "worker", "server")
-#: Residual fields a state may lack: "calls" (the key's count, for
-#: stochastic rounding) is absent from states saved before keys counted.
-_OPTIONAL_RESIDUAL_FIELDS = ("calls",)
 
 
-#: What onebit with error feedback on gradients cost with momentum optimizers
-#: (pycomm-bench ddp, 4 ranks, the benchmark's GPT; README, "Which method with
-#: which optimizer"): the residual's delay feeds the momentum.
+#: onebit with error feedback on gradients feeds the residual's delay into a
+#: momentum optimizer's state; the measured cost is in docs/results.md
+#: ("Which method with which optimizer"), not here, where it would go stale.
 ONEBIT_MOMENTUM_WARNING = (
     "pycomm: compressor='onebit' with error feedback on gradients costs final loss with momentum "
-    "optimizers: measured (4 ranks, benchmark GPT, block 256, 400 steps, 3 seeds) with SGD momentum 0.9 "
-    "it diverged (2.3x to 68x plain all-reduce's held-out loss); with AdamW, +3.3%, +6.2% and +10.5%. "
-    "With momentum, prefer compressor='int8' (within 0.8% in the same runs, SGD and AdamW) or 'int4' "
-    "(SGD: within 1%), or compress the momentum instead: pycomm.optim.OneBitAdam / OneBitSGD."
+    "optimizers (SGD with momentum diverged, AdamW lost a few percent in the project's measurements: "
+    "docs/results.md, 'Which method with which optimizer'). With momentum, prefer compressor='int8' or "
+    "'int4', or compress the momentum instead: pycomm.optim.OneBitAdam / OneBitSGD."
 )
 _warned_onebit = False
 
@@ -225,10 +221,8 @@ class CompressionState:
         #: for a given model and DDP configuration, in any process).
         self.bucket_layouts: Dict[int, Tuple[int, Tuple[int, ...]]] = {}
         self._saved_world: Optional[Tuple[int, int]] = None  # (world, rank) a loaded state expects
-        #: Residuals loaded before the engine's group exists (per bucket key;
-        #: copies, handed to the engine when its group is attached).
-        self._pending_ef: Optional[Dict[int, Any]] = None
         self._init_runtime()
+        self._session = self._new_session()
         if compressor == "onebit" and error_feedback:
             _warn_onebit_with_momentum()
 
@@ -253,99 +247,42 @@ class CompressionState:
 
     # -- runtime (not saved, not pickled) --------------------------------------
     def _init_runtime(self) -> None:
-        self._engine: Optional[dist.ProcessGroup] = None
-        self._device: Optional[torch.device] = None  # of the engine's residuals
-        self._private = False  # the engine group is this state's own (made by the hook)
-        #: Keys whose residual in a shared engine group is this state's.
-        self._claimed: Set[int] = set()
+        self._agreed = False  # the ranks' configurations compared (at the first bucket)
         self._positions: Dict[int, int] = {}  # id(parameter) -> position
         self._local_iter = 0  # backward passes seen by this object in this process
         self._warned_unmapped = False
 
-    def _base_group(self) -> dist.ProcessGroup:
-        group = self.process_group if self.process_group is not None else dist.group.WORLD
-        if group is None:
-            raise RuntimeError("torch.distributed is not initialized")
-        return group
+    def _new_session(self, pending: Optional[Dict[int, Any]] = None) -> EngineSession:
+        """The engine client of this configuration: bucket ``i``'s residuals
+        under key ``i`` of the group (``pending``: residuals loaded for it)."""
+        settings = dict(block_size=self.block_size, density=self.density, approx=self.approx,
+                        rounding=self.rounding, seed=self.seed, check_calls=self.check_calls,
+                        hierarchy=self.hierarchy, calibration=self.calibration,
+                        compressor_options=self.compressor_options)
+        if self.chunk_numel is not None:
+            settings["chunk_numel"] = self.chunk_numel
+        session = EngineSession("this CompressionState", self.compressor, settings,
+                                process_group=self.process_group, private_group=self.private_group)
+        if pending:
+            session.load_residuals(pending)
+        return session
+
+    @property
+    def _engine(self) -> Optional[dist.ProcessGroup]:
+        return self._session.group
 
     def _engine_group(self, device: torch.device) -> dist.ProcessGroup:
         """The pycomm group that runs this state's buckets (created at the
         first call over a plain group, on every rank alike); residuals loaded
         before it existed are handed to it now."""
-        if self._engine is not None:
-            return self._engine
-        base = self._base_group()
-        if pd.is_pycomm_group(base, device) and not self.private_group:
-            self._check_pycomm_group(base, device)
-            engine = base
-        else:
-            settings = dict(block_size=self.block_size, density=self.density, approx=self.approx,
-                            rounding=self.rounding, seed=self.seed,
-                            check_calls=self.check_calls, hierarchy=self.hierarchy,
-                            calibration=self.calibration, compressor_options=self.compressor_options)
-            if self.chunk_numel is not None:
-                settings["chunk_numel"] = self.chunk_numel
-            if pd.is_pycomm_group(base, device):
-                settings["inner"] = "nccl" if device.type == "cuda" else "gloo"
-            engine = pd.wrap(base, compressor=self.compressor, **settings)
-        private = engine is not base
-        pending = {k: _residual_on(v, device) for k, v in (self._pending_ef or {}).items()}
-        if pending:
-            if not private:  # keep what other code keeps in the shared group
-                pending = {**pd.error_feedback_state(engine, device.type), **pending}
-            pd.load_error_feedback_state(pending, engine, device.type)
-        self._engine, self._device, self._private = engine, device, private
-        self._claimed = set(self._pending_ef or ())
-        self._pending_ef = None
-        return engine
-
-    def _claim(self, key: Optional[int]) -> None:
-        """Before this state's first use of ``key`` in a shared engine group:
-        drop whatever other code left under it, so the residual starts at 0."""
-        if key is None or self._private or key in self._claimed:
-            return
-        pd.reset_error_feedback(key, group=self._engine, device=self._device.type)
-        self._claimed.add(key)
-
-    def _check_pycomm_group(self, group, device) -> None:
-        """A pycomm group compresses with its own settings: they must be this state's."""
-        opts = pd.options_of(group, device)
-        mine = {"method": self.compressor}
-        theirs = dict(opts)
-        if self.compressor in BLOCK_METHODS:
-            mine["block_size"] = block_size_for(self.compressor, self.block_size)
-            theirs["block_size"] = block_size_for(self.compressor, opts.get("block_size") or None)
-        if self.compressor == "topk":
-            mine.update(density=self.density, approx=self.approx)
-        if self.compressor in ("int8", "int4", "auto"):
-            mine.update(rounding=self.rounding, seed=self.seed if self.rounding == "stochastic" else 0)
-        if self.chunk_numel is not None:
-            mine["chunk_numel"] = self.chunk_numel
-        if is_plugin(self.compressor):
-            mine["plugin_options"] = options_json(self.compressor, self.compressor_options)
-        diff = {k: (theirs[k], v) for k, v in mine.items() if theirs[k] != v}
-        if diff:
-            raise ValueError(
-                "this CompressionState asks for "
-                + ", ".join(f"{k}={v[1]!r}" for k, v in diff.items())
-                + " but its process group runs the pycomm backend with "
-                + ", ".join(f"{k}={v[0]!r}" for k, v in diff.items())
-                + ": the group's settings decide, so make them agree"
-            )
+        return self._session.engine(device)
 
     def _error_feedback(self) -> Dict[int, Any]:
-        """This rank's residuals (copies): the engine's keys that are this
-        state's, or those loaded for it."""
-        if self._engine is not None:
-            # Read through the engine's queue: after every bucket handed to it.
-            ef = pd.error_feedback_state(self._engine, self._device.type)
-            if not self._private:
-                ef = {k: v for k, v in ef.items() if k in self._claimed}
-            return ef
-        return {k: _residual_copy(v) for k, v in (self._pending_ef or {}).items()}
+        """This rank's residuals (copies) per bucket key."""
+        return self._session.residuals()
 
     def _world(self) -> Tuple[int, int]:
-        return dist.get_world_size(self.process_group), dist.get_rank(self.process_group)
+        return self._session.world()
 
     # -- persistence -----------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
@@ -441,12 +378,19 @@ class CompressionState:
         # world size, method or chunk_numel before it changes anything.
         if self._engine is not None:
             if reset_error_feedback:
-                self._drop_residuals()
+                self._session.reset_residuals()
             else:
-                self._install(residuals)
-        else:
-            self._pending_ef = None if reset_error_feedback else residuals
+                self._session.load_residuals(residuals)
+        replaced = {f: (getattr(self, f), cfg[f]) for f in _ENGINE_FIELDS if cfg[f] != getattr(self, f)}
+        if replaced:
+            # The saved configuration decides (documented); said, not silent.
+            warnings.warn("CompressionState.load_state_dict: the loaded state runs "
+                          + ", ".join(f"{f}={new!r} (was {old!r})" for f, (old, new) in replaced.items()),
+                          UserWarning, stacklevel=2)
         self._set_config(cfg)
+        self._agreed = False  # compared again at the next bucket
+        if self._engine is None:  # a new configuration: a new client, the residuals waiting for it
+            self._session = self._new_session(None if reset_error_feedback else residuals)
         self.iteration = iteration
         if reset_error_feedback:
             self.bucket_layouts = {}
@@ -456,23 +400,6 @@ class CompressionState:
             # Checked at the first hook call if the group was not up at load time.
             self._saved_world = saved_world if saved_world[0] is not None else None
 
-    def _install(self, residuals: Dict[int, Any]) -> None:
-        """Make ``residuals`` this state's residuals in its engine group."""
-        new = {k: _residual_on(v, self._device) for k, v in residuals.items()}
-        if not self._private:
-            current = pd.error_feedback_state(self._engine, self._device.type)
-            new = {**{k: v for k, v in current.items() if k not in self._claimed}, **new}
-        pd.load_error_feedback_state(new, self._engine, self._device.type)
-        self._claimed = set(residuals)
-
-    def _drop_residuals(self) -> None:
-        if self._private:
-            pd.reset_error_feedback(group=self._engine, device=self._device.type)
-        else:
-            for key in sorted(self._claimed):
-                pd.reset_error_feedback(key, group=self._engine, device=self._device.type)
-        self._claimed = set()
-
     def __getstate__(self) -> Dict[str, Any]:
         keep = {k: v for k, v in self.__dict__.items() if not k.startswith("_") or k == "_saved_world"}
         keep["process_group"] = None
@@ -480,9 +407,11 @@ class CompressionState:
         return keep
 
     def __setstate__(self, d: Dict[str, Any]) -> None:
+        pending = d.pop("_pending_ef", None)
         self.__dict__.update(d)
         self.process_group = None  # the default group of the process that unpickles
         self._init_runtime()
+        self._session = self._new_session(pending)
 
     def __repr__(self) -> str:
         cfg = ", ".join(f"{k}={v!r}" for k, v in self.config().items())
@@ -573,7 +502,7 @@ def _checked_config(cfg: Dict[str, Any], where: Optional[str] = None) -> Dict[st
     # one does is checked next).
     _labelled(label("rounding"), lambda: pd.PycommOptions(compressor="int8", rounding=rounding))
     _labelled(label("seed"), lambda: pd.PycommOptions(compressor="int8", seed=seed))
-    if rounding == "stochastic" and compressor not in ("int8", "int4", "auto"):
+    if rounding == "stochastic" and compressor not in (*ROUNDING_METHODS, "auto"):
         raise ValueError(f"{label('rounding') or 'rounding'}: rounding='stochastic' is for the int8 and int4 "
                          f"compressors (or 'auto'); {compressor!r} does not round")
     return dict(compressor=compressor, density=density, approx=cfg["approx"], block_size=block_size,
@@ -609,16 +538,8 @@ def _checked_state(state: Any):
         if not _is_int(rank) or not 0 <= rank < world:
             raise ValueError(f"state['rank'] must be an int in [0, {world}), got {rank!r}")
     layouts = _checked_layouts(state["bucket_layouts"])
-    saved_ef = state["error_feedback"]
-    if not isinstance(saved_ef, dict):
-        raise TypeError(f"state['error_feedback'] must be the dict of residuals state_dict() saved, "
-                        f"got {type(saved_ef).__name__}")
-    residuals = {}
-    for key, ef in saved_ef.items():
-        label = f"state['error_feedback'][{key!r}]"
-        if not _is_int(key) or key < 0:
-            raise ValueError(f"{label}: a key must be a bucket index (a non-negative int)")
-        residuals[key] = _checked_residual(label, ef, cfg)
+    residuals = check_residuals("state['error_feedback']", state["error_feedback"],
+                                residual_methods(cfg["compressor"]), span=KEY_SPAN)
     return cfg, iteration, (world, rank), layouts, residuals
 
 
@@ -646,78 +567,6 @@ def _checked_layouts(layouts: Any) -> Dict[int, Tuple[int, Tuple[int, ...]]]:
             owner[p] = index
         out[index] = (numel, tuple(positions))
     return out
-
-
-def _checked_residual(label: str, ef: Any, cfg: Dict[str, Any]) -> Dict[str, Any]:
-    """One key's residuals, checked against the engine's layout rules, copied."""
-    if not isinstance(ef, dict):
-        raise TypeError(f"{label} must be a dict of residuals, got {type(ef).__name__}")
-    missing = [f for f in _RESIDUAL_FIELDS if f not in ef]
-    unknown = sorted(map(str, set(ef) - set(_RESIDUAL_FIELDS) - set(_OPTIONAL_RESIDUAL_FIELDS)))
-    if missing or unknown:
-        raise ValueError(f"{label} must hold the fields {list(_RESIDUAL_FIELDS)}"
-                         + (f"; missing {missing}" if missing else "")
-                         + (f"; unknown {unknown}" if unknown else ""))
-    for name in ("numel", "world_size", "chunk_numel"):
-        if not _is_int(ef[name]) or ef[name] < 1:
-            raise ValueError(f"{label}['{name}'] must be a positive int, got {ef[name]!r}")
-    if "calls" in ef and (not _is_int(ef["calls"]) or ef["calls"] < 0):
-        raise ValueError(f"{label}['calls'] must be a non-negative int, got {ef['calls']!r}")
-    numel, method = ef["numel"], ef["method"]
-    compressor = cfg["compressor"]
-    allowed = EF_METHODS if compressor == "auto" else (compressor,)
-    if method not in allowed:
-        raise ValueError(f"{label}['method'] is {method!r}, but state['config']['compressor'] is "
-                         f"{compressor!r}: its residuals are of {list(allowed)}")
-    worker = ef["worker"]
-    if not isinstance(worker, torch.Tensor) or worker.dtype != torch.float32 or worker.dim() != 1 \
-            or worker.numel() != numel:
-        got = (f"a {worker.dtype} tensor of shape {tuple(worker.shape)}" if isinstance(worker, torch.Tensor)
-               else type(worker).__name__)
-        raise ValueError(f"{label}['worker'] must be a 1-D float32 tensor of numel={numel} elements, got {got}")
-    server = ef["server"]
-    if not isinstance(server, (list, tuple)):
-        raise TypeError(f"{label}['server'] must be a list of tensors, got {type(server).__name__}")
-    chunks = chunk_bounds(numel, ef["chunk_numel"])
-    if method in BLOCK_METHODS:
-        if len(server) != len(chunks):
-            raise ValueError(f"{label}['server'] must hold one tensor per chunk ({len(chunks)} chunks of "
-                             f"numel={numel} at chunk_numel={ef['chunk_numel']}), got {len(server)}")
-    elif server:
-        raise ValueError(f"{label}['server'] must be empty for {method!r}, got {len(server)} tensors")
-    for i, (s, (lo, hi)) in enumerate(zip(server, chunks)):
-        if not isinstance(s, torch.Tensor) or s.dtype != torch.float32 or s.dim() != 1 or s.numel() > hi - lo:
-            got = (f"a {s.dtype} tensor of shape {tuple(s.shape)}" if isinstance(s, torch.Tensor)
-                   else type(s).__name__)
-            raise ValueError(f"{label}['server'][{i}] must be a 1-D float32 tensor of at most {hi - lo} "
-                             f"elements (its chunk's length), got {got}")
-        if s.device != worker.device:
-            raise ValueError(f"{label}['server'][{i}] is on {s.device}, the worker residual on {worker.device}")
-    return _residual_copy(ef)
-
-
-def _residual_copy(ef: Dict[str, Any], device: Optional[torch.device] = None) -> Dict[str, Any]:
-    """A copy of one key's residuals (on ``device`` when given), sharing no
-    tensor with ``ef``."""
-
-    def copy(t: torch.Tensor) -> torch.Tensor:
-        t = t.detach()
-        if device is not None and t.device != device:
-            return t.to(device, copy=True).contiguous()
-        return t.clone(memory_format=torch.contiguous_format)
-
-    out = {k: v for k, v in ef.items() if k not in ("worker", "server")}
-    out["worker"] = copy(ef["worker"])
-    out["server"] = [copy(s) for s in ef["server"]]
-    return out
-
-
-def _residual_on(ef: Dict[str, Any], device: torch.device) -> Dict[str, Any]:
-    """``ef`` (this state's own copy) with its tensors on ``device``."""
-    tensors = [ef["worker"], *ef["server"]]
-    if all(t.device == device for t in tensors):
-        return ef
-    return _residual_copy(ef, device)
 
 
 # --------------------------------------------------------- error delivery ---
@@ -812,6 +661,12 @@ def compressed_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.f
         state.iteration += 1
         state._local_iter += 1
     try:
+        if not state._agreed:
+            # The first bucket of this process: every rank's hook must run
+            # the same configuration, or the ranks part at start_iter.
+            agree("CompressionState", {**state.config(), "iteration": it}, state._session.base_group(),
+                  tensor.device)
+            state._agreed = True
         state._check_world()
         params = bucket.parameters()
         positions = state._bucket_positions(params)
@@ -850,7 +705,8 @@ def compressed_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.f
             work = pd.all_reduce(tensor, group=group, op="avg", async_op=True, compress=False)
         elif keyed:
             key = index if state._uses_ef() else None
-            state._claim(key)
+            if key is not None:
+                state._session.claim(key)
             work = pd.all_reduce(tensor, key=key, group=group, op="avg", async_op=True)
         else:
             return _remapped(state, bucket, tensor, positions, group, it)
@@ -875,7 +731,8 @@ def _remapped(state, bucket, tensor, positions, group, it) -> torch.futures.Futu
     for index, slices in parts:
         flat = torch.cat([tensor[o : o + n] for o, n in slices])
         key = index if state._uses_ef() else None
-        state._claim(key)
+        if key is not None:
+            state._session.claim(key)
         work = pd.all_reduce(flat, key=key, group=group, op="avg", async_op=True)
         pending.append((work.get_future(), flat, slices))
 

@@ -18,6 +18,9 @@ Example (on every rank)::
         opt.step()
 """
 
-from .onebit import KEY_BASE, OneBitAdam, OneBitSGD
+from .adam import OneBitAdam
+from .base import KEY_BASE, KEY_SPAN
+from .sgd import OneBitSGD
 
-__all__ = ["KEY_BASE", "OneBitAdam", "OneBitSGD"]
+
+__all__ = ["KEY_BASE", "KEY_SPAN", "OneBitAdam", "OneBitSGD"]

@@ -1,0 +1,460 @@
+"""One client's use of the engine: its group, its keys, its residuals.
+
+The DDP hook (:class:`pycomm.ddp.CompressionState`), the compressed-momentum
+optimizers (:mod:`pycomm.optim`) and :mod:`pycomm.fsdp` all do the same
+things around the engine's keyed collectives: find or create the pycomm
+group that runs their calls, check that a pycomm group they were handed runs
+their settings, own a range of keys in it, and save, validate and load the
+residuals under those keys. :class:`EngineSession` does it once, so they all
+run the same checks and say the same things when a check fails.
+
+Example::
+
+    >>> s = EngineSession("my trainer", "int8", {"block_size": 128}, key_base=1 << 30)
+    >>> s.key(3) - (1 << 30), s.owns((1 << 30) + 3), s.owns(0)
+    (3, True, False)
+    >>> s.residuals()   # nothing run, nothing loaded
+    {}
+"""
+
+from __future__ import annotations
+
+import hashlib
+import weakref
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ..compressors.plugin import options_json
+from . import spec
+
+__all__ = ["EngineSession", "KEY_SPAN", "agree", "check_residual", "check_residuals", "copy_residual"]
+
+#: Keys a session owns from its ``key_base``: ``[key_base, key_base +
+#: KEY_SPAN)``. Two sessions on one pycomm group need ranges that do not
+#: overlap (refused otherwise: they would train each other's residuals).
+KEY_SPAN = 1 << 20
+#: The largest key the engine takes (an int64).
+MAX_KEY = (1 << 63) - 1
+#: The fields of one key's residuals as the engine saves them, and those a
+#: state may lack ("calls", the key's count for stochastic rounding, is
+#: absent from states saved before keys counted).
+RESIDUAL_FIELDS = ("numel", "world_size", "chunk_numel", "method", "worker", "server")
+OPTIONAL_RESIDUAL_FIELDS = ("calls",)
+#: The settings a group runs that a session's must match (what options_of reports).
+_GROUP_FIELDS = ("block_size", "density", "approx", "rounding", "seed", "chunk_numel", "plugin_options")
+
+# Live sessions per engine group: (key range, owner name) of each, to refuse
+# two clients whose key ranges overlap in one group.
+_claims: "weakref.WeakKeyDictionary[dist.ProcessGroup, Dict[int, Tuple[int, int, str]]]" = \
+    weakref.WeakKeyDictionary()
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_key_base(key_base: Any, span: int = KEY_SPAN, name: str = "key_base") -> int:
+    """``key_base`` checked: an int with ``[key_base, key_base + span)``
+    inside the engine's keys (non-negative int64).
+
+    >>> check_key_base(2 ** 63)
+    Traceback (most recent call last):
+    ...
+    ValueError: key_base must be in [0, 9223372036854775807 - 1048575] (keys are int64 and a session owns 1048576 of them), got 9223372036854775808
+    """
+    if not _is_int(key_base):
+        raise TypeError(f"{name} must be an int, got {key_base!r}")
+    if not 0 <= key_base <= MAX_KEY - (span - 1):
+        raise ValueError(f"{name} must be in [0, {MAX_KEY} - {span - 1}] (keys are int64 and a session owns "
+                         f"{span} of them), got {key_base}")
+    return key_base
+
+
+# ------------------------------------------------------------ residuals ---
+def copy_residual(ef: Dict[str, Any], device: Optional[torch.device] = None) -> Dict[str, Any]:
+    """A copy of one key's residuals (on ``device`` when given), sharing no
+    tensor with ``ef``."""
+
+    def copy(t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        if device is not None and t.device != device:
+            return t.to(device, copy=True).contiguous()
+        return t.clone(memory_format=torch.contiguous_format)
+
+    out = {k: v for k, v in ef.items() if k not in ("worker", "server")}
+    out["worker"] = copy(ef["worker"])
+    out["server"] = [copy(s) for s in ef["server"]]
+    return out
+
+
+def residual_on(ef: Dict[str, Any], device: torch.device) -> Dict[str, Any]:
+    """``ef`` (a copy the caller owns) with its tensors on ``device``."""
+    if all(t.device == device for t in [ef["worker"], *ef["server"]]):
+        return ef
+    return copy_residual(ef, device)
+
+
+def _tensor_problem(t: Any, numel_at_most: int, exact: bool) -> Optional[str]:
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.dim() != 1 \
+            or (t.numel() != numel_at_most if exact else t.numel() > numel_at_most):
+        return (f"a {t.dtype} tensor of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor)
+                else type(t).__name__)
+    return None
+
+
+def check_residual(label: str, ef: Any, methods: Sequence[str]) -> Dict[str, Any]:
+    """One key's residuals checked against the engine's layout rules and
+    copied; ``methods``: the methods they may belong to. Raises, naming
+    ``label`` and the field, for anything the engine would refuse or train
+    on wrongly: a missing or unknown field, a size, a tensor of another
+    shape, dtype or device, a non-finite value (it would spread to every
+    rank at the next call)."""
+    if not isinstance(ef, dict):
+        raise TypeError(f"{label} must be a dict of residuals, got {type(ef).__name__}")
+    missing = [f for f in RESIDUAL_FIELDS if f not in ef]
+    unknown = sorted(map(str, set(ef) - set(RESIDUAL_FIELDS) - set(OPTIONAL_RESIDUAL_FIELDS)))
+    if missing or unknown:
+        raise ValueError(f"{label} must hold the fields {list(RESIDUAL_FIELDS)}"
+                         + (f"; missing {missing}" if missing else "")
+                         + (f"; unknown {unknown}" if unknown else ""))
+    for name in ("numel", "world_size", "chunk_numel"):
+        if not _is_int(ef[name]) or ef[name] < 1:
+            raise ValueError(f"{label}['{name}'] must be a positive int, got {ef[name]!r}")
+    if "calls" in ef and (not _is_int(ef["calls"]) or ef["calls"] < 0):
+        raise ValueError(f"{label}['calls'] must be a non-negative int, got {ef['calls']!r}")
+    numel, method = ef["numel"], ef["method"]
+    if method not in methods:
+        raise ValueError(f"{label}['method'] is {method!r}, but the residuals loaded here are of "
+                         f"{list(methods)}")
+    worker = ef["worker"]
+    got = _tensor_problem(worker, numel, exact=True)
+    if got:
+        raise ValueError(f"{label}['worker'] must be a 1-D float32 tensor of numel={numel} elements, got {got}")
+    server = ef["server"]
+    if not isinstance(server, (list, tuple)):
+        raise TypeError(f"{label}['server'] must be a list of tensors, got {type(server).__name__}")
+    chunks = spec.chunk_bounds(numel, ef["chunk_numel"])
+    # An all-reduce's block codec keeps a server residual per chunk; a
+    # reduce-scatter's or all-gather's ("<method>/<collective>") only the worker's.
+    base, _, collective = method.partition("/")
+    if spec.method_spec(base).kind == "block" and not collective:
+        if len(server) != len(chunks):
+            raise ValueError(f"{label}['server'] must hold one tensor per chunk ({len(chunks)} chunks of "
+                             f"numel={numel} at chunk_numel={ef['chunk_numel']}), got {len(server)}")
+    elif server:
+        raise ValueError(f"{label}['server'] must be empty for {method!r}, got {len(server)} tensors")
+    for i, (s, (lo, hi)) in enumerate(zip(server, chunks)):
+        got = _tensor_problem(s, hi - lo, exact=False)
+        if got:
+            raise ValueError(f"{label}['server'][{i}] must be a 1-D float32 tensor of at most {hi - lo} "
+                             f"elements (its chunk's length), got {got}")
+        if s.device != worker.device:
+            raise ValueError(f"{label}['server'][{i}] is on {s.device}, the worker residual on {worker.device}")
+    for name, t in [("['worker']", worker), *((f"['server'][{i}]", s) for i, s in enumerate(server))]:
+        if t.numel() and not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{label}{name} holds a NaN or Inf: a residual that is not finite makes "
+                             f"every rank's next result non-finite. Load a finite state, or start the "
+                             f"residuals over (reset_error_feedback=True)")
+    return copy_residual(ef)
+
+
+def check_residuals(label: str, residuals: Any, methods: Sequence[str], span: Optional[int] = None
+                    ) -> Dict[int, Dict[str, Any]]:
+    """A dict ``{key: residuals}`` checked whole (:func:`check_residual`
+    for each) and copied: keys non-negative ints, below ``span`` when given.
+    Nothing is changed anywhere when it raises."""
+    if not isinstance(residuals, dict):
+        raise TypeError(f"{label} must be the dict of residuals state_dict() saved, "
+                        f"got {type(residuals).__name__}")
+    out = {}
+    for key, ef in residuals.items():
+        where = f"{label}[{key!r}]"
+        if not _is_int(key) or key < 0 or (span is not None and key >= span):
+            rng = "a non-negative int" if span is None else f"an int in [0, {span})"
+            raise ValueError(f"{where}: a key must be {rng}")
+        out[key] = check_residual(where, ef, methods)
+    return out
+
+
+def residual_methods(compressor: str) -> Tuple[str, ...]:
+    """The methods whose residuals a client running ``compressor`` keeps:
+    its own, or, for "auto", any that keeps residuals."""
+    return spec.EF_METHODS if compressor == "auto" else (compressor,)
+
+
+# ------------------------------------------------------------ settings ---
+def agree(owner: str, settings: Dict[str, Any], group: dist.ProcessGroup, device: torch.device) -> None:
+    """Raise on every rank of ``group`` when the ranks' ``settings`` (a
+    dict by the names users know them by) differ, naming each setting that
+    differs and every rank's value. One int64 per rank on the wire (a digest
+    of the settings); the settings themselves only when the digests differ.
+    A collective: every rank of ``group`` calls it at the same point."""
+    world = dist.get_world_size(group)
+    if world < 2:
+        return
+    digest = hashlib.sha1(repr(sorted(settings.items())).encode()).digest()
+    mine = torch.tensor([int.from_bytes(digest[:7], "little")], dtype=torch.int64, device=device)
+    every = torch.empty(world, dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(every, mine, group=group)
+    if bool((every == every[0]).all()):
+        return
+    theirs: List[Any] = [None] * world
+    dist.all_gather_object(theirs, settings, group=group)
+    diff = [k for k in settings if any(t.get(k) != settings[k] for t in theirs)]
+    raise ValueError(
+        f"{owner}: the ranks disagree on "
+        + "; ".join(f"{k} (" + ", ".join(f"rank {r}: {t.get(k)!r}" for r, t in enumerate(theirs)) + ")"
+                    for k in diff)
+        + ". Every rank must build, attach and load it alike. Nothing was changed."
+    )
+
+
+# -------------------------------------------------------------- session ---
+class EngineSession:
+    """The engine as one client uses it.
+
+    ``owner``: the client's name in errors (``"OneBitAdam"``). ``compressor``
+    and ``settings`` (:class:`pycomm.distributed.PycommOptions` fields but
+    the compressor): what the client's calls run. ``process_group``: the
+    group given by the user (None: the default group). A plain group is
+    wrapped into a pycomm group of the session's settings at the first
+    :meth:`engine` call, on every rank alike; a pycomm group is used as it
+    is, after :meth:`check_group` (unless ``private_group``: then it is
+    wrapped too). The session owns the keys ``[key_base, key_base +
+    key_span)`` of that group; another live session whose range overlaps
+    them in the same group is refused.
+
+    Residuals are kept relative to ``key_base``: :meth:`residuals` returns
+    and :meth:`load_residuals` takes ``{offset: residuals}``. Loaded before
+    the group exists, they wait and go in at the first :meth:`engine`.
+
+    Example::
+
+        s = EngineSession("trainer", "onebit", {}, key_base=1 << 40)
+        pg = s.engine(torch.device("cpu"))
+        pd.all_reduce(t, key=s.key(0), group=pg)
+        saved = s.residuals()          # {0: {...}}
+    """
+
+    def __init__(self, owner: str, compressor: str, settings: Dict[str, Any], *,
+                 process_group: Optional[dist.ProcessGroup] = None, key_base: int = 0,
+                 key_span: int = KEY_SPAN, private_group: bool = False) -> None:
+        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+            raise TypeError(f"process_group must be a torch.distributed.ProcessGroup or None, "
+                            f"got {type(process_group).__name__}")
+        self.owner = owner
+        self.compressor = compressor
+        self.settings = dict(settings)
+        self.process_group = process_group
+        self.key_base = check_key_base(key_base, key_span)
+        self.key_span = key_span
+        self.private_group = private_group
+        self._pending: Optional[Dict[int, Any]] = None  # residuals loaded before the group exists
+        self.detach()
+
+    def detach(self) -> None:
+        """Forget the process's group (after unpickling: a new process)."""
+        self._engine: Optional[dist.ProcessGroup] = None
+        self._device: Optional[torch.device] = None
+        self._private = False  # the engine group is this session's own
+        #: Offsets whose residual in a shared group is this session's.
+        self._claimed: set = set()
+
+    # -- groups ----------------------------------------------------------------
+    def base_group(self) -> dist.ProcessGroup:
+        """The group the user gave, or the default group."""
+        if not dist.is_initialized():
+            raise RuntimeError(f"{self.owner} needs torch.distributed: call dist.init_process_group "
+                               f"(or pycomm.distributed.init_process_group) first")
+        return self.process_group if self.process_group is not None else dist.group.WORLD
+
+    def world(self) -> Tuple[int, int]:
+        """``(world size, rank)`` in the base group."""
+        group = self.base_group()
+        return dist.get_world_size(group), dist.get_rank(group)
+
+    @property
+    def group(self) -> Optional[dist.ProcessGroup]:
+        """The engine group, once :meth:`engine` made or found it."""
+        return self._engine
+
+    @property
+    def device(self) -> Optional[torch.device]:
+        return self._device
+
+    @property
+    def waiting(self) -> bool:
+        """True when loaded residuals wait for the engine group."""
+        return bool(self._pending)
+
+    @property
+    def private(self) -> bool:
+        """True when the engine group is this session's own (it made it)."""
+        return self._private
+
+    def engine(self, device: torch.device) -> dist.ProcessGroup:
+        """The pycomm group that runs this session's calls on ``device``
+        (created at the first call, on every rank alike); residuals loaded
+        before it existed go in now."""
+        if self._engine is not None:
+            return self._engine
+        from . import is_pycomm_group, wrap
+
+        base = self.base_group()
+        shared = is_pycomm_group(base, device) and not self.private_group
+        if shared:
+            self.check_group(base, device)
+            engine = base
+        else:
+            settings = dict(self.settings)
+            if is_pycomm_group(base, device):
+                settings["inner"] = "nccl" if device.type == "cuda" else "gloo"
+            engine = wrap(base, compressor=self.compressor, **settings)
+        self._claim_range(engine)
+        self._engine, self._device, self._private = engine, device, not shared
+        pending, self._pending = self._pending, None
+        if pending:
+            self._install(pending)
+        return engine
+
+    def check_group(self, group: dist.ProcessGroup, device: torch.device) -> None:
+        """A pycomm group compresses with its own settings: refuse one whose
+        settings are not this session's, naming each that differs."""
+        from . import options_of
+
+        theirs = dict(options_of(group, device.type if isinstance(device, torch.device) else device))
+        kind = spec.method_spec(self.compressor).kind if self.compressor != "auto" else "auto"
+        mine: Dict[str, Any] = {"method": self.compressor}
+        if kind == "block":
+            mine["block_size"] = spec.block_size_for(self.compressor, self.settings.get("block_size"))
+            theirs["block_size"] = spec.block_size_for(self.compressor, theirs.get("block_size") or None)
+        if kind == "sparse":
+            for name in ("density", "approx"):
+                if name in self.settings:
+                    mine[name] = self.settings[name]
+        if self.compressor in spec.ROUNDING_METHODS or kind == "auto":
+            rounding = self.settings.get("rounding", "nearest")
+            mine.update(rounding=rounding, seed=self.settings.get("seed", 0) if rounding == "stochastic" else 0)
+        if self.settings.get("chunk_numel") is not None:
+            mine["chunk_numel"] = self.settings["chunk_numel"]
+        if kind == "plugin":
+            mine["plugin_options"] = options_json(self.compressor, self.settings.get("compressor_options"))
+        diff = {k: (theirs.get(k), v) for k, v in mine.items() if theirs.get(k) != v}
+        if diff:
+            raise ValueError(
+                f"{self.owner} asks for " + ", ".join(f"{'compressor' if k == 'method' else k}={v[1]!r}"
+                                                      for k, v in diff.items())
+                + " but its process group runs the pycomm backend with "
+                + ", ".join(f"{'compressor' if k == 'method' else k}={v[0]!r}" for k, v in diff.items())
+                + ": the group's settings decide, so make them agree"
+            )
+
+    def _claim_range(self, engine: dist.ProcessGroup) -> None:
+        lo, hi = self.key_base, self.key_base + self.key_span
+        live = _claims.setdefault(engine, {})
+        for sid, (olo, ohi, owner) in list(live.items()):
+            if sid == id(self):
+                continue
+            if lo < ohi and olo < hi:
+                raise ValueError(
+                    f"{self.owner} would use the keys [{lo}, {hi}) of its pycomm group, which {owner} already "
+                    f"uses ([{olo}, {ohi})): they would train each other's error-feedback residuals. Give one "
+                    f"of them another key_base (at least {self.key_span} apart)"
+                )
+        live[id(self)] = (lo, hi, self.owner)
+        weakref.finalize(self, live.pop, id(self), None)
+
+    # -- keys ------------------------------------------------------------------
+    def key(self, offset: int) -> int:
+        """The engine key of this session's ``offset``."""
+        if not 0 <= offset < self.key_span:
+            raise ValueError(f"{self.owner}: key offset {offset} is outside [0, {self.key_span})")
+        return self.key_base + offset
+
+    def owns(self, key: int) -> bool:
+        return self.key_base <= key < self.key_base + self.key_span
+
+    def claim(self, offset: int) -> None:
+        """Before this session's first use of ``offset`` in a shared group:
+        drop what other code left under its key, so the residual starts at 0."""
+        if self._engine is None:
+            raise RuntimeError(f"{self.owner}: claim() before the engine group exists")
+        if self._private or offset in self._claimed:
+            return
+        from . import reset_error_feedback
+
+        reset_error_feedback(self.key(offset), group=self._engine, device=self._device.type)
+        self._claimed.add(offset)
+
+    # -- residuals ---------------------------------------------------------------
+    def residuals(self) -> Dict[int, Dict[str, Any]]:
+        """This rank's residuals under this session's keys, by offset
+        (copies): from the engine (after every call handed to it; in a
+        shared group, the keys it ran or loaded), or those loaded and still
+        waiting for it."""
+        if self._engine is None:
+            return {k: copy_residual(v) for k, v in (self._pending or {}).items()}
+        from . import error_feedback_state
+
+        full = error_feedback_state(self._engine, self._device.type)
+        mine = {k - self.key_base: v for k, v in full.items() if self.owns(k)}
+        if not self._private:  # in a shared group: the keys this session ran or loaded
+            mine = {k: v for k, v in mine.items() if k in self._claimed}
+        return mine
+
+    def load_residuals(self, residuals: Dict[int, Dict[str, Any]]) -> None:
+        """Make ``residuals`` (``{offset: residuals}``, checked by the
+        caller with :func:`check_residuals`, and this session's to keep)
+        this session's residuals: in the engine group, or waiting for it.
+        The engine refuses residuals of another world size, method or
+        chunk before it changes anything."""
+        if self._engine is None:
+            self._pending = dict(residuals)
+            return
+        self._install(residuals)
+
+    def _install(self, residuals: Dict[int, Dict[str, Any]]) -> None:
+        from . import error_feedback_state, load_error_feedback_state
+
+        new = {self.key(k): residual_on(v, self._device) for k, v in residuals.items()}
+        # The engine's load replaces its whole store: keep every other key's.
+        current = error_feedback_state(self._engine, self._device.type)
+        new = {**{k: v for k, v in current.items() if not self.owns(k)}, **new}
+        load_error_feedback_state(new, self._engine, self._device.type)
+        self._claimed = set(residuals)
+
+    def reset_residuals(self) -> None:
+        """Start every residual of this session over (zero)."""
+        self._pending = None
+        if self._engine is None:
+            return
+        from . import error_feedback_state, load_error_feedback_state
+
+        current = error_feedback_state(self._engine, self._device.type)
+        load_error_feedback_state({k: v for k, v in current.items() if not self.owns(k)},
+                                  self._engine, self._device.type)
+        self._claimed = set()
+
+    def undo(self, offsets: Iterable[int]) -> None:
+        """Put back the residuals of this session's keys ``offsets`` as they
+        were before their last call (pycomm.distributed.undo_error_feedback)."""
+        keys: List[int] = [self.key(k) for k in offsets]
+        if keys:
+            from . import undo_error_feedback
+
+            undo_error_feedback(keys, self._engine, self._device.type)
+
+    def __getstate__(self) -> Dict[str, Any]:
+        # The group belongs to this process: an unpickled session starts
+        # without one, its residuals waiting.
+        d = {k: v for k, v in self.__dict__.items() if k not in ("_engine", "_device", "_private", "_claimed")}
+        d["process_group"] = None
+        d["_pending"] = self.residuals() or None
+        return d
+
+    def __setstate__(self, d: Dict[str, Any]) -> None:
+        self.__dict__.update(d)
+        self.detach()
+

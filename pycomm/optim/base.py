@@ -1,0 +1,876 @@
+"""Compressed-momentum optimizers: :class:`OneBitAdam` and :class:`OneBitSGD`.
+
+The algorithm (1-bit Adam, which DeepSpeed ships as ``OneBitAdam``; the SGD
+counterpart is the same idea with torch's momentum SGD): for the first ``warmup_steps`` steps the
+gradients are averaged over the ranks EXACTLY and the update is torch's own
+(``torch.optim.AdamW`` / ``torch.optim.SGD``, called through their functional
+forms, so the warm-up is theirs bit for bit). Then:
+
+* OneBitAdam freezes the variance ``v`` (and its bias correction,
+  ``1 - beta2^T`` with ``T`` the parameter's step count at the freeze);
+  with ``variance_update_every=K``, every K-th step after the warm-up
+  averages the gradients exactly instead (as the warm-up does), takes the
+  momentum from that average on every rank alike (nothing compressed, no
+  residual changes) and updates ``v = beta2^d v + (1 - beta2^d) g^2``, ``d``
+  steps after its last update (``T`` becomes this step);
+* each rank updates the momentum with its LOCAL gradient (``m = lerp(m, g,
+  1 - beta1)``; SGD: ``buf = momentum * buf + g + weight_decay * p``);
+* the momenta of every parameter, flattened into one buffer, are averaged by
+  the engine's compressed all-reduce (``pycomm.distributed.all_reduce(buf,
+  key=key_base, op="avg")``): every rank compresses its momentum with its
+  worker residual, the server of each segment re-compresses the average
+  with its server residual, and every rank decodes the same bytes, so the
+  averaged momentum, which becomes ``m`` on every rank, is identical
+  everywhere;
+* the update uses that momentum: AdamW's ``p *= 1 - lr * wd; p -= lr / (1 -
+  beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^T) + eps)``; SGD's ``p -= lr *
+  buf`` (Nesterov: ``p -= lr * (buf + momentum * (buf - buf_old))``, which is
+  torch's ``g + momentum * buf`` with the averaged gradient written through
+  the momenta, the only form every rank can compute alike).
+
+Design decisions (docs/optim.md has the long form):
+
+* **Groups.** ``process_group`` is any group: Gloo, NCCL or a ``"pycomm"``
+  one. A plain group is wrapped once, at the first compressed step, into a
+  pycomm group over the same ranks with this optimizer's compressor and
+  settings (``pycomm.distributed.wrap``; every rank of the default group
+  takes part, as in ``dist.new_group``); a pycomm group is used as it is
+  (its settings must name the same compressor). Exact all-reduces (warm-up)
+  always run on the plain group (``compress=False`` on a pycomm group).
+* **DDP.** :meth:`attach` registers a DDP communication hook: the exact
+  average during the warm-up, no communication at all after it (DDP's
+  all-reduce is skipped; the gradients stay local), and the optimizer then
+  does not all-reduce gradients itself. Without DDP, ``step()`` averages the
+  gradients during the warm-up (one flat all-reduce per step). With
+  ``attach(model, overlap=True)`` the hook sends each bucket's momenta,
+  compressed, while backward runs, and ``step()`` applies them.
+* **Keys.** The residuals live in the engine under the key ``key_base``
+  (default :data:`KEY_BASE`, far above the DDP hook's bucket indices), and
+  with ``overlap=True`` under ``key_base + 1 + i`` for DDP bucket ``i``.
+* **Zero gradients need no mask.** Elements whose gradient was exactly zero
+  (or absent) during the whole warm-up on every rank are *frozen*: Adam's
+  frozen variance is exactly 0 there (SGD tracks a ``grad_seen`` mask during
+  the warm-up), they are kept out of the communicated buffer, and they move
+  only as torch's optimizer moves an element with a zero gradient (weight
+  decay; a momentum that decays). With a zero variance AdamW would divide by
+  ``eps``; sign compression would give them +-scale of their block: this is
+  what DeepSpeed needs a user mask for. Parameters with no optimizer state
+  (no gradient anywhere during the warm-up) are never updated afterwards.
+  After the warm-up every parameter with state is stepped every step; a
+  missing gradient counts as zero (as DDP counts an unused parameter).
+* **Non-finite steps.** A NaN or Inf in any rank's gradient (or GradScaler's
+  found-inf flag, injected into the buffer as a NaN) makes the all-reduced
+  buffer non-finite on EVERY rank (docs/allreduce.md, "Non-finite
+  results"); the engine then rolls its residuals back, and the step is
+  skipped on every rank: parameters, ``m``, ``v``, step counts and residuals
+  stay as they were (with ``overlap=True``, the buckets whose calls were
+  finite are undone: :func:`pycomm.distributed.undo_error_feedback`). The optimizer sets ``_step_supports_amp_scaling``, so
+  ``GradScaler.step`` always calls ``step()`` (a rank that skipped alone
+  would leave its peers waiting in the collective); ``step()`` unscales the
+  gradients itself and, when called from ``GradScaler.step``, records the
+  agreed skip in the scaler's found-inf record for this optimizer, so
+  ``scaler.update()`` backs off on every rank. Without a GradScaler a
+  non-finite step is skipped the same way, with a RuntimeWarning.
+* **State.** ``state_dict()`` holds torch's per-parameter state (``step``,
+  ``exp_avg``, ``exp_avg_sq`` / ``momentum_buffer``, plus ``variance_step``
+  or ``grad_seen``) and a ``"pycomm"`` entry: the optimizer's step count and
+  THIS rank's residuals (they differ per rank: every rank saves and loads its
+  own). A resumed run continues bit for bit.
+"""
+
+# No `from __future__ import annotations`: DDP compares the hook's
+# annotations with dist.GradBucket and torch.futures.Future[torch.Tensor].
+import sys
+import warnings
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch.optim import Optimizer
+
+from .. import distributed as pd
+from ..distributed import spec
+from ..distributed.session import KEY_SPAN, EngineSession, agree, check_key_base, check_residuals, residual_methods
+from ._checks import _all_finite, _check_compressor, _check_int
+from .ddp import DDPAttach
+
+__all__ = ["KEY_BASE", "KEY_SPAN"]
+
+#: Default engine key of the momentum buffer's residuals: 2^40, far above
+#: the DDP hook's keys (bucket indices). Two of these optimizers sharing ONE
+#: pycomm group need ``key_base`` values at least :data:`KEY_SPAN` apart
+#: (refused otherwise).
+KEY_BASE = 1 << 40
+_STATE_VERSION = 1
+#: The fields of ``state_dict()["pycomm"]``.
+_STATE_FIELDS = ("version", "step_count", "warmup_steps", "compressor", "overlap", "buckets", "world_size", "rank",
+                 "error_feedback")
+
+
+class _CompressedMomentum(DDPAttach, Optimizer):
+    """What OneBitAdam and OneBitSGD share: the warm-up's exact averaging,
+    the compressed all-reduce of the momenta, frozen elements, non-finite
+    steps, the DDP hook and the state. Subclasses give the update rules."""
+
+    #: GradScaler.step calls step() on every rank, with ``grad_scale`` and
+    #: ``found_inf`` set, instead of skipping it on the ranks that saw an inf.
+    _step_supports_amp_scaling = True
+
+    def __init__(self, params: Any, defaults: Dict[str, Any], *, warmup_steps: int, compressor: str,
+                 process_group: Optional[dist.ProcessGroup], key_base: int,
+                 compressor_settings: Dict[str, Any]) -> None:
+        _check_int("warmup_steps", warmup_steps, 1)
+        _check_compressor(compressor, compressor_settings)
+        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+            raise TypeError(f"process_group must be a torch.distributed.ProcessGroup or None, "
+                            f"got {type(process_group).__name__}")
+        check_key_base(key_base)
+        super().__init__(params, defaults)
+        self.warmup_steps = warmup_steps
+        self.compressor = compressor
+        self.compressor_settings = dict(compressor_settings)
+        self.process_group = process_group
+        self.key_base = key_base
+        #: The engine client: the group, the keys [key_base, key_base +
+        #: KEY_SPAN) and this rank's residuals under them.
+        self._session = EngineSession(type(self).__name__, compressor, compressor_settings,
+                                      process_group=process_group, key_base=key_base)
+        if process_group is not None and dist.is_initialized() and pd.is_pycomm_group(process_group, self._device()):
+            self._session.check_group(process_group, self._device())
+        #: Steps taken (skipped non-finite steps are not counted). The
+        #: warm-up is ``step_count < warmup_steps``.
+        self.step_count = 0
+        #: Non-finite steps skipped on every rank, in this process.
+        self.skipped_steps = 0
+        self._saved_world: Optional[Tuple[int, int]] = None
+        self._saved_overlap: Optional[bool] = None  # how the loaded residuals were keyed
+        #: overlap=True: DDP bucket index -> positions of its parameters (saved with the residuals)
+        self._bucket_pos: Dict[int, Tuple[int, ...]] = {}
+        self._init_runtime()
+
+    def _init_runtime(self) -> None:
+        """What belongs to this process (not saved, not pickled)."""
+        self._agreed = False  # the ranks' settings compared since the last change (_agree)
+        self._layout: Optional[List[Any]] = None
+        # Per parameter id, what a subclass derives once from frozen state
+        # (OneBitAdam: the denominator); dropped with the layout.
+        self._frozen: Dict[int, Tuple[Any, torch.Tensor]] = {}
+        self._ddp_param_ids: frozenset = frozenset()
+        self._attached = False
+        self._flat: Optional[torch.Tensor] = None  # the communicated buffer, reused
+        # attach(model, overlap=True): the momenta go out per DDP bucket,
+        # from the DDP hook, while backward runs.
+        self._overlap = False
+        self._scaler: Any = None
+        # DDP bucket index -> (its parameters' ids, their layout entries, the buffer sent)
+        self._buckets: Dict[int, Tuple[Tuple[int, ...], List[Any], torch.Tensor]] = {}
+        self._sent: Dict[int, Tuple[Optional[torch.Tensor], List[Any], Optional[int], Any]] = {}  # this step's
+        self._hold = False  # after a refused backward, until step()
+        self._backwards = 0  # backward passes DDP ran in this process (its buckets are rebuilt after the first)
+        self._forwards = self._forwards_at_send = 0  # forwards of the DDP model; the count at this step's send
+
+    _CONFIG = ("warmup_steps", "compressor", "compressor_settings", "key_base", "step_count", "skipped_steps",
+               "_saved_world", "_saved_overlap", "_bucket_pos")
+
+    def __getstate__(self) -> Dict[str, Any]:
+        # torch keeps defaults, state and param_groups; add the configuration
+        # and the residuals. The process group is not kept (the default
+        # group of the process that unpickles), nor the DDP coupling.
+        d = super().__getstate__()
+        d.update({k: getattr(self, k) for k in self._CONFIG})
+        d["_session"] = self._session  # pickles its residuals, not its group
+        if self._engine is not None:
+            d["_saved_overlap"] = self._overlap if self._ef() else None
+        return d
+
+    def __setstate__(self, d: Dict[str, Any]) -> None:
+        # Unpickling fills a new object; torch's load_state_dict calls this
+        # too, on a live one, whose engine group and DDP coupling stay.
+        unpickled = "_layout" not in self.__dict__
+        super().__setstate__(d)
+        if unpickled:
+            self.process_group = None
+            self._init_runtime()
+
+    # -- hooks for the subclasses -----------------------------------------------
+    def _check_group(self, group: Dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def _has_state(self, state: Dict[str, Any]) -> bool:
+        raise NotImplementedError
+
+    def _active_mask(self, p: torch.Tensor, state: Dict[str, Any]) -> torch.Tensor:
+        """Bool mask of the elements that are communicated (not frozen)."""
+        raise NotImplementedError
+
+    def _warmup_update(self, group: Dict[str, Any], params: List[torch.Tensor],
+                       grads: List[torch.Tensor]) -> None:
+        raise NotImplementedError
+
+    def _freeze(self, p: torch.Tensor, state: Dict[str, Any]) -> None:
+        """Called once per parameter with state when the layout is built."""
+
+    def _variance_due(self) -> bool:
+        """True when this step, after the warm-up, averages the gradients
+        exactly to update frozen statistics (OneBitAdam's variance)."""
+        return False
+
+    def _variance_update(self, group: Dict[str, Any], p: torch.Tensor, state: Dict[str, Any],
+                         grad: Optional[torch.Tensor]) -> None:
+        """Update frozen statistics from the exactly averaged ``grad`` (None:
+        zero), before :meth:`_apply` of the same step."""
+
+    def _local_momentum(self, group: Dict[str, Any], p: torch.Tensor, state: Dict[str, Any],
+                        grad: torch.Tensor, out: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _apply(self, group: Dict[str, Any], p: torch.Tensor, state: Dict[str, Any],
+               momentum: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    # -- parameter groups ------------------------------------------------------
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        if getattr(self, "step_count", 0) >= getattr(self, "warmup_steps", 1):
+            raise ValueError(
+                f"{type(self).__name__}.add_param_group after the warm-up: parameters added now would "
+                f"have no warm-up statistics to freeze; add them before step {self.warmup_steps}"
+            )
+        merged = dict(self.defaults)
+        merged.update({k: v for k, v in param_group.items() if k != "params"})
+        self._check_group(merged)
+        params = param_group["params"]
+        if not isinstance(params, (torch.Tensor, set)):
+            param_group = dict(param_group, params=list(params))  # a generator is read once
+            params = param_group["params"]
+        for p in [params] if isinstance(params, torch.Tensor) else params:
+            if _is_dtensor(p):
+                raise ValueError(f"{type(self).__name__} takes plain tensors, got a DTensor parameter (FSDP2 or "
+                                 f"tensor parallel): its momentum is sharded already. With FSDP2, compress the "
+                                 f"gradients' reduce-scatter instead (pycomm.fsdp.compress) and use a torch optimizer")
+            if isinstance(p, torch.Tensor) and (not p.is_floating_point() or p.is_complex() or p.is_sparse):
+                raise ValueError(f"{type(self).__name__} takes dense real floating-point parameters, "
+                                 f"got one of dtype {p.dtype}{' (sparse)' if p.is_sparse else ''}")
+        super().add_param_group(param_group)
+        devices = {p.device for g in self.param_groups for p in g["params"]}
+        if len(devices) > 1:
+            raise ValueError(f"all parameters must be on one device, got {sorted(map(str, devices))}")
+        self._layout = None
+        self._frozen = {}
+        self._agreed = False
+
+    def _params(self) -> List[Tuple[Dict[str, Any], torch.Tensor]]:
+        return [(g, p) for g in self.param_groups for p in g["params"] if p.requires_grad]
+
+    def _device(self) -> torch.device:
+        for g in self.param_groups:
+            for p in g["params"]:
+                return p.device
+        return torch.device("cpu")
+
+    # -- groups ------------------------------------------------------------------
+    def _plain_group(self) -> dist.ProcessGroup:
+        if not dist.is_initialized():
+            raise RuntimeError(f"{type(self).__name__}.step needs torch.distributed: call "
+                               f"dist.init_process_group (or pycomm.distributed.init_process_group) first")
+        return self.process_group if self.process_group is not None else dist.group.WORLD
+
+    def _uses_ef(self) -> bool:
+        return self.compressor == "auto" or spec.method_spec(self.compressor).residuals
+
+    @property
+    def _engine(self) -> Optional[dist.ProcessGroup]:
+        return self._session.group
+
+    def _engine_group(self) -> dist.ProcessGroup:
+        """The pycomm group that runs the compressed all-reduce (created at the
+        first compressed step over a plain group, on every rank alike);
+        residuals loaded before it existed go in now."""
+        if self._engine is None:
+            self._plain_group()  # the error when torch.distributed is not up
+            self._check_world()
+            if self._session.waiting:
+                self._check_overlap()
+        return self._session.engine(self._device())
+
+    def _key(self, offset: int) -> Optional[int]:
+        """The engine key of ``offset`` (0: step()'s buffer; 1 + i: DDP
+        bucket i with overlap=True), None when the compressor keeps no
+        residuals."""
+        if not self._uses_ef():
+            return None
+        self._engine_group()
+        self._session.claim(offset)
+        return self._session.key(offset)
+
+    def _check_overlap(self) -> None:
+        # A refusal stays a refusal: the saved value is dropped only once it passed.
+        saved = self._saved_overlap
+        if saved is not None and saved != self._overlap:
+            raise ValueError(
+                f"{type(self).__name__}'s residuals were saved with attach(model, overlap={saved}) and this "
+                f"optimizer runs overlap={self._overlap}: they are keyed per DDP bucket only with overlap=True; "
+                f"attach the same way, or load with reset_error_feedback=True"
+            )
+        self._saved_overlap = None
+
+    def _check_world(self) -> None:
+        if self._saved_world is None:
+            return
+        pg = self._plain_group()
+        world, rank = dist.get_world_size(pg), dist.get_rank(pg)
+        saved = self._saved_world
+        if saved != (world, rank):
+            raise ValueError(
+                f"{type(self).__name__} was loaded from the state of rank {saved[1]} of {saved[0]}, but this "
+                f"is rank {rank} of {world}; every rank loads its own state, or load with "
+                f"reset_error_feedback=True to start the residuals over"
+            )
+        self._saved_world = None
+
+    def _ef(self) -> Dict[int, Any]:
+        """This optimizer's residuals, keyed relative to ``key_base``."""
+        return self._session.residuals()
+
+    def _exact_average(self, tensor: torch.Tensor, group: dist.ProcessGroup) -> Any:
+        """Start the exact average of ``tensor`` over ``group`` in place;
+        returns the Work (divide, then sum: torch's default DDP hook)."""
+        if pd.is_pycomm_group(group, tensor.device):
+            return pd.all_reduce(tensor, group=group, op="avg", compress=False, async_op=True)
+        tensor.div_(dist.get_world_size(group))
+        return dist.all_reduce(tensor, group=group, async_op=True)
+
+    # -- settings every rank must share ------------------------------------------
+    def _settings(self) -> Dict[str, Any]:
+        """What every rank's optimizer must agree on, by the name a user
+        knows it by."""
+        skip = ("skipped_steps", "_saved_world", "_saved_overlap", "_bucket_pos")
+        out = {k: getattr(self, k) for k in self._CONFIG if k not in skip}
+        out["compressor_settings"] = sorted(self.compressor_settings.items())
+        out["attach(model)"] = self._attached
+        out["attach(overlap=...)"] = self._overlap
+        out["parameter sizes"] = [p.numel() for _, p in self._params()]
+        return out
+
+    def _agree(self, settings: Optional[Dict[str, Any]] = None) -> None:
+        """Compare :meth:`_settings` across the ranks: at every warm-up step
+        (parameter groups may still change) and at the first step after a
+        load or ``attach``. One int64 per rank on the wire; the settings
+        themselves only when they differ, so that every rank raises naming
+        the setting and each rank's value (instead of a collective of the
+        wrong size aborting inside the backend, or a hang when the ranks
+        leave the warm-up at different steps)."""
+        whole = settings is None
+        agree(type(self).__name__, self._settings() if whole else settings, self._plain_group(), self._device())
+        self._agreed = self._agreed or whole
+
+    # -- the step --------------------------------------------------------------
+    @property
+    def in_warmup(self) -> bool:
+        """True during the warm-up (torch's update on exact averages)."""
+        return self.step_count < self.warmup_steps
+
+    @property
+    def exact_now(self) -> bool:
+        """True when the next step averages the gradients exactly: the
+        warm-up, and after it OneBitAdam's variance updates."""
+        return self.in_warmup or self._variance_due()
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        """One step on every rank (a collective: every rank calls it).
+
+        Under ``torch.amp.GradScaler`` (``scaler.step(optimizer)``) the
+        gradients are unscaled here, and a step with a non-finite gradient
+        on any rank is skipped on every rank."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        found_inf = getattr(self, "found_inf", None)
+        grad_scale = getattr(self, "grad_scale", None)
+        try:
+            sparse = [i for i, (_, p) in enumerate(self._params()) if p.grad is not None and p.grad.is_sparse]
+            if sparse:
+                raise ValueError(f"{type(self).__name__} takes dense gradients; parameters {sparse[:5]} have sparse "
+                                 f"ones (nn.Embedding(sparse=True)?): make them dense. Nothing was changed.")
+            if self.in_warmup or not self._agreed:
+                self._agree()
+            # found_inf, not grad_scale: GradScaler sets grad_scale to None
+            # after the user's scaler.unscale_(opt) (the clipping recipe),
+            # while the momenta went out from scaled gradients all the same.
+            if found_inf is not None and self._overlap and not self.exact_now and self._scaler is None:
+                self._undo_sent()
+                raise ValueError(
+                    f"{type(self).__name__} was attached with overlap=True and no scaler, but is stepped by a "
+                    f"GradScaler: the momenta were sent from scaled gradients. Pass the scaler: "
+                    f"attach(model, overlap=True, scaler=scaler). Nothing was changed by this step."
+                )
+            if grad_scale is not None:
+                self._unscale(grad_scale)
+            if self.in_warmup:
+                ok = self._warmup_step(found_inf)
+            elif self._variance_due():
+                ok = self._exact_step(found_inf)
+            else:
+                ok = self._compressed_step(found_inf)
+        except BaseException:
+            # GradScaler.step removes these only when step() returns: a later
+            # step() must not see them.
+            for name in ("grad_scale", "found_inf"):
+                self.__dict__.pop(name, None)
+            raise
+        if ok:
+            self.step_count += 1
+        else:
+            self.skipped_steps += 1
+            if not self._tell_scaler() and found_inf is None:
+                warnings.warn(
+                    f"{type(self).__name__}: a gradient was not finite on some rank at step "
+                    f"{self.step_count}; the step was skipped on every rank (nothing changed)",
+                    RuntimeWarning, stacklevel=2,
+                )
+        return loss
+
+    def _unscale(self, grad_scale: torch.Tensor) -> None:
+        # What GradScaler.unscale_ does, with its inverse (computed in float64).
+        inv = grad_scale.double().reciprocal().float()
+        by_key: Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]] = {}
+        for _, p in self._params():
+            if p.grad is not None:
+                by_key.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+        for (device, _), grads in by_key.items():
+            dummy = torch.zeros((), dtype=torch.float32, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, dummy, inv.to(device))
+
+    def _tell_scaler(self) -> bool:
+        """When called from GradScaler.step: mark this optimizer's step as
+        having found an inf in the scaler's record, so that scaler.update()
+        backs off on every rank (a rank whose own gradients were finite
+        would otherwise grow its scale). True when a scaler was told."""
+        try:
+            from torch.amp.grad_scaler import GradScaler
+
+            code = GradScaler.step.__code__
+            frame = sys._getframe(1)
+            for _ in range(8):
+                if frame is None:
+                    return False
+                if frame.f_code is code and frame.f_locals.get("optimizer") is self:
+                    scaler = frame.f_locals.get("self")
+                    record = scaler._per_optimizer_states[id(self)]["found_inf_per_device"]
+                    for t in record.values():
+                        t.fill_(1.0)
+                    return True
+                frame = frame.f_back
+        except Exception:  # noqa: BLE001 - a torch without these internals: the skip still agrees
+            return False
+        return False
+
+    @staticmethod
+    def _poison(buf: torch.Tensor, found_inf: Optional[torch.Tensor]) -> None:
+        """A NaN in the buffer when this rank's GradScaler found an inf, so
+        that the collective's result tells every rank (no extra collective,
+        no host sync)."""
+        if found_inf is not None and buf.numel():
+            nan = torch.full((), float("nan"), dtype=buf.dtype, device=buf.device)
+            buf[:1].copy_(torch.where(found_inf.to(buf.device) > 0, nan, buf[:1]))
+
+    def _buffer(self, numel: int) -> torch.Tensor:
+        if self._flat is None or self._flat.numel() != numel:
+            self._flat = torch.empty(numel, dtype=torch.float32, device=self._device())
+        return self._flat
+
+    def _averaged_grads(self, found_inf: Optional[torch.Tensor]) -> Optional[Dict[int, Optional[torch.Tensor]]]:
+        """The gradients averaged exactly over the ranks, by parameter id
+        (None for a parameter with no gradient on any rank), or None when one
+        is not finite on some rank (the same answer on every rank)."""
+        entries = self._params()
+        # Parameters DDP averaged (attach) have averaged gradients already.
+        own = [(g, p) for g, p in entries if id(p) not in self._ddp_param_ids]
+        grads: Dict[int, Optional[torch.Tensor]] = {}
+        bad = False
+        if own:
+            # One flat exact all-reduce: the gradients, then one presence flag
+            # per parameter (a parameter with no gradient on any rank is
+            # skipped, as torch's optimizers skip a parameter whose grad is None).
+            total = sum(p.numel() for _, p in own)
+            buf = self._buffer(total + len(own))
+            flags = buf[total:]
+            flags.zero_()
+            offset = 0
+            for i, (_, p) in enumerate(own):
+                n = p.numel()
+                if p.grad is None:
+                    buf[offset:offset + n].zero_()
+                else:
+                    buf[offset:offset + n].copy_(p.grad.reshape(-1))
+                    flags[i] = 1.0
+                offset += n
+            self._poison(buf, found_inf)
+            self._exact_average(buf, self._plain_group()).wait()
+            bad = not _all_finite(buf)
+            offset = 0
+            present = (flags > 0).tolist()
+            for i, (_, p) in enumerate(own):
+                n = p.numel()
+                grads[id(p)] = buf[offset:offset + n].view_as(p).to(p.dtype) if present[i] else None
+                offset += n
+        ddp_grads = [p.grad for g, p in entries if id(p) in self._ddp_param_ids and p.grad is not None]
+        if ddp_grads and not bad:
+            # Identical on every rank (DDP averaged them): so is this check.
+            # With a GradScaler its flag says it (poisoned into the flat
+            # buffer above when this optimizer has parameters of its own).
+            if found_inf is not None:
+                bad = not own and bool(found_inf > 0)
+            else:
+                bad = not bool(torch.stack([torch.isfinite(t).all() for t in ddp_grads]).all())
+        if bad:
+            return None
+        for _, p in entries:
+            if id(p) not in grads:
+                grads[id(p)] = p.grad
+        return grads
+
+    def _warmup_step(self, found_inf: Optional[torch.Tensor]) -> bool:
+        grads = self._averaged_grads(found_inf)
+        if grads is None:
+            return False
+        for group in self.param_groups:
+            params, gs = [], []
+            for p in group["params"]:
+                if not p.requires_grad:
+                    continue
+                gr = grads.get(id(p))
+                if gr is not None:
+                    params.append(p)
+                    gs.append(gr)
+            if params:
+                self._warmup_update(group, params, gs)
+        if self.step_count + 1 >= self.warmup_steps:
+            self._flat = None  # the warm-up buffer is not the compressed one
+        return True
+
+    def _build_layout(self) -> List[Any]:
+        """Per parameter with state: (group, p, state, active index or
+        "all"/None, offset into the buffer). The same on every rank: it
+        follows from state that is identical everywhere."""
+        layout, offset = [], 0
+        for group, p in self._params():
+            state = self.state.get(p)
+            if not state or not self._has_state(state):
+                continue
+            self._freeze(p, state)
+            mask = self._active_mask(p, state).reshape(-1)
+            count = int(mask.sum())
+            if count == p.numel() and p.dtype == torch.float32:
+                layout.append((group, p, state, "all", None, offset, count))
+            elif count == 0:
+                layout.append((group, p, state, None, None, offset, 0))
+            else:
+                index = mask.nonzero().reshape(-1) if count < p.numel() else None
+                layout.append((group, p, state, "some", (mask, index), offset, count))
+            offset += count
+        return layout
+
+    def _pack(self, entries: List[Any], grads: Dict[int, torch.Tensor], inv_scale: Optional[torch.Tensor] = None,
+              buf: Optional[torch.Tensor] = None) -> Tuple[Optional[torch.Tensor], List[torch.Tensor]]:
+        """The local momenta of the layout ``entries`` (from ``grads`` by
+        parameter id; a missing gradient counts as zero): one flat buffer of
+        their communicated elements (``buf`` when given; None when there are
+        none) and each parameter's full local momentum (the buffer's views
+        for "all")."""
+        total = sum(e[6] for e in entries)
+        if not total:
+            buf = None
+        elif buf is None:
+            buf = torch.empty(total, dtype=torch.float32, device=self._device())
+        outs: List[torch.Tensor] = []
+        offset = 0
+        for group, p, state, kind, masks, _, count in entries:
+            grad = grads.get(id(p))
+            if grad is not None and inv_scale is not None:
+                grad = grad * inv_scale.to(grad.dtype)
+            if kind == "all":
+                g = grad if grad is not None else torch.zeros_like(p)
+                out = buf[offset:offset + count].view_as(p)
+                self._local_momentum(group, p, state, g.view_as(p), out)
+            else:
+                # Frozen elements: a zero gradient, the same on every rank.
+                if grad is None or kind is None:
+                    g = torch.zeros_like(p)
+                else:
+                    g = grad.view_as(p).masked_fill(~masks[0].view_as(p), 0)
+                out = torch.empty_like(p, memory_format=torch.contiguous_format)
+                self._local_momentum(group, p, state, g, out)
+                if kind == "some":
+                    flat = out.reshape(-1)
+                    buf[offset:offset + count].copy_(flat if masks[1] is None else flat.index_select(0, masks[1]))
+            outs.append(out)
+            offset += count
+        return buf, outs
+
+    def _unpack_apply(self, entries: List[Any], buf: Optional[torch.Tensor], outs: List[torch.Tensor]) -> None:
+        """Step the parameters of ``entries`` with the averaged momenta."""
+        offset = 0
+        for (group, p, state, kind, masks, _, count), m in zip(entries, outs, strict=True):
+            if kind == "some":
+                part = buf[offset:offset + count]
+                if masks[1] is None:
+                    m.reshape(-1).copy_(part)
+                else:
+                    m.view(-1).index_copy_(0, masks[1], part.to(m.dtype))
+            if p.requires_grad:  # frozen since the layout was built: not moved, as torch would not
+                self._apply(group, p, state, m)
+            offset += count
+
+    def _compressed_step(self, found_inf: Optional[torch.Tensor]) -> bool:
+        if self._layout is None:
+            self._layout = self._build_layout()
+        if self._overlap:
+            return self._overlapped_step(found_inf)
+        layout = self._layout
+        grads = {id(p): p.grad for _, p in self._params() if p.grad is not None}
+        buf, outs = self._pack(layout, grads, buf=self._buffer(sum(e[6] for e in layout)))
+        if buf is not None:
+            self._poison(buf, found_inf)
+            pd.all_reduce(buf, key=self._key(0), group=self._engine_group(), op="avg")
+            if not _all_finite(buf):
+                return False  # the engine rolled its residuals back on every rank
+        self._unpack_apply(layout, buf, outs)
+        return True
+
+    def _exact_step(self, found_inf: Optional[torch.Tensor]) -> bool:
+        """A step after the warm-up on exactly averaged gradients (with DDP,
+        the hook averaged them): every rank computes the same momentum from
+        them, so nothing is compressed and no residual changes; the frozen
+        statistics are updated (:meth:`_variance_update`), then the step is
+        the compressed steps' update. Frozen elements get a zero gradient,
+        as in every step after the warm-up."""
+        self._hold = False
+        if self._layout is None:
+            self._layout = self._build_layout()
+        grads = self._averaged_grads(found_inf)
+        if grads is None:
+            return False
+        grads = {k: g for k, g in grads.items() if g is not None}
+        _, outs = self._pack(self._layout, grads)
+        for (group, p, state, kind, masks, _, _), m in zip(self._layout, outs, strict=True):
+            g = grads.get(id(p))
+            if g is not None and kind != "all":
+                g = None if kind is None else g.view_as(p).masked_fill(~masks[0].view_as(p), 0)
+            if p.requires_grad:
+                self._variance_update(group, p, state, None if g is None else g.view_as(p))
+                self._apply(group, p, state, m)
+        return True
+
+    # -- bytes -------------------------------------------------------------------
+    def bytes_per_step(self, compressed: Optional[bool] = None) -> int:
+        """Bytes this rank sends per step (the most any rank sends), by
+        :func:`pycomm.distributed.spec.wire_bytes`: ``compressed=False``:
+        the exact ring all-reduce of every gradient (the warm-up, or plain
+        DDP); ``True``: the compressed all-reduce of the communicated
+        momentum elements (before the layout is known: every element; with
+        ``overlap=True``, once the buckets have been sent: one call per
+        bucket); None: the current phase. A registered compressor counts its
+        payload (``payload_nbytes``, or one compress of each chunk length)."""
+        world = dist.get_world_size(self._plain_group())
+        if compressed is None:
+            compressed = not self.exact_now
+        if not compressed:
+            return spec.wire_bytes("none", sum(p.numel() for _, p in self._params()), world)
+        if self._layout is not None:
+            numel = sum(e[6] for e in self._layout)
+        else:
+            numel = sum(p.numel() for _, p in self._params())
+        settings = self.compressor_settings
+        chunk = settings.get("chunk_numel")
+        if not chunk and self._engine is not None:
+            # The chunk the engine runs (its default depends on the backend it wraps).
+            chunk = pd.options_of(self._engine, self._device().type)["chunk_numel"]
+        # "auto" picks per size: counted as the exact all-reduce it falls back to.
+        method = "none" if self.compressor == "auto" else self.compressor
+        kw = dict(chunk_numel=chunk or spec.DEFAULT_CHUNK_NUMEL, block_size=settings.get("block_size"),
+                  density=settings.get("density", 0.01), approx=settings.get("approx", True),
+                  payload_nbytes=_payload_nbytes(method, settings))
+        if self._overlap and self._buckets:
+            # One call per bucket (as sent in the last step), and one for the rest.
+            sizes = [b[2].numel() for b in self._buckets.values()]
+            sizes.append(numel - sum(sizes))
+            return sum(spec.wire_bytes(method, n, world, **kw) for n in sizes)
+        return spec.wire_bytes(method, numel, world, **kw)
+
+    # -- state -------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        """torch's optimizer state plus a ``"pycomm"`` entry: step count,
+        settings, and THIS rank's error-feedback residuals (each rank saves
+        and loads its own)."""
+        sd = super().state_dict()
+        world = rank = None
+        if dist.is_initialized():
+            pg = self._plain_group()
+            world, rank = dist.get_world_size(pg), dist.get_rank(pg)
+        elif self._saved_world is not None:
+            world, rank = self._saved_world
+        sd["pycomm"] = {
+            "version": _STATE_VERSION,
+            "step_count": self.step_count,
+            "warmup_steps": self.warmup_steps,
+            "compressor": self.compressor,
+            "overlap": self._overlap,
+            "buckets": {int(i): list(pos) for i, pos in self._bucket_pos.items()},
+            "world_size": world,
+            "rank": rank,
+            "error_feedback": self._ef(),
+        }
+        return sd
+
+    def load_state_dict(self, state_dict: Dict[str, Any], reset_error_feedback: bool = False) -> None:
+        """Restore :meth:`state_dict`. A state saved by another rank or world
+        size, or for another compressor, is refused (its residuals belong to
+        that rank) unless ``reset_error_feedback=True``, which keeps
+        everything but the residuals (they start from zero). A plain torch
+        AdamW / SGD state loads too (no residuals; the step count is taken
+        from the parameters' ``step``)."""
+        if not isinstance(reset_error_feedback, bool):
+            raise TypeError(f"reset_error_feedback must be a bool, got {reset_error_feedback!r}")
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
+        sd = dict(state_dict)
+        extra = sd.pop("pycomm", None)
+        ef: Dict[int, Any] = {}
+        saved_world = None
+        # Everything is checked before anything changes: a refused state
+        # leaves the optimizer and the engine's residuals as they were.
+        if extra is not None:
+            extra = self._checked_extra(extra)
+            ef = extra["error_feedback"]
+            if extra["world_size"] is not None:
+                saved_world = (extra["world_size"], extra["rank"])
+            problems = []
+            if ef and extra["compressor"] != self.compressor:
+                problems.append(f"its residuals are {extra['compressor']!r}'s, this optimizer runs "
+                                f"{self.compressor!r}")
+            if ef and saved_world is not None and dist.is_initialized():
+                pg = self._plain_group()
+                world, rank = dist.get_world_size(pg), dist.get_rank(pg)
+                if saved_world != (world, rank):
+                    problems.append(f"it holds rank {saved_world[1]} of {saved_world[0]}'s residuals, "
+                                    f"this is rank {rank} of {world}")
+            if ef and self._engine is not None and extra["overlap"] != self._overlap:
+                problems.append(f"its residuals were keyed with attach(model, overlap={extra['overlap']}), this "
+                                f"optimizer runs overlap={self._overlap}")
+            if problems and not reset_error_feedback:
+                raise ValueError(
+                    f"cannot load this {type(self).__name__} state: " + "; ".join(problems)
+                    + ". Every rank saves and loads its own state, or pass reset_error_feedback=True "
+                    "to keep the rest and start the residuals over."
+                )
+            if reset_error_feedback:
+                ef, saved_world = {}, None
+            else:
+                ef = check_residuals("state_dict['pycomm']['error_feedback']", ef,
+                                     residual_methods(self.compressor), span=KEY_SPAN)
+        elif reset_error_feedback:
+            saved_world = None
+        # The engine first (it refuses residuals of another world size or
+        # chunk before it changes anything), torch's load next; if torch
+        # refuses, the residuals go back.
+        before = self._ef() if self._engine is not None else None
+        if self._engine is not None:
+            self._session.load_residuals(ef)
+        try:
+            super().load_state_dict(sd)
+        except BaseException:
+            if before is not None:
+                self._session.load_residuals(before)
+            raise
+        if self._engine is None:
+            self._session.load_residuals(ef)
+        self._after_load()
+        if extra is not None:
+            self.step_count = extra["step_count"]
+        else:
+            steps = [int(s["step"]) for s in self.state.values() if "step" in s]
+            self.step_count = max(steps, default=0)
+        self._layout = None
+        self._frozen = {}
+        self._flat = None
+        self._agreed = False
+        self._saved_world = saved_world if ef and self._engine is None else None
+        self._saved_overlap = extra["overlap"] if ef and extra is not None and self._engine is None else None
+        self._buckets, self._sent = {}, {}
+        self._bucket_pos = extra["buckets"] if extra is not None and not reset_error_feedback else {}
+
+    def _checked_extra(self, extra: Any) -> Dict[str, Any]:
+        """``state_dict['pycomm']`` checked field by field (the residuals
+        apart), naming the field that is wrong."""
+        where = "state_dict['pycomm']"
+        if not isinstance(extra, dict) or extra.get("version") != _STATE_VERSION:
+            raise ValueError(f"{where} is not a {type(self).__name__} state of version {_STATE_VERSION}")
+        missing = [f for f in _STATE_FIELDS if f not in extra]
+        if missing:
+            raise ValueError(f"{where} lacks the fields {missing}: not a state this optimizer saved")
+        out = dict(extra)
+
+        def count(name: str, lo: int) -> None:
+            v = extra[name]
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ValueError(f"{where}['{name}'] must be an int >= {lo}, got {v!r}")
+
+        count("step_count", 0)
+        if not isinstance(extra["compressor"], str):
+            raise ValueError(f"{where}['compressor'] must be a str, got {extra['compressor']!r}")
+        if not isinstance(extra["overlap"], bool):
+            raise ValueError(f"{where}['overlap'] must be a bool, got {extra['overlap']!r}")
+        if (extra["world_size"] is None) != (extra["rank"] is None):
+            raise ValueError(f"{where}['world_size'] and ['rank'] must both be None or both ints")
+        if extra["world_size"] is not None:
+            count("world_size", 1)
+            count("rank", 0)
+            if extra["rank"] >= extra["world_size"]:
+                raise ValueError(f"{where}['rank'] must be below its world_size {extra['world_size']}, "
+                                 f"got {extra['rank']}")
+        buckets = extra["buckets"] or {}
+        if not isinstance(buckets, dict):
+            raise ValueError(f"{where}['buckets'] must be a dict, got {type(buckets).__name__}")
+        try:
+            out["buckets"] = {int(i): tuple(int(x) for x in pos) for i, pos in buckets.items()}
+        except (TypeError, ValueError):
+            raise ValueError(f"{where}['buckets'] must map bucket indices to parameter positions") from None
+        out["error_feedback"] = extra["error_feedback"] or {}
+        return out
+
+    def _after_load(self) -> None:
+        """Fix-ups of torch's load (which casts every tensor to the
+        parameter's dtype)."""
+
+
+def _payload_nbytes(method: str, settings: Dict[str, Any]) -> Optional[Callable[[int], int]]:
+    """Payload bytes of a registered compressor per chunk length (None for
+    a built-in method): its ``payload_nbytes``, or one compress measured."""
+    if spec.method_spec(method).kind != "plugin":
+        return None
+    import pycomm
+
+    opts = dict(settings.get("compressor_options") or {})
+    try:
+        comp = pycomm.get_compressor(method, **opts)
+    except Exception:  # noqa: BLE001 - a compressor class without a registered instance
+        comp = pycomm.compressor_class(method)(**opts)
+    if hasattr(comp, "payload_nbytes"):
+        return lambda m: int(comp.payload_nbytes(m))
+
+    def measured(m: int) -> int:
+        payload = comp.compress(torch.zeros(m), None)
+        tensors = payload if isinstance(payload, (list, tuple)) else [payload]
+        return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+    return measured
+
+
+def _is_dtensor(t: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch without DTensor has none
+        return False
+    return isinstance(t, DTensor)

@@ -1,0 +1,179 @@
+"""The compressed-momentum optimizers used wrongly, on 2 Gloo ranks: ranks
+that disagree on a setting raise on every rank naming it (no abort inside
+the backend, no hang at the end of the warm-up); a parameter frozen after
+the warm-up stays where it is; overlap under a GradScaler whose scale was
+already taken off is refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from _dist import run_ranks
+
+import pycomm._ext as ext
+
+pytestmark = pytest.mark.skipif(ext.why_no_cpu_ops() is not None, reason=str(ext.why_no_cpu_ops()))
+WORLD = 2
+
+
+def _steps(opt, params, n):
+    for _ in range(n):
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt.step()
+
+
+def _disagree(rank, world, case):
+    from pycomm.optim import OneBitAdam
+
+    params = [torch.nn.Parameter(torch.ones(64)), torch.nn.Parameter(torch.ones(8))]
+    kwargs = dict(lr=1e-2, warmup_steps=3, block_size=32)
+    if case == "warmup_steps" and rank == 1:
+        kwargs["warmup_steps"] = 2
+    if case == "variance_update_every" and rank == 1:
+        kwargs["variance_update_every"] = 2
+    if case == "add_param_group":
+        opt = OneBitAdam(params[:1], **kwargs)
+        _steps(opt, params[:1], 1)
+        if rank == 1:  # during the warm-up, on one rank only
+            opt.add_param_group({"params": [params[1]]})
+    else:
+        opt = OneBitAdam(params, **kwargs)
+    try:
+        _steps(opt, params, 4)
+        return None
+    except ValueError as exc:
+        return str(exc)
+
+
+@pytest.mark.parametrize("case,named", [
+    ("warmup_steps", "warmup_steps (rank 0: 3, rank 1: 2)"),
+    ("variance_update_every", "variance_update_every (rank 0: 0, rank 1: 2)"),
+    ("add_param_group", "parameter sizes (rank 0: [64], rank 1: [64, 8])"),
+])
+def test_ranks_that_disagree_raise_on_every_rank_naming_the_setting(case, named):
+    for msg in run_ranks(_disagree, WORLD, case, timeout=120):
+        assert msg is not None and "the ranks disagree on" in msg and named in msg, msg
+
+
+def _attach_overlap_mismatch(rank, world):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from pycomm.optim import OneBitAdam
+
+    torch.manual_seed(0)
+    net = torch.nn.Linear(16, 4)
+    model = DDP(net)
+    opt = OneBitAdam(net.parameters(), lr=1e-2, warmup_steps=3, block_size=32)
+    try:
+        opt.attach(model, overlap=rank == 0)  # refused before any group is made on one rank only
+        for _ in range(4):
+            opt.zero_grad()
+            model(torch.ones(2, 16)).sum().backward()
+            opt.step()
+        return None
+    except ValueError as exc:
+        return str(exc)
+
+
+def test_attach_overlap_that_differs_is_named():
+    for msg in run_ranks(_attach_overlap_mismatch, WORLD, timeout=120):
+        assert msg is not None and "attach(overlap=...) (rank 0: True, rank 1: False)" in msg, msg
+
+
+def _frozen_after_warmup(rank, world):
+    from pycomm.optim import OneBitAdam, OneBitSGD
+
+    out = {}
+    for cls, kw in ((OneBitAdam, {}), (OneBitSGD, {"momentum": 0.9})):
+        params = [torch.nn.Parameter(torch.full((40,), 1.0 + rank)), torch.nn.Parameter(torch.ones(40))]
+        opt = cls(params, lr=1e-2, warmup_steps=2, block_size=32, **kw)
+        _steps(opt, params, 3)
+        params[1].requires_grad_(False)
+        params[1].grad = None
+        before = params[1].detach().clone()
+        for _ in range(3):
+            params[0].grad = torch.ones(40)
+            opt.step()
+        out[cls.__name__] = torch.equal(params[1].detach(), before)
+    return out
+
+
+def test_a_parameter_frozen_after_the_warmup_does_not_move():
+    for out in run_ranks(_frozen_after_warmup, WORLD, timeout=120):
+        assert out == {"OneBitAdam": True, "OneBitSGD": True}
+
+
+def _overlap_scaler_unscaled(rank, world):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from pycomm.optim import OneBitAdam
+
+    torch.manual_seed(0)
+    net = torch.nn.Linear(16, 4)
+    model = DDP(net)
+    opt = OneBitAdam(net.parameters(), lr=1e-2, warmup_steps=2, block_size=32)
+    opt.attach(model, overlap=True)  # no scaler=
+    scaler = torch.amp.GradScaler("cpu")
+    for step in range(3):
+        opt.zero_grad()
+        scaler.scale(model(torch.ones(2, 16)).sum()).backward()
+        scaler.unscale_(opt)  # the clipping recipe: grad_scale is None in step()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+        try:
+            scaler.step(opt)
+        except ValueError as exc:
+            return step, str(exc)
+        scaler.update()
+    return None
+
+
+def test_overlap_under_an_unscaled_gradscaler_without_scaler_is_refused():
+    for got in run_ranks(_overlap_scaler_unscaled, WORLD, timeout=120):
+        assert got is not None, "the momenta went out from scaled gradients unnoticed"
+        step, msg = got
+        assert step == 2 and "attach(model, overlap=True, scaler=scaler)" in msg
+
+
+def test_key_span_is_importable():
+    from pycomm.optim import KEY_BASE, KEY_SPAN
+
+    assert KEY_SPAN == 1 << 20 and KEY_BASE % KEY_SPAN == 0
+    assert dist.is_available()
+
+
+def _accumulate_in_the_wrong_order(rank, world):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from pycomm.optim import OneBitAdam
+
+    torch.manual_seed(0)
+    net = torch.nn.Linear(16, 4)
+    model = DDP(net)
+    opt = OneBitAdam(net.parameters(), lr=1e-2, warmup_steps=2, block_size=32)
+    opt.attach(model, overlap=True)
+    out = {}
+    for step in range(4):
+        opt.zero_grad()
+        wrong = step == 3
+        if wrong:  # the backward outside no_sync first: the hook sends, then a micro-batch more
+            model(torch.ones(2, 16)).sum().backward()
+            with model.no_sync():
+                model(torch.full((2, 16), 2.0)).sum().backward()
+        else:  # the right order
+            with model.no_sync():
+                model(torch.full((2, 16), 2.0)).sum().backward()
+            model(torch.ones(2, 16)).sum().backward()
+        before = [p.detach().clone() for p in net.parameters()]
+        try:
+            opt.step()
+        except ValueError as exc:
+            out["error"] = (step, str(exc), all(torch.equal(a, b) for a, b in zip(before, net.parameters())))
+    return out
+
+
+def test_overlap_refuses_a_micro_batch_after_the_send():
+    for out in run_ranks(_accumulate_in_the_wrong_order, WORLD, timeout=120):
+        step, msg, unchanged = out["error"]
+        assert step == 3 and "LAST backward outside it" in msg and unchanged
