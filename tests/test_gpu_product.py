@@ -600,9 +600,38 @@ def _fsdp_run(device):
             "error_feedback": comp.error_feedback}
 
 
+def _diloco_run(device):
+    """DiLoCo on one rank of ``device``'s backend: exact with outer lr 1 and
+    no momentum is the inner optimizer alone (the average of one rank's
+    pseudo-gradient is itself); int8 with two streamed fragments stays close
+    to it, its outer updates applied a step after they were sent."""
+    from pycomm.optim import DiLoCo
+
+    out = {}
+    for name, kw in (("alone", None),
+                     ("exact", dict(compressor="none", outer_lr=1.0, outer_momentum=0.0)),
+                     ("int8", dict(compressor="int8", fragments=2, delay=1, chunk_numel=HOOK_CHUNK))):
+        model = _mlp(3).to(device)
+        inner = torch.optim.AdamW(model.parameters(), **ADAM)
+        opt = inner if kw is None else DiLoCo(model, inner, sync_every=4, **kw)
+        losses = []
+        for step in range(OPT_STEPS):
+            opt.zero_grad(set_to_none=True)
+            loss = _loss(model, step, device)
+            loss.backward()
+            opt.step()
+            losses.append(float(loss))
+        if kw is not None:
+            opt.finish()
+            out[name + " syncs"] = opt.syncs
+        out[name] = {"losses": losses, "params": [p.detach().cpu() for p in model.parameters()]}
+    return out
+
+
 def _job_training(rank, world, device):
     _init_one_rank(device)
     out = {}
+    _part(out, "diloco", _diloco_run, device)
     for method in HOOK_METHODS:
         _part(out, f"hook/{method}", _hook_run, device, method)
     for name in OPT_CONFIGS:
@@ -711,6 +740,16 @@ def test_optimizer_overlap_is_no_overlap_bit_for_bit_with_fp16(jobs, device):
     for i, (a, b) in enumerate(zip(plain["params"], over["params"])):
         worst = float((a - b).abs().max())
         assert torch.equal(a, b), f"{device}: parameter {i} differs with overlap (worst {worst:.3g})"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_diloco(jobs, device):
+    r = _get(jobs("training", device)[0], "diloco")
+    assert r["exact syncs"] == OPT_STEPS // 4 and r["int8 syncs"] >= OPT_STEPS // 2
+    for a, b in zip(r["exact"]["params"], r["alone"]["params"]):
+        assert torch.allclose(a, b, rtol=0, atol=1e-6), (a - b).abs().max()
+    for a, b in zip(r["int8"]["losses"], r["alone"]["losses"]):
+        assert math.isfinite(a) and abs(a - b) <= 0.05 * abs(b) + 1e-3, (r["int8"]["losses"], r["alone"]["losses"])
 
 
 @pytest.mark.parametrize("device", DEVICES)

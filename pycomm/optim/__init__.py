@@ -18,9 +18,9 @@ Example (on every rank)::
         opt.step()
 """
 
+from .diloco import DILOCO_KEY_BASE, DiLoCo
 from .adam import OneBitAdam
 from .base import KEY_BASE, KEY_SPAN
 from .sgd import OneBitSGD
 
-
-__all__ = ["KEY_BASE", "KEY_SPAN", "OneBitAdam", "OneBitSGD"]
+__all__ = ["DILOCO_KEY_BASE", "KEY_BASE", "KEY_SPAN", "DiLoCo", "OneBitAdam", "OneBitSGD"]

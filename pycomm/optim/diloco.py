@@ -1,0 +1,597 @@
+"""DiLoCo: data-parallel training that synchronizes rarely, with compressed,
+optionally streamed outer updates (docs/diloco.md).
+
+Every rank holds the whole model and trains it with its own inner optimizer
+(any ``torch.optim`` optimizer, AdamW in the papers) on its own data, with no
+gradient communication. Every ``sync_every`` (H) inner steps the ranks
+average the *pseudo-gradient* ``delta = anchor - params`` (``anchor``: the
+parameters at the last synchronization) through pycomm's engine, compressed
+with any method, and an outer optimizer (Nesterov SGD, lr 0.7, momentum 0.9
+by default: Douillard et al. 2023) steps the anchor with that average as its
+gradient. Every rank then continues from the new anchor.
+
+Streaming (Streaming DiLoCo, 2025): ``fragments=F`` splits the parameters
+into F contiguous fragments (parameter order, about equal sizes) synced at
+staggered steps, one fragment every H/F inner steps, each once per H steps;
+``delay=tau`` lets a fragment's all-reduce run in the background (an
+asynchronous engine Work) for tau inner steps before its result is applied.
+Applied late, the outer update keeps the local progress the rank made
+meanwhile: ``params = new_anchor + (params_now - params_at_send)``.
+
+Memory beyond the model and the inner optimizer: one copy of the parameters
+(the anchor, in their dtype), the outer momentum (another copy, when the
+outer momentum is not 0), a float32 buffer of the largest fragment (two with
+``delay > 0``: the local pseudo-gradient is kept until the result is
+applied) and, with error feedback, the engine's residuals (about one float32
+copy of the parameters per rank plus its server share, each doubled for the
+engine's rollback copy): :meth:`DiLoCo.memory_bytes`.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch.optim import Optimizer
+
+import pycomm
+
+from .. import distributed as pd
+from ..distributed import spec
+from ..distributed.session import KEY_SPAN, EngineSession, check_residuals, residual_methods
+from ._checks import _all_finite, _check_compressor, _check_float, _check_int
+
+__all__ = ["DILOCO_KEY_BASE", "DiLoCo"]
+
+#: Default engine key of fragment 0's residuals (fragment f: ``key_base +
+#: f``): 2^41, above the DDP hook's bucket indices and the default key range
+#: of :class:`pycomm.optim.OneBitAdam` (2^40 + [0, 2^20)).
+DILOCO_KEY_BASE = 1 << 41
+_STATE_VERSION = 1
+#: The settings every rank must share; compared at the first sync.
+_SHARED = ("sync_every", "fragments", "delay", "compressor", "error_feedback", "compressor_settings",
+           "outer_lr", "outer_momentum", "nesterov", "key_base", "parameters")
+
+
+class DiLoCo:
+    """Rare, compressed synchronization of whole-model replicas around any
+    inner optimizer (DiLoCo; Streaming DiLoCo with ``fragments``/``delay``).
+
+    Args:
+        model: the ``torch.nn.Module`` every rank holds whole (or an iterable
+            of its parameters); its parameters that require a gradient are
+            synchronized, in ``model.parameters()`` order. Buffers (e.g.
+            BatchNorm statistics) stay local.
+        inner: the inner optimizer over the model's parameters (e.g.
+            ``torch.optim.AdamW``); :meth:`step` calls its ``step()``.
+        sync_every: H >= 1, inner steps between two syncs of a fragment.
+        fragments: F >= 1 contiguous fragments (at most the number of
+            parameters; H must be a multiple of F). Fragment ``f`` is synced
+            after inner step ``t`` when ``t % H == ((f + 1) * H / F) % H``.
+        delay: inner steps (0 <= delay < H / F) between a fragment's send and
+            the application of its average; 0 waits for the all-reduce.
+        outer_lr, outer_momentum, nesterov: the outer optimizer,
+            ``torch.optim.SGD(lr, momentum, nesterov)`` over the anchor
+            (Nesterov applies when ``outer_momentum > 0``).
+        compressor: the engine's method for the pseudo-gradient: "none"
+            (exact), "bf16", "fp16", "int8", "int4", "onebit", "topk" or a
+            compressor registered with ``pycomm.register_compressor``.
+        error_feedback: keep the compression error and add it to the next
+            sync of the same fragment (engine key ``key_base + f``); None:
+            the method's default (``spec.method_spec(m).error_feedback``).
+        process_group: the replicas' group (None: the default group): Gloo,
+            NCCL (wrapped once, at the first sync, into a pycomm group with
+            ``compressor`` and ``compressor_settings``) or a pycomm group
+            (used as it is; its method must be ``compressor``).
+        key_base: the engine key of fragment 0 (:data:`DILOCO_KEY_BASE`).
+        **compressor_settings: the engine group's settings (``block_size``,
+            ``chunk_numel``, ``density``, ``rounding``, ...:
+            :class:`pycomm.distributed.PycommOptions`).
+
+    Every rank calls :meth:`step` once per inner step (it is a collective
+    at sync steps); gradient accumulation and clipping happen before it,
+    as with the inner optimizer alone. Under ``torch.amp.GradScaler``,
+    ``scaler.step(diloco)`` unscales the gradients and skips the *inner*
+    step on the ranks that found an inf (the step still counts on every
+    rank, so the sync schedule stays the same everywhere). A sync whose
+    averaged pseudo-gradient is not finite (a NaN or Inf on any rank makes
+    it so on every rank) is skipped on every rank: anchor, outer momentum
+    and residuals stay as they were.
+
+    Memory: see the module docstring and :meth:`memory_bytes`.
+
+    Example (on every rank, after ``dist.init_process_group("gloo")``)::
+
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        opt = DiLoCo(model, inner, sync_every=16, compressor="int4")
+        for x, y in data:
+            opt.zero_grad()
+            loss_fn(model(x), y).backward()
+            opt.step()              # inner step; every 16th also syncs
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, f"rank{rank}.pt")
+
+    Without a process group, the bad settings raise at once:
+
+    >>> import torch
+    >>> net = torch.nn.Linear(4, 2)
+    >>> DiLoCo(net, torch.optim.SGD(net.parameters(), lr=0.1), sync_every=4, fragments=2, delay=2)
+    Traceback (most recent call last):
+    ...
+    ValueError: delay=2 must be less than sync_every / fragments = 2 (one sync in flight at a time)
+    >>> opt = DiLoCo(net, torch.optim.SGD(net.parameters(), lr=0.1), sync_every=4, fragments=2, delay=1)
+    >>> opt.fragment_sizes(), opt.sync_steps(8)
+    ([8, 2], [(2, 0), (4, 1), (6, 0), (8, 1)])
+    """
+
+    #: GradScaler.step calls step() on every rank (with ``grad_scale`` and
+    #: ``found_inf`` set), so that a rank that found an inf still counts
+    #: the step and stays on the others' sync schedule.
+    _step_supports_amp_scaling = True
+
+    def __init__(
+        self,
+        model: Any,
+        inner: Optimizer,
+        sync_every: int = 16,
+        fragments: int = 1,
+        delay: int = 0,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        nesterov: bool = True,
+        compressor: str = "none",
+        error_feedback: Optional[bool] = None,
+        process_group: Optional[dist.ProcessGroup] = None,
+        key_base: int = DILOCO_KEY_BASE,
+        **compressor_settings: Any,
+    ) -> None:
+        if not isinstance(inner, Optimizer):
+            raise TypeError(f"inner must be a torch.optim.Optimizer, got {type(inner).__name__}")
+        params = list(model.parameters() if isinstance(model, torch.nn.Module) else model)
+        for p in params:
+            if not isinstance(p, torch.Tensor) or not p.is_floating_point() or p.is_complex() or p.is_sparse:
+                raise ValueError("model: DiLoCo takes a torch.nn.Module (or its parameters) with dense real "
+                                 "floating-point parameters")
+        params = [p for p in params if p.requires_grad]
+        if not params:
+            raise ValueError("model has no parameters that require a gradient")
+        devices = {p.device for p in params}
+        if len(devices) > 1:
+            raise ValueError(f"model: all parameters must be on one device, got {sorted(map(str, devices))}")
+        self.sync_every = _check_int("sync_every", sync_every, 1)
+        self.fragments = _check_int("fragments", fragments, 1)
+        if self.fragments > len(params):
+            raise ValueError(f"fragments={fragments} is more than the model's {len(params)} parameters "
+                             f"(a fragment holds whole parameters)")
+        if self.fragments > KEY_SPAN:
+            raise ValueError(f"fragments={fragments} must be at most {KEY_SPAN} (one engine key each)")
+        if self.sync_every % self.fragments:
+            raise ValueError(f"fragments={fragments} must divide sync_every={sync_every} (one fragment is synced "
+                             f"every sync_every / fragments inner steps)")
+        self.delay = _check_int("delay", delay, 0)
+        if self.delay >= self.sync_every // self.fragments:
+            raise ValueError(f"delay={delay} must be less than sync_every / fragments = "
+                             f"{self.sync_every // self.fragments} (one sync in flight at a time)")
+        self.outer_lr = _check_float("outer_lr", outer_lr)
+        self.outer_momentum = _check_float("outer_momentum", outer_momentum, 0.0, 1.0)
+        if not isinstance(nesterov, bool):
+            raise TypeError(f"nesterov must be a bool, got {nesterov!r}")
+        self.nesterov = nesterov
+        _check_compressor(compressor, compressor_settings)
+        try:
+            method = spec.method_spec(compressor)
+        except ValueError:
+            # "auto" picks a method per size: its bytes and residuals are not one method's.
+            raise ValueError(f"compressor must be one of {list(spec.METHODS)} or a registered compressor, "
+                             f"got {compressor!r}") from None
+        if error_feedback is None:
+            error_feedback = method.error_feedback
+        if not isinstance(error_feedback, bool):
+            raise TypeError(f"error_feedback must be a bool or None, got {error_feedback!r}")
+        if error_feedback and not method.residuals:
+            raise ValueError(f"error_feedback=True: compressor {compressor!r} keeps no residuals; "
+                             f"use one of {list(spec.EF_METHODS)} or error_feedback=False")
+        self.compressor = compressor
+        self.error_feedback = error_feedback
+        self.compressor_settings = dict(compressor_settings)
+        # The engine group (found or made at the first sync), the keys
+        # key_base + f and the residuals under them.
+        self._session = EngineSession("DiLoCo", compressor, compressor_settings, process_group=process_group,
+                                      key_base=key_base)
+        self.process_group = process_group
+        self.key_base = key_base
+        self.inner = inner
+        self.params = params
+        self._bounds = _fragment_bounds([p.numel() for p in params], self.fragments)
+        # The anchor: the parameters as last synchronized (identical on every
+        # rank as long as every rank starts from the same model), stepped by
+        # a torch SGD whose state (the outer momentum) is torch's own.
+        self.anchor = [p.detach().clone() for p in params]
+        momentum = self.outer_momentum
+        self.outer = torch.optim.SGD(self.anchor, lr=self.outer_lr, momentum=momentum,
+                                     nesterov=self.nesterov and momentum > 0)
+        #: Inner steps taken (every call of step(), on every rank alike).
+        self.step_count = 0
+        #: Syncs applied, and syncs skipped as not finite, in this run.
+        self.syncs = 0
+        self.skipped_syncs = 0
+        self._checked = False
+        self._saved_world: Optional[Tuple[int, int]] = None
+        # The sync in flight: {"fragment", "apply_at", "work"}; its average
+        # arrives in self._buf, the local pseudo-gradient sent is kept in
+        # self._local (delay > 0).
+        self._pending: Optional[Dict[str, Any]] = None
+        largest = max(n for n in self.fragment_sizes())
+        self._buf = torch.empty(largest, dtype=torch.float32, device=params[0].device)
+        self._local = torch.empty_like(self._buf) if self.delay else None
+
+    # -- the schedule -------------------------------------------------------------
+    def fragment_sizes(self) -> List[int]:
+        """Elements of each fragment, in order."""
+        return [sum(p.numel() for p in self.params[a:b]) for a, b in zip(self._bounds, self._bounds[1:])]
+
+    def due(self, t: int) -> Optional[int]:
+        """The fragment sent after inner step ``t`` (1-based), or None."""
+        if t < 1:
+            return None
+        period = self.sync_every // self.fragments
+        r = t % self.sync_every
+        f = (r if r else self.sync_every) // period - 1
+        return f if r % period == 0 else None
+
+    def sync_steps(self, steps: int) -> List[Tuple[int, int]]:
+        """``(t, fragment)`` of every send during inner steps 1..``steps``."""
+        return [(t, self.due(t)) for t in range(1, steps + 1) if self.due(t) is not None]
+
+    # -- torch optimizer surface (GradScaler, schedulers of the inner one) -----------
+    @property
+    def param_groups(self) -> List[Dict[str, Any]]:
+        return self.inner.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.inner.state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+    # -- the step -------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        """One inner step (``inner.step(closure)``), then what the schedule
+        says: the in-flight sync applied at its step, and the due fragment's
+        pseudo-gradient sent. A collective at sync steps: every rank calls it."""
+        # Set by GradScaler.step, which deletes them after this returns.
+        found_inf = getattr(self, "found_inf", None)
+        grad_scale = getattr(self, "grad_scale", None)
+        loss = None
+        if grad_scale is not None:
+            found_inf = _unscale(self.inner, grad_scale, found_inf)
+        if found_inf is None or not bool(found_inf > 0):
+            with torch.enable_grad():
+                loss = self.inner.step(closure) if closure is not None else self.inner.step()
+        self.step_count += 1
+        t = self.step_count
+        if self._pending is not None and self._pending["apply_at"] <= t:
+            self._apply()
+        f = self.due(t)
+        if f is not None:
+            self._send(f)
+            if self.delay == 0:
+                self._apply()
+        return loss
+
+    def _plain_group(self) -> dist.ProcessGroup:
+        return self._session.base_group()
+
+    def _settings(self) -> Dict[str, Any]:
+        return {
+            "sync_every": self.sync_every, "fragments": self.fragments, "delay": self.delay,
+            "compressor": self.compressor, "error_feedback": self.error_feedback,
+            "compressor_settings": sorted(self.compressor_settings.items()), "outer_lr": self.outer_lr,
+            "outer_momentum": self.outer_momentum, "nesterov": self.nesterov, "key_base": self.key_base,
+            "parameters": [p.numel() for p in self.params],
+        }
+
+    def _check_ranks(self) -> None:
+        """At the first sync of this process: every rank's settings, in one
+        small all-gather, so that a rank that differs raises on every rank
+        (instead of a hang or a silently different schedule)."""
+        group = self._plain_group()
+        mine = self._settings()
+        everyone: List[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, mine, group=group)
+        for name in _SHARED:
+            values = [s[name] for s in everyone]
+            for r, v in enumerate(values):
+                if v != values[0]:
+                    raise ValueError(f"DiLoCo settings differ across ranks: {name} is {values[0]!r} on rank 0 "
+                                     f"and {v!r} on rank {r}; every rank must build DiLoCo alike")
+        self._checked = True
+
+    def _engine_group(self) -> dist.ProcessGroup:
+        if self._session.group is None:
+            self._check_world()
+        return self._session.engine(self.params[0].device)
+
+    def _check_world(self) -> None:
+        """Residuals loaded before torch.distributed was up: the rank they
+        belong to is checked at the first sync."""
+        saved, self._saved_world = self._saved_world, None
+        here = self._session.world()
+        if saved is not None and saved != here:
+            raise ValueError(f"DiLoCo was loaded from the state of rank {saved[1]} of {saved[0]}, but this is "
+                             f"rank {here[1]} of {here[0]}; every rank loads its own state, or load with "
+                             f"reset_error_feedback=True")
+
+    def _send(self, f: int) -> None:
+        """Start the average of fragment ``f``'s pseudo-gradient."""
+        if not self._checked:
+            self._check_ranks()
+        engine = self._engine_group()
+        a, b = self._bounds[f], self._bounds[f + 1]
+        n = sum(p.numel() for p in self.params[a:b])
+        buf, offset = self._buf[:n], 0
+        for p, anchor in zip(self.params[a:b], self.anchor[a:b]):
+            k = p.numel()
+            torch.sub(anchor.reshape(-1), p.detach().reshape(-1), out=buf[offset:offset + k])
+            offset += k
+        if self._local is not None:
+            self._local[:n].copy_(buf)
+        key = None
+        if self.error_feedback:
+            self._session.claim(f)
+            key = self._session.key(f)
+        work = pd.all_reduce(buf, key=key, group=engine, op="avg", async_op=True)
+        self._pending = {"fragment": f, "apply_at": self.step_count + self.delay, "work": work}
+
+    def _arrive(self) -> None:
+        """Wait for the in-flight all-reduce (its result stays unapplied)."""
+        work = self._pending.pop("work", None)
+        if work is not None:
+            work.wait()
+
+    def _apply(self) -> None:
+        """The outer step of the in-flight fragment: skipped on every rank
+        when the average is not finite (the engine then kept its residuals),
+        else the anchor stepped and the local parameters moved to it, plus
+        the local progress since the send (delay > 0)."""
+        self._arrive()
+        pending, self._pending = self._pending, None
+        f = pending["fragment"]
+        a, b = self._bounds[f], self._bounds[f + 1]
+        params, anchors = self.params[a:b], self.anchor[a:b]
+        n = sum(p.numel() for p in params)
+        avg = self._buf[:n]
+        if not _all_finite(avg):
+            self.skipped_syncs += 1
+            warnings.warn(f"DiLoCo: the pseudo-gradient of fragment {f} sent at step "
+                          f"{pending['apply_at'] - self.delay} was not finite on some rank; that sync was "
+                          f"skipped on every rank (anchor, outer momentum and residuals unchanged)",
+                          RuntimeWarning, stacklevel=3)
+            return
+        offset = 0
+        for p, anchor in zip(params, anchors):
+            k = p.numel()
+            if self._local is not None:
+                # params_now - params_at_send = params_now - anchor + local delta
+                p.sub_(anchor).add_(self._local[offset:offset + k].view_as(p).to(p.dtype))
+            anchor.grad = avg[offset:offset + k].view_as(anchor).to(anchor.dtype)
+            offset += k
+        self.outer.step()  # steps the anchors with a gradient: this fragment's
+        for p, anchor in zip(params, anchors):
+            anchor.grad = None
+            if self._local is not None:
+                p.add_(anchor)
+            else:
+                p.copy_(anchor)
+        self.syncs += 1
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """Apply the sync in flight now (at the end of training; it would
+        otherwise be applied ``delay`` steps after its send). Every rank."""
+        if self._pending is not None:
+            self._apply()
+
+    # -- bytes and memory -------------------------------------------------------
+    def _wire_settings(self) -> Dict[str, Any]:
+        device = self.params[0].device
+        group = self._session.group
+        if group is None and dist.is_initialized() and pd.is_pycomm_group(self._plain_group(), device):
+            group = self._plain_group()
+        if group is not None:
+            o = pd.options_of(group, device.type)
+            return {"chunk_numel": o["chunk_numel"], "block_size": o["block_size"], "density": o["density"],
+                    "approx": o["approx"]}
+        s = self.compressor_settings
+        inner = s.get("inner") or ("nccl" if device.type == "cuda" else "gloo")
+        return {"chunk_numel": s.get("chunk_numel") or spec.DEFAULT_CHUNK_NUMEL_BY_INNER[inner],
+                "block_size": s.get("block_size"), "density": s.get("density", 0.01),
+                "approx": s.get("approx", True)}
+
+    def bytes_per_sync(self, world_size: Optional[int] = None) -> int:
+        """Bytes this rank sends to sync every fragment once (one all-reduce
+        per fragment, ``spec.wire_bytes``); ``world_size``: the group's."""
+        world = dist.get_world_size(self._plain_group()) if world_size is None else world_size
+        settings = self._wire_settings()
+        payload = None
+        if spec.method_spec(self.compressor).kind == "plugin":
+            options = self.compressor_settings.get("compressor_options") or {}
+            payload = functools.partial(_plugin_payload_nbytes, pycomm.get_compressor(self.compressor, **options))
+        return sum(spec.wire_bytes(self.compressor, n, world, payload_nbytes=payload, **settings)
+                   for n in self.fragment_sizes())
+
+    def bytes_per_step(self, world_size: Optional[int] = None) -> float:
+        """Bytes this rank sends per inner step, on average: :meth:`bytes_per_sync` / H."""
+        return self.bytes_per_sync(world_size) / self.sync_every
+
+    def memory_bytes(self) -> int:
+        """Bytes this object holds beyond the model and the inner optimizer:
+        the anchor (one copy of the parameters), the outer momentum (one
+        more, when ``outer_momentum > 0``), the fragment buffer(s) and the
+        residuals the engine holds now for this object's keys (allocated at
+        each fragment's first sync with error feedback; counted twice: the
+        engine keeps a second buffer of each for its rollback)."""
+        copy = sum(p.numel() * p.element_size() for p in self.params)
+        total = copy * (2 if self.outer_momentum > 0 else 1)
+        total += self._buf.numel() * self._buf.element_size() * (2 if self._local is not None else 1)
+        for s in self._session.residuals().values():
+            total += 2 * (s["worker"].numel() * s["worker"].element_size()
+                          + sum(t.numel() * t.element_size() for t in s["server"]))
+        return total
+
+    # -- state ----------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        """The inner optimizer's state, the outer optimizer's (its
+        momentum), the anchor, and a ``"pycomm"`` entry: step count, the
+        settings, THIS rank's residuals (every rank saves its own) and the
+        sync in flight, if any: its all-reduce is waited for (not applied)
+        and its average saved, so that a resumed run applies it at the same
+        step as an uninterrupted one."""
+        pending = None
+        if self._pending is not None:
+            self._arrive()
+            f = self._pending["fragment"]
+            n = self.fragment_sizes()[f]
+            pending = {"fragment": f, "apply_at": self._pending["apply_at"], "average": self._buf[:n].clone(),
+                       "local": None if self._local is None else self._local[:n].clone()}
+        # The rank the residuals belong to (that of the loaded state, before torch.distributed is up).
+        world, rank = self._session.world() if dist.is_initialized() else (self._saved_world or (None, None))
+        settings = self._settings()
+        settings["compressor_settings"] = dict(self.compressor_settings)
+        return {
+            "inner": self.inner.state_dict(),
+            "outer": self.outer.state_dict(),
+            "anchor": [a.detach().clone() for a in self.anchor],
+            "pycomm": {
+                "version": _STATE_VERSION,
+                "step_count": self.step_count,
+                "syncs": self.syncs,
+                "skipped_syncs": self.skipped_syncs,
+                "settings": settings,
+                "world_size": world,
+                "rank": rank,
+                "error_feedback": self._session.residuals(),
+                "pending": pending,
+            },
+        }
+
+    def load_state_dict(self, state_dict: Dict[str, Any], reset_error_feedback: bool = False) -> None:
+        """Restore :meth:`state_dict` (load the model's own state too). A
+        state of other settings (H, F, delay, compressor, error feedback,
+        parameter sizes) is refused, naming the setting; one of another rank
+        or world size too (its residuals are that rank's) unless
+        ``reset_error_feedback=True``, which starts the residuals over."""
+        if not isinstance(reset_error_feedback, bool):
+            raise TypeError(f"reset_error_feedback must be a bool, got {reset_error_feedback!r}")
+        extra = state_dict.get("pycomm") if isinstance(state_dict, dict) else None
+        if not isinstance(extra, dict) or extra.get("version") != _STATE_VERSION:
+            raise ValueError(f"not a DiLoCo state of version {_STATE_VERSION}")
+        saved = extra["settings"]
+        mine = self._settings()
+        for name in ("sync_every", "fragments", "delay", "compressor", "error_feedback", "parameters"):
+            if saved.get(name) != mine[name]:
+                raise ValueError(f"cannot load this DiLoCo state: it was saved with {name}={saved.get(name)!r}, "
+                                 f"this DiLoCo has {name}={mine[name]!r}")
+        ef = {} if reset_error_feedback else check_residuals(
+            "state_dict['pycomm']['error_feedback']", extra.get("error_feedback") or {},
+            residual_methods(self.compressor), span=self.fragments)
+        saved_world = None
+        if extra.get("world_size") is not None:
+            saved_world = (int(extra["world_size"]), int(extra["rank"]))
+        if ef and saved_world is not None and dist.is_initialized() and not reset_error_feedback:
+            pg = self._plain_group()
+            here = (dist.get_world_size(pg), dist.get_rank(pg))
+            if saved_world != here:
+                raise ValueError(f"cannot load this DiLoCo state: it holds rank {saved_world[1]} of "
+                                 f"{saved_world[0]}'s residuals, this is rank {here[1]} of {here[0]}. Every rank "
+                                 f"loads its own state, or pass reset_error_feedback=True")
+        anchors = state_dict["anchor"]
+        if len(anchors) != len(self.anchor):
+            raise ValueError(f"cannot load this DiLoCo state: {len(anchors)} anchor tensors, "
+                             f"this DiLoCo has {len(self.anchor)}")
+        self._drop_pending()
+        self.inner.load_state_dict(state_dict["inner"])
+        self.outer.load_state_dict(state_dict["outer"])
+        for a, s in zip(self.anchor, anchors):
+            a.copy_(s)
+        self.step_count = int(extra["step_count"])
+        self.syncs = int(extra.get("syncs", 0))
+        self.skipped_syncs = int(extra.get("skipped_syncs", 0))
+        pending = extra.get("pending")
+        if pending is not None:
+            n = pending["average"].numel()
+            self._buf[:n].copy_(pending["average"])
+            if self._local is not None:
+                self._local[:n].copy_(pending["local"])
+            self._pending = {"fragment": int(pending["fragment"]), "apply_at": int(pending["apply_at"])}
+        self._saved_world = saved_world if ef else None
+        if self._session.group is not None:
+            self._check_world()
+        if ef:
+            self._session.load_residuals(ef)
+        else:
+            self._session.reset_residuals()
+
+    def _drop_pending(self) -> None:
+        """Drop the sync in flight without applying it (after waiting for
+        its all-reduce): what loading a state does first."""
+        if self._pending is not None:
+            self._arrive()
+            self._pending = None
+
+    def __repr__(self) -> str:
+        return (f"DiLoCo(sync_every={self.sync_every}, fragments={self.fragments}, delay={self.delay}, "
+                f"compressor={self.compressor!r}, error_feedback={self.error_feedback}, "
+                f"outer_lr={self.outer_lr}, outer_momentum={self.outer_momentum}, nesterov={self.nesterov})")
+
+
+def _fragment_bounds(numels: List[int], fragments: int) -> List[int]:
+    """Parameter indices where the fragments start (and the end): contiguous
+    runs of whole parameters, each closed once it reaches its share of the
+    elements, each holding at least one parameter.
+
+    >>> _fragment_bounds([4, 4, 4, 4], 2), _fragment_bounds([100, 1, 1], 3), _fragment_bounds([1, 1, 100], 2)
+    ([0, 2, 4], [0, 1, 2, 3], [0, 2, 3])
+    """
+    total, bounds, cum = sum(numels), [0], 0
+    for i, n in enumerate(numels):
+        cum += n
+        f = len(bounds)
+        left = len(numels) - (i + 1)
+        if f < fragments and left >= fragments - f and (cum * fragments >= f * total or left == fragments - f):
+            bounds.append(i + 1)
+    bounds.append(len(numels))
+    return bounds
+
+
+def _plugin_payload_nbytes(compressor: Any, m: int) -> int:
+    """Bytes of a registered compressor's payload for ``m`` elements: its
+    ``payload_nbytes`` when it has one, else one compress of zeros measured."""
+    if hasattr(compressor, "payload_nbytes"):
+        return int(compressor.payload_nbytes(m))
+    payload = compressor.compress(torch.zeros(m), None)
+    tensors = payload if isinstance(payload, (list, tuple)) else [payload]
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def _unscale(inner: Optimizer, grad_scale: torch.Tensor, found_inf: Optional[torch.Tensor]) -> torch.Tensor:
+    """GradScaler.unscale_'s work on the inner optimizer's gradients; returns
+    this rank's found-inf flag (the given one or'ed with this check)."""
+    inv = grad_scale.double().reciprocal().float()
+    by_device: Dict[torch.device, List[torch.Tensor]] = {}
+    for g in inner.param_groups:
+        for p in g["params"]:
+            if p.grad is not None:
+                by_device.setdefault(p.grad.device, []).append(p.grad)
+    flag = torch.zeros((), dtype=torch.float32)
+    for device, grads in by_device.items():
+        found = torch.zeros((), dtype=torch.float32, device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv.to(device))
+        flag = flag + found.cpu()
+    if found_inf is not None:
+        flag = flag + found_inf.float().cpu()
+    return flag
