@@ -27,7 +27,8 @@ import os
 import sys
 
 from pycomm.bench import table
-from pycomm.bench.methods import parse_method
+from pycomm.bench.methods import ALLREDUCE, AUTO, parse_method
+from pycomm.distributed import spec
 from pycomm.distributed.auto import Calibration
 from pycomm.plan import predict_allreduce_time
 
@@ -40,15 +41,16 @@ def model_of(method: str):
     (('topk', 0.01), ('allreduce', None), None)
     """
     m = parse_method(method)
-    if m.compressor == "none":
-        return "allreduce", None
-    if m.compressor in ("fp16", "bf16", "onebit", "topk"):
+    if m.kind == "exact":
+        return ALLREDUCE, None
+    if m.kind is not None:  # every method of the table is modelled
         return m.compressor, m.density
     return None
 
 
-#: model method -> the calibration's name for it
-CALIBRATED = {"allreduce": "none", "fp16": "fp16", "onebit": "onebit", "topk": "topk"}
+#: model method -> the calibration's name for it: the methods auto chooses
+#: from, the exact one under the model's name for it
+CALIBRATED = {(ALLREDUCE if m == spec.EXACT_METHOD else m): m for m in spec.AUTO_METHODS}
 
 
 def calibrated_prediction(records, r):
@@ -56,7 +58,7 @@ def calibrated_prediction(records, r):
     mm = model_of(r["method"])
     if mm is None or mm[0] not in CALIBRATED or (mm[1] not in (None, 0.01)):
         return None  # the calibration measures topk at the group's density, 0.01
-    auto = next((a for a in records if a["method"] == "auto" and a["bandwidth"] == r["bandwidth"]
+    auto = next((a for a in records if a["method"] == AUTO and a["bandwidth"] == r["bandwidth"]
                  and "auto_calibration" in a), None)
     if auto is None:
         return None

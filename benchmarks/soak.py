@@ -31,13 +31,14 @@ import sys
 import time
 
 from pycomm.bench.launch import run_ranks
+from pycomm.bench.methods import ONEBIT, SPARSE
 from pycomm.bench.report import default_json_path, write_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 WORLD = 2
 SIZES = (513, 65_539, 200_000, 2_100_003)  # the last spans two chunks (docs/allreduce.md, "Chunks")
-GROUPS = {"onebit": dict(block_size=2048), "topk": dict(density=0.01, approx=True)}
+GROUPS = {ONEBIT: dict(block_size=2048), SPARSE: dict(density=0.01, approx=True)}
 RSS_GROWTH_LIMIT = 0.05
 
 
@@ -77,7 +78,7 @@ def _rank(me) -> None:
         wave = []
         for _ in range(min(in_flight, calls - call)):
             n = SIZES[call % len(SIZES)]
-            method = ("onebit", "topk")[(call // len(SIZES)) % 2]
+            method = list(GROUPS)[(call // len(SIZES)) % len(GROUPS)]
             key = None if call % 5 == 4 else SIZES.index(n)
             x = _input(rank, call, n)
             work = pd.all_reduce(x, key=key, group=groups[method], op="avg", async_op=True)

@@ -24,6 +24,7 @@ pytest.importorskip("pytest_benchmark")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from pycomm.bench.allreduce import parse_method  # noqa: E402
 from pycomm.bench.launch import Rank, RankProcesses  # noqa: E402
 
 N = 1 << 22
@@ -31,7 +32,8 @@ WORLD = 2
 ROUNDS = 10
 WARMUP_ROUNDS = 2
 #: (name, pycomm compressor or None for plain Gloo), in the order every rank builds its groups.
-CASES = [("plain", None), ("fp16", "fp16"), ("onebit", "onebit"), ("topk-0.01", "topk")]
+CASES = [(m.name, m.compressor if m.compressed else None)
+         for m in map(parse_method, "plain,fp16,onebit,topk-0.01".split(","))]
 EXIT = -1
 
 

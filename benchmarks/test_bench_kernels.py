@@ -54,7 +54,7 @@ def _time(benchmark, call, r, r0, nbytes):
 @pytest.mark.parametrize("impl", ONEBIT_CONTENDERS)
 def test_onebit_compress(benchmark, data, impl):
     g, r0 = data
-    compress, _ = K.onebit_runners(impl, BLOCK)
+    compress, _ = K.block_runners(K.ONEBIT, impl, BLOCK)
 
     want_r = r0.clone()
     want_bits, want_scales = onebit_ref.compress_reference(g, want_r, BLOCK)

@@ -14,6 +14,7 @@ import torch
 
 from pycomm.bench import default_json_path, kernels
 from pycomm.bench.cli import main, positive_int
+from pycomm.distributed import spec
 
 
 
@@ -41,19 +42,22 @@ def test_kernels_quick_runs_and_writes_json(tmp_path):
     for case in kernels.CASES:
         impls = kernels.benchmarkable_impls(case.family, "cpu")
         assert "triton" not in impls  # the interpreter is never benchmarked
-        expected = impls + [kernels.PEER] + ([kernels.TOPK_BASELINE] if case.family == "topk" else [])
+        sparse = spec.method_spec(case.family).kind == "sparse"
+        expected = impls + kernels.peers(case.family) + ([kernels.TOPK_BASELINE] if sparse else [])
         for op in case.ops:
             for impl in expected:
                 r = rows.get((case.label, op, impl))
                 assert r is not None, f"no row for {case.label} {op} {impl}"
                 assert r["status"] == "ok", r["error"]
                 assert r["verified"] is (None if impl == kernels.TOPK_BASELINE else True)
-                for key in ("median_s", "p10_s", "p90_s", "gbps", "pct_copy", "copy_gbps",
-                            "speedup_vs_unfused"):
+                for key in ("median_s", "p10_s", "p90_s", "gbps", "pct_copy", "copy_gbps"):
                     assert _positive_finite(r[key]), (impl, key, r[key])
+                # int8/int4 have no unfused peer to be compared with
+                has_peer = kernels.PEER in kernels.peers(case.family)
+                assert _positive_finite(r["speedup_vs_unfused"]) if has_peer else r["speedup_vs_unfused"] is None
                 assert r["p10_s"] <= r["median_s"] <= r["p90_s"]
                 assert len(r["times_s"]) == 2
-                if case.family == "topk":
+                if sparse:
                     assert r["k"] <= r["count"] <= r["k"] + r["k"] // 4
                     if impl != kernels.TOPK_BASELINE:
                         assert r["recall"] == 1.0  # randn: no ties, the exact top-k is kept
@@ -152,3 +156,35 @@ def test_every_benchmark_prints_its_help(bench, capsys):
         main([bench, "--help"])
     assert exc.value.code == 0
     assert "usage:" in capsys.readouterr().out
+
+
+def test_kernels_time_every_block_codec_and_a_registered_peer(tmp_path):
+    # The cases come from the method table: every block codec at its default
+    # block size, so int8 and int4 are timed too.
+    labels = {c.label for c in kernels.CASES}
+    for m in spec.BLOCK_METHODS:
+        assert f"{m} b={spec.DEFAULT_BLOCK_SIZE[m]}" in labels
+    calls = []
+
+    def runners(block):
+        compress, decompress = kernels.block_runners(kernels.ONEBIT, kernels.PEER, block)
+        return (lambda g, r: calls.append("c") or compress(g, r)), decompress
+
+    kernels.register_peer(kernels.ONEBIT, "unfused-again", runners)
+    try:
+        assert kernels.peers(kernels.ONEBIT) == [kernels.PEER, "unfused-again"]
+        doc = kernels.run_kernels(kernels.make_args(numel=4096, repeats=1, warmup=0, impls="cpu",
+                                                    json=str(tmp_path / "k.json")))
+    finally:
+        kernels.unregister_peer(kernels.ONEBIT, "unfused-again")
+    assert kernels.peers(kernels.ONEBIT) == [kernels.PEER]
+    rows = {(r["compressor"], r["op"], r["impl"]): r for r in doc["rows"]}
+    extra = rows[("onebit b=2048", "compress", "unfused-again")]
+    assert extra["kind"] == "peer" and extra["verified"] is True and extra["status"] == "ok"
+    assert calls, "the registered runners were not used"
+    for m in spec.ROUNDING_METHODS:
+        for op in kernels.BLOCK_OPS:
+            row = rows[(f"{m} b={spec.DEFAULT_BLOCK_SIZE[m]}", op, "cpu")]
+            assert row["status"] == "ok" and row["verified"] is True and row["bytes_moved"] > 0
+    with pytest.raises(ValueError, match="no kernel cases"):
+        kernels.register_peer("fp16", "x", runners)

@@ -64,10 +64,10 @@ def test_parse_method(name, want):
 
 
 @pytest.mark.parametrize("name, words", [
-    ("sgd", "unknown method"), ("fp16-noef", "onebit and topk only"), ("powersgd-0", "rank must be >= 1"),
-    ("topk-2", "density must be in (0, 1]"), ("allreduce-backend", "onebit and topk only"),
+    ("sgd", "unknown method"), ("fp16-noef", "apply to onebit, topk, int8, int4 or auto only"), ("powersgd-0", "rank must be >= 1"),
+    ("topk-2", "density must be in (0, 1]"), ("allreduce-backend", "apply to onebit, topk"),
     ("int16", "unknown method"), ("optim-topk", "must be one of onebit, int8, int4"),
-    ("optim-onebit-noef", "onebit and topk only"), ("optim-int4-backend", "onebit and topk only"),
+    ("optim-onebit-noef", "apply to onebit, topk"), ("optim-int4-backend", "apply to onebit, topk"),
     ("onebit-sr", "int8 and int4 only"), ("optim-onebit-sr", "int8 and int4 only"), ("fp16-sr", "int8 and int4 only"),
     ("onebit-v40", "unknown method"), ("optim-onebit-v", "unknown method"),
 ])
@@ -109,6 +109,8 @@ def test_defaults_cover_the_comparison():
     (["--methods", "optim-onebit", "--steps", "20", "--optim-warmup", "18"], "--optim-warmup"),
     (["--steps", "20", "--eval-every", "20"], "--eval-every"),
     (["--optimizer", "sgd", "--methods", "optim-onebit-v10"], "OneBitAdam's variance"),
+    # fsdp's suffix, which restates the hook's default: refused, saying what to write
+    (["--methods", "int8-ef"], "error feedback is on by default in pycomm-bench ddp: write 'int8'"),
 ])
 def test_bad_arguments_are_named(argv, words):
     with pytest.raises(ValueError) as e:

@@ -48,6 +48,8 @@ def test_defaults():
     (["--no-netns", "--bandwidth", "1gbit"], "--no-netns"),
     (["--repeats", "3"], "--repeats"),
     (["--steps", "3", "--warmup", "2"], "--steps"),
+    # ddp's suffix, which restates pycomm.fsdp's default: refused, saying what to write
+    (["--methods", "int4-noef"], "error feedback is off by default in pycomm-bench fsdp: write 'int4' (-ef turns it on)"),
 ])
 def test_bad_arguments_are_named(argv, words):
     with pytest.raises(ValueError) as e:

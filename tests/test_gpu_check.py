@@ -1,4 +1,4 @@
-"""pycomm.bench.gpu_check, the GPU check, dry-run on a machine without a GPU.
+"""pycomm.tools.gpu_check, the GPU check, dry-run on a machine without a GPU.
 
 ``--dry-run`` does all that needs no GPU: argument handling, environment
 checks, nvcc compiling every CUDA kernel for sm_90a with the ptxas register
@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-MODULE = [sys.executable, "-m", "pycomm.bench.gpu_check"]
-PROG = "python -m pycomm.bench.gpu_check"
+MODULE = [sys.executable, "-m", "pycomm.tools.gpu_check"]
+PROG = "python -m pycomm.tools.gpu_check"
 DRY_RUN_TIMEOUT_S = 180  # the check's own budget in a dry run is 170 s
 
 
@@ -133,7 +133,7 @@ GPU_STEPS = ["env", "build", "tests_product", "bench_engine", "op_errors", "test
 
 
 def test_gpu_plan_is_in_priority_order_and_fits_the_budget():
-    from pycomm.bench import gpu_check as G
+    from pycomm.tools import gpu_check as G
 
     plan = G.PLANS["gpu"]
     assert [name for name, _, _ in plan] == GPU_STEPS
@@ -145,7 +145,7 @@ def test_gpu_plan_is_in_priority_order_and_fits_the_budget():
 
 
 def test_only_takes_the_gpu_steps():
-    from pycomm.bench import gpu_check as G
+    from pycomm.tools import gpu_check as G
 
     opts = G.parse_args(["--only", "build,tests_product,bench_engine,op_errors", "/tmp/x"])
     assert opts["selected"] == ["bench_engine", "build", "op_errors", "tests_product"]
@@ -165,7 +165,7 @@ def test_report_lists_the_new_steps(tmp_path: Path, capsys):
     and what they produced (results made up here: no GPU)."""
     import time
 
-    from pycomm.bench import gpu_check as G
+    from pycomm.tools import gpu_check as G
 
     out = tmp_path
     with open(out / "steps.tsv", "w") as fh:

@@ -15,7 +15,8 @@ import time
 import pytest
 
 from pycomm.bench import netem
-from pycomm.bench.netem import EmulatedCluster, LoopbackCluster, emulation_available, measure_busbw
+from pycomm.bench.links import measure_busbw
+from pycomm.bench.netem import EmulatedCluster, LoopbackCluster, emulation_available
 
 _OK, _WHY = emulation_available()
 needs_netns = pytest.mark.skipif(not _OK, reason=f"network emulation unavailable: {_WHY}")

@@ -8,13 +8,16 @@ The harness:
   rank ending the run with its stderr; how to add a benchmark is in its
   docstring;
 * :mod:`~pycomm.bench.timing`: contenders timed interleaved, median and p10/p90;
-* :mod:`~pycomm.bench.methods`: the method names (``onebit``, ``topk-0.01-noef``, ...);
+* :mod:`~pycomm.bench.methods`: the method names (``onebit``, ``topk-0.01-noef``, ...),
+  derived from the method table (:data:`pycomm.distributed.spec.METHOD_TABLE`);
+* :mod:`~pycomm.bench.sweep`: what the training sweeps (ddp, fsdp) share;
+* :mod:`~pycomm.bench.links`: a cluster's bus bandwidth, measured with ranks;
 * :mod:`~pycomm.bench.report`: machine description, tables, JSON files, exit status;
 * :mod:`~pycomm.bench.models`: the models and data the DDP benchmark trains.
 
 The benchmarks, one module each (:data:`pycomm.bench.cli.SUBCOMMANDS`):
-``kernels``, ``allreduce``, ``ddp``, ``hierarchy``, ``all``; and the GPU
-check (:mod:`~pycomm.bench.gpu_check`). Every benchmark verifies results
+``kernels``, ``allreduce``, ``ddp``, ``fsdp``, ``hierarchy``, ``all``; and
+``gpu-check``, the GPU check (:mod:`pycomm.tools.gpu_check`). Every benchmark verifies results
 before timing them, reports the median and the p10/p90 spread of repeated
 runs, and measures the contenders it compares interleaved in the same run,
 because the machines here are shared and noisy: only ratios measured side by

@@ -1,5 +1,6 @@
-"""All-reduce benchmark: plain Gloo against the "pycomm" backend's fp16,
-onebit and topk all-reduces, on W local ranks over 127.0.0.1, side by side.
+"""All-reduce benchmark: plain Gloo against the "pycomm" backend's
+all-reduces (casts, block codecs, topk), on W local ranks over 127.0.0.1,
+side by side.
 
 For each world size W (``--ranks``, each a fresh set of local rank processes)
 and tensor size (``--sizes``, float32), every method (``--methods``) is first
@@ -12,17 +13,18 @@ alike), each contender runs ``repeats`` times after ``warmup``: a barrier
 before each call, the call timed on every rank, and the max across ranks
 taken per repeat (an all-reduce is done when its last rank is).
 
-For onebit, topk and fp16 two more contenders are timed in the same rounds:
+For every compressed method two more contenders are timed in the same rounds:
 
 * compress: the compressor kernels alone on this rank's data, chunk by chunk
-  as the backend runs them (onebit: worker compress of the chunk, decode of
-  the W payloads of this rank's segment, server compress of the segment,
-  decode of the W segment payloads into the chunk; topk: compress, zero the
-  chunk, decode-accumulate W payloads; fp16: the two casts);
+  as the backend runs them (a block codec, onebit, int8 or int4: worker
+  compress of the chunk, decode of the W payloads of this rank's segment,
+  server compress of the segment, decode of the W segment payloads into the
+  chunk; topk: compress, zero the chunk, decode-accumulate W payloads; a
+  cast: the two casts);
 * wire: the algorithm's collectives with payload-sized buffers and no
-  compute, issued in the same order on the plain Gloo group (onebit: uneven
-  ``all_to_all_single`` + ``all_gather_into_tensor`` per chunk; topk:
-  ``all_gather_into_tensor`` per chunk; fp16: a float16 all-reduce).
+  compute, issued in the same order on the plain Gloo group (a block codec:
+  uneven ``all_to_all_single`` + ``all_gather_into_tensor`` per chunk; topk:
+  ``all_gather_into_tensor`` per chunk; a cast: an all-reduce of its dtype).
 
 A compressed all-reduce cannot beat max(compress, wire); the pipelined
 backend (chunk i+1 compressed while chunk i is on the wire) should come close
@@ -47,14 +49,17 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from ..distributed import spec
 from ..distributed.spec import TAG_WORDS, block_segments, block_wire_numel, topk_wire_numel
+from ..wire import quant_num_bytes
 from .launch import Rank, RanksFailed, run_ranks, threads_per_rank
-from .methods import ALLREDUCE_BASES, Method, parse_method as _parse_method
+from .methods import ALLREDUCE_BASES, PLAIN, Method, parse_method as _parse_method, vocabulary
 from .report import (default_json_path, finish, fmt_number, loadavg, machine_info, ms, progress_bar, size_label,
                      spread_ms, status_note, table)
 from .timing import Timed, summarize, time_interleaved
 
-HELP = "time plain Gloo, fp16, onebit and topk all-reduces on local ranks (verified first)"
+HELP = (f"time plain Gloo against the pycomm backend's {', '.join(ALLREDUCE_BASES[1:])} all-reduces "
+        "on local ranks (verified first)")
 
 DEFAULT_RANKS = (2, 4)
 DEFAULT_SIZES = (1 << 20, 1 << 22, 1 << 24, 1 << 26)
@@ -92,8 +97,9 @@ PARTS = ("total", "compress", "wire")
 
 # ----------------------------------------------------------------- methods ---
 def parse_method(name: str) -> Method:
-    """``plain``, ``fp16``, ``bf16``, ``onebit`` or ``topk-<density>`` (e.g.
-    ``topk-0.01``), each through a pycomm group; raises ValueError otherwise.
+    """One of :data:`~pycomm.bench.methods.ALLREDUCE_BASES` (``plain``, a
+    cast, a block codec or ``topk-<density>``, e.g. ``topk-0.01``), each but
+    plain through a pycomm group; raises ValueError otherwise.
 
     Example::
 
@@ -124,15 +130,22 @@ def chunk_bounds(numel: int, chunk_numel: int) -> List[Tuple[int, int]]:
 
 
 @dataclass
-class OnebitLayout:
-    """Segments of one onebit chunk of ``m`` elements (docs/allreduce.md step
-    1, as ``OnebitLayout`` in csrc/distributed/backend.cpp): ``seg`` elements
-    per segment (whole blocks), per segment its length, words, blocks and
-    wire size ``S`` in int32 elements."""
+class BlockLayout:
+    """Segments of one chunk of ``m`` elements of a block codec
+    (docs/allreduce.md step 1, as the layout in csrc/distributed/backend.cpp):
+    ``seg`` elements per segment (whole blocks), per segment its length, data
+    words, blocks and wire size ``S`` in int32 elements. ``bits``: the
+    codec's :data:`~pycomm.distributed.spec.BLOCK_BITS` (0: onebit's signs).
+
+    >>> lay = BlockLayout(1000, 2, 256, bits=8)
+    >>> lay.seg, lay.length, lay.words, lay.size
+    (512, [512, 488], [128, 122], [130, 124])
+    """
 
     m: int
     world: int
     block: int
+    bits: int = 0
     seg: int = 0
     length: List[int] = field(default_factory=list)
     words: List[int] = field(default_factory=list)
@@ -144,25 +157,18 @@ class OnebitLayout:
         for lo, hi in bounds:
             n = hi - lo
             self.length.append(n)
-            self.words.append(_cdiv(n, 32))
             self.blocks.append(_cdiv(n, self.block))
-            self.size.append(block_wire_numel(n, self.block))
+            self.size.append(block_wire_numel(n, self.block, self.bits))
+            self.words.append(self.size[-1] - self.blocks[-1] if n else 0)
 
 
 def bytes_sent(method: Method, numel: int, world: int, chunk_numel: int,
-               block_size: int = 2048, approx: bool = True) -> int:
+               block_size: Optional[int] = None, approx: bool = True) -> int:
     """Bytes one rank puts on the wire per all-reduce of ``numel`` float32
-    elements (the most any rank sends, where ranks differ).
-
-    How we count (docs/allreduce.md): plain is a ring all-reduce, 2 (W-1)
-    steps of n/W elements, so 2 (W-1)/W * 4n bytes; fp16/bf16 the same ring
-    on 2-byte elements, half that. onebit, per chunk: the all_to_all sends
-    segment j's payload (S_j int32s) to rank j for every j != r, i.e. (W-1)/W
-    of one compressed copy, and the all_gather sends this rank's server
-    payload, padded to S_0, and the call's 2-word tag to each of the W-1
-    peers (a ring all_gather also sends W-1 blocks). topk, per chunk: the
-    padded 1 + 2 cap int32 buffer and the tag to each of the W-1 peers. The
-    piece a rank "sends" to itself never reaches the wire and is not counted.
+    elements (the most any rank sends, where ranks differ):
+    :func:`pycomm.distributed.spec.wire_bytes`, which says how they are
+    counted (docs/allreduce.md, "Bytes"). ``block_size`` None: the method's
+    default.
 
     Example::
 
@@ -172,24 +178,25 @@ def bytes_sent(method: Method, numel: int, world: int, chunk_numel: int,
         >>> bytes_sent(parse_method("onebit"), 1 << 20, 4, 1 << 20)
         199704
     """
-    if world < 2:
-        return 0
-    if not method.compressed:
-        return 2 * (world - 1) * 4 * numel // world
-    if method.compressor in ("fp16", "bf16"):
-        return 2 * (world - 1) * 2 * numel // world
-    total = [0] * world  # per rank
-    for _begin, m in chunk_bounds(numel, chunk_numel):
-        if method.compressor == "onebit":
-            lay = OnebitLayout(m, world, block_size)
-            for r in range(world):
-                a2a = sum(lay.size[j] for j in range(world) if j != r)
-                total[r] += 4 * (a2a + (world - 1) * (lay.size[0] + TAG_WORDS))
-        else:
-            wire = topk_wire_numel(m, float(method.density), approx)
-            for r in range(world):
-                total[r] += 4 * (world - 1) * wire
-    return max(total)
+    density = 0.01 if method.density is None else float(method.density)
+    return spec.wire_bytes(method.compressor, numel, world, chunk_numel=chunk_numel, block_size=block_size,
+                           density=density, approx=approx)
+
+
+def _block_kernels(method: str, block: int):
+    """``(compress(x, residual) -> (data, scales), data_of(data, start, n),
+    decompress(out, data, scales, accumulate))``: the kernels of a block
+    codec, as the backend runs them; ``data_of`` cuts the data of elements
+    ``[start, start + n)`` (``start`` a block boundary) out of a payload."""
+    ops, bits = torch.ops.pycomm, spec.BLOCK_BITS[method]
+    if bits == 0:  # onebit: sign bits in int32 words
+        return (lambda x, r: ops.onebit_compress(x, r, block),
+                lambda data, start, n: data.narrow(0, start // 32, _cdiv(n, 32)),
+                lambda out, data, scales, acc: ops.onebit_decompress(out, data, scales, block, acc))
+    # int8/int4 round to nearest, as the benchmark's groups do (no -sr here)
+    return (lambda x, r: ops.quant_compress(x, r, bits, block, -1),
+            lambda data, start, n: data.narrow(0, quant_num_bytes(start, bits), quant_num_bytes(n, bits)),
+            lambda out, data, scales, acc: ops.quant_decompress(out, data, scales, bits, block, acc))
 
 
 # ---------------------------------------------------- per-rank work (child) ---
@@ -313,10 +320,10 @@ class _RankBench:
     def _record(self, m: Method, n: int) -> Dict[str, Any]:
         opts = self.options.get(m.name, {})
         chunk = opts.get("chunk_numel")
-        block = opts.get("block_size", 2048)
+        block = opts.get("block_size")
         approx = bool(opts.get("approx", True))
         sent = bytes_sent(m, n, self.world, chunk or n, block, approx)
-        plain = bytes_sent(Method("plain", None), n, self.world, n)
+        plain = bytes_sent(parse_method(PLAIN), n, self.world, n)
         rec: Dict[str, Any] = {
             "ranks": self.world,
             "numel": n,
@@ -324,8 +331,8 @@ class _RankBench:
             "method": m.name,
             "compressor": m.compressor if m.compressed else None,
             "density": m.density,
-            "block_size": block if m.compressor == "onebit" else None,
-            "approx": approx if m.compressor == "topk" else None,
+            "block_size": spec.block_size_for(m.compressor, block) if m.kind == "block" else None,
+            "approx": approx if m.kind == "sparse" else None,
             "chunk_numel": chunk,
             "error_feedback": m.error_feedback,
             "status": OK,
@@ -370,9 +377,9 @@ class _RankBench:
                            + _first_difference(result, exact))
         elif not bool(torch.isfinite(result).all()):
             problem = f"rank {self.rank}: {int((~torch.isfinite(result)).sum())} non-finite elements"
-        elif m.compressor in ("fp16", "bf16"):
+        elif m.kind == "cast":
             err = float((result - exact).abs().max())
-            tol = _fp16_tolerance(self.world, torch.float16 if m.compressor == "fp16" else torch.bfloat16)
+            tol = _fp16_tolerance(self.world, spec.method_spec(m.compressor).dtype)
             if err > tol:
                 problem = f"rank {self.rank}: {m.compressor} sum off by up to {err:g} (tolerance {tol:g})"
         verdicts: List[Optional[str]] = [None] * self.world
@@ -389,8 +396,8 @@ class _RankBench:
         ops = torch.ops.pycomm
         W, r, n = self.world, self.rank, x.numel()
         opts = self.options[m.name]
-        if m.compressor in ("fp16", "bf16"):
-            dtype = torch.float16 if m.compressor == "fp16" else torch.bfloat16
+        if m.kind == "cast":
+            dtype = spec.method_spec(m.compressor).dtype
 
             def cast() -> None:
                 out.copy_(x.to(dtype))  # in and back out, as run_cast does
@@ -401,9 +408,10 @@ class _RankBench:
         # Residuals of their own, updated every call like the backend's, so
         # the kernels see the same data the timed all-reduce compresses.
         worker = torch.zeros(n)
-        if m.compressor == "onebit":
+        if m.kind == "block":
             B = opts["block_size"]
-            lays = [OnebitLayout(mlen, W, B) for _b, mlen in chunks]
+            compress, data_of, decompress = _block_kernels(m.compressor, B)
+            lays = [BlockLayout(mlen, W, B, spec.BLOCK_BITS[m.compressor]) for _b, mlen in chunks]
             server = [torch.zeros(lay.length[r]) for lay in lays]
             # The server accumulator is allocated once and zeroed per chunk: a
             # fresh multi-MB torch.zeros per chunk costs page faults whose price
@@ -411,27 +419,27 @@ class _RankBench:
             # which is allocator noise, not compressor time.
             acc_buf = torch.empty(max(lay.length[r] for lay in lays))
 
-            def onebit() -> None:
+            def block() -> None:
                 for (b, mlen), lay, srv in zip(chunks, lays, server):
-                    bits, scales = ops.onebit_compress(x.narrow(0, b, mlen), worker.narrow(0, b, mlen), B)
+                    data, scales = compress(x.narrow(0, b, mlen), worker.narrow(0, b, mlen))
                     L = lay.length[r]
                     if L > 0:
                         # This rank's segment from each of the W ranks (its
                         # own payload stands in for the peers': same sizes).
-                        mb = bits.narrow(0, r * lay.seg // 32, lay.words[r])
+                        md = data_of(data, r * lay.seg, L)
                         ms = scales.narrow(0, r * lay.seg // B, lay.blocks[r])
                         acc = acc_buf[:L].zero_()
                         for _src in range(W):
-                            ops.onebit_decompress(acc, mb, ms, B, True)
-                        ops.onebit_compress(acc, srv, B)
+                            decompress(acc, md, ms, True)
+                        compress(acc, srv)
                     for j in range(W):  # every segment's server payload into the chunk
                         if lay.length[j] == 0:
                             continue
-                        sb = bits.narrow(0, j * lay.seg // 32, lay.words[j])
+                        sd = data_of(data, j * lay.seg, lay.length[j])
                         ss = scales.narrow(0, j * lay.seg // B, lay.blocks[j])
-                        ops.onebit_decompress(out.narrow(0, b + j * lay.seg, lay.length[j]), sb, ss, B, False)
+                        decompress(out.narrow(0, b + j * lay.seg, lay.length[j]), sd, ss, False)
 
-            return onebit
+            return block
 
         density, approx = float(opts["density"]), bool(opts["approx"])
         from pycomm.compressors.topk import topk_k
@@ -453,13 +461,14 @@ class _RankBench:
         # all_gather_into_tensor under its torch >= 2.13 name (the old one warns).
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         opts = self.options[m.name]
-        if m.compressor in ("fp16", "bf16"):
-            half = torch.zeros(n, dtype=torch.float16 if m.compressor == "fp16" else torch.bfloat16)
+        if m.kind == "cast":
+            half = torch.zeros(n, dtype=spec.method_spec(m.compressor).dtype)
             return lambda: dist.all_reduce(half)
 
         chunks = chunk_bounds(n, opts["chunk_numel"])
-        if m.compressor == "onebit":
-            lays = [OnebitLayout(mlen, W, opts["block_size"]) for _b, mlen in chunks]
+        if m.kind == "block":
+            bits = spec.BLOCK_BITS[m.compressor]
+            lays = [BlockLayout(mlen, W, opts["block_size"], bits) for _b, mlen in chunks]
             bufs = [
                 (torch.zeros(sum(lay.size), dtype=torch.int32),  # all_to_all send
                  torch.empty(W * lay.size[r], dtype=torch.int32),  # all_to_all receive
@@ -468,7 +477,7 @@ class _RankBench:
                 for lay in lays
             ]
 
-            def onebit() -> None:
+            def block() -> None:
                 # Same issue order and waits as run_onebit with the compute removed:
                 # a2a i, (wait a2a i-1, ag i-1), (wait ag i-2).
                 a2a: List[Any] = []
@@ -494,7 +503,7 @@ class _RankBench:
                 for i in range(max(0, len(chunks) - 2), len(chunks)):
                     ag[i].wait()
 
-            return onebit
+            return block
 
         density, approx = float(opts["density"]), bool(opts["approx"])
         tbufs = []
@@ -772,7 +781,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         f"(default: {','.join(map(size_label, DEFAULT_SIZES))}; "
                         f"{','.join(map(size_label, QUICK_SIZES))} with --quick)")
     g.add_argument("--methods", nargs="+", metavar="METHOD", default=None,
-                   help="plain, fp16, bf16, onebit, topk-<density>, comma or space separated "
+                   help=f"{vocabulary(ALLREDUCE_BASES)}, comma or space separated "
                         f"(default: {','.join(DEFAULT_METHODS)})")
     g.add_argument("--chunk-numel", type=positive_int, default=None,
                    help="pipelining chunk of the pycomm backend (default: the backend's)")

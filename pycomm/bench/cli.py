@@ -43,7 +43,7 @@ SUBCOMMANDS = {
 }
 #: tool -> module whose ``main(argv, prog)`` takes the rest of the command line.
 TOOLS = {
-    "gpu-check": "pycomm.bench.gpu_check",
+    "gpu-check": "pycomm.tools.gpu_check",
 }
 
 _SUFFIX = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}

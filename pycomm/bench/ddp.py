@@ -76,8 +76,13 @@ import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .launch import Rank, RanksFailed, run_ranks, threads_per_rank
-from .methods import DDP_BASES, Method, parse_method as _parse_method
+from ..distributed import spec
+from .methods import ALLREDUCE, AUTO, DDP_BASES, Method, parse_method as _parse_method, vocabulary
 from .report import finish, fmt_number, machine_info, progress_bar, table
+from .sweep import (DEFAULT_LR, EVAL_BATCHES, EVAL_RANK, FINAL_LOSS_WINDOW,
+                    add_sweep_options, cluster_for, effective_bw, error_feedback_suffix, json_key, lr_at, mean,
+                    parse_bandwidths, per_rank_bytes, plot, step_progress, workload)
+from .sweep import combine_seeds as combine_seed_records
 from .timing import median, summarize
 
 HELP = "end-to-end DDP training on emulated slow links: pycomm vs all-reduce, fp16 and PowerSGD"
@@ -100,15 +105,8 @@ DEFAULT_START_ITER = 10
 #: Plain steps before the timed ones at the timing-only bandwidths (DDP
 #: rebuilds its buckets after the first; the compressors start at the second).
 TIMING_START_ITER = 2
-DEFAULT_TIMEOUT = 600.0
 DEFAULT_BUCKET_CAP_MB = 4.0
-#: The language model's context in the benchmark (shorter than its 128-byte
-#: default: fewer tokens per step keep compute small next to communication,
-#: as on GPUs, which are ~1000x faster than these CPU cores).
-DEFAULT_SEQ_LEN = 64
 DEFAULT_OPTIMIZER = "adamw"
-DEFAULT_LR = {"adamw": 1e-3, "sgd": 0.05}
-LR_SCHEDULES = ("constant", "cosine")
 #: onebit block of the benchmark's pycomm methods: with AdamW, 256 trained
 #: the language model to a loss within 2% of plain all-reduce where the
 #: library default 2048 stayed ~11% above it (4 ranks, 150-200 steps).
@@ -119,13 +117,6 @@ DEFAULT_BLOCK_SIZE = 256
 #: training; with AdamW a 10-step warm-up left OneBitAdam 5.7% above plain
 #: after 400 steps where 80 steps (20%) left it 1.2% above (seed 0).
 OPTIM_WARMUP_FRACTION = 0.2
-#: "train_loss_last": mean over ranks and over the last this many steps.
-FINAL_LOSS_WINDOW = 20
-#: "final_loss": the loss of the trained model on this many batches that no
-#: rank trains on (the same for every method), averaged; far less noisy than
-#: the training loss of single small batches.
-EVAL_BATCHES = 32
-EVAL_RANK = 1_000_000
 
 
 # --------------------------------------------------------------------------- methods
@@ -142,32 +133,6 @@ def parse_method(name: str) -> Method:
 
 
 # --------------------------------------------------------------------------- rank side
-
-
-def _workload(cfg: Dict[str, Any], seed: Optional[int] = None):
-    """(model, batch_fn, loss_fn) of ``seed`` (default: the first seed)."""
-    from . import models
-
-    seed = cfg["seed"] if seed is None else seed
-    if cfg["workload"] == "lm":
-        return models.char_lm(cfg["model"], batch_size=cfg["batch_size"], seed=seed,
-                              seq_len=cfg["seq_len"])
-    return models.narrow_mlp(batch_size=cfg["batch_size"], seed=seed)
-
-
-def lr_at(lr: float, step: int, steps: int, schedule: str) -> float:
-    """The learning rate of ``step`` (0-based) of ``steps``: ``lr`` throughout
-    ("constant"), or cosine-decayed from ``lr`` at step 0 to 0 after the last
-    ("cosine": ``lr * (1 + cos(pi * step / steps)) / 2``).
-
-    >>> [round(lr_at(1.0, s, 4, "cosine"), 3) for s in range(4)], lr_at(0.1, 3, 4, "constant")
-    ([1.0, 0.854, 0.5, 0.146], 0.1)
-    """
-    if schedule == "constant":
-        return lr
-    if schedule == "cosine":
-        return lr * 0.5 * (1.0 + math.cos(math.pi * step / steps))
-    raise ValueError(f"unknown learning-rate schedule {schedule!r}")
 
 
 def _optim_classes():
@@ -245,7 +210,7 @@ class _RankTrainer:
         warm-up)."""
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        model, batch_fn, loss_fn = _workload(self.cfg, seed)
+        model, batch_fn, loss_fn = workload(self.cfg, seed)
         group = self._pycomm_group(m) if m.entry == "backend" else None
         ddp = DDP(model, process_group=group, bucket_cap_mb=self.cfg["bucket_cap_mb"])
         state = None
@@ -255,10 +220,8 @@ class _RankTrainer:
 
             from ..ddp import serialized_hook
 
-            if m.compressor == "fp16":
-                ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
-            elif m.compressor == "bf16":
-                ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+            if m.kind == "cast":  # torch's fp16_compress_hook, bf16_compress_hook
+                ddp.register_comm_hook(None, getattr(default_hooks, f"{m.compressor}_compress_hook"))
             else:
                 state = P.PowerSGDState(process_group=None, matrix_approximation_rank=m.rank,
                                         start_powerSGD_iter=start_iter, use_error_feedback=True,
@@ -300,11 +263,11 @@ class _RankTrainer:
         of a gradient of ``numel`` elements, all ranks at once (as in
         training), median of 3. None for methods without a pycomm/cast kernel."""
         torch = self.torch
-        if m.compressor not in ("onebit", "topk", "fp16", "bf16", "int8", "int4"):
+        if m.kind in (None, "exact"):
             return None
         g = torch.randn(numel, generator=torch.Generator().manual_seed(self.rank))
-        if m.compressor in ("fp16", "bf16"):
-            dt = torch.float16 if m.compressor == "fp16" else torch.bfloat16
+        if m.kind == "cast":
+            dt = spec.method_spec(m.compressor).dtype
 
             def once() -> None:
                 g.to(dt).to(torch.float32)
@@ -312,7 +275,7 @@ class _RankTrainer:
             import pycomm
 
             kw = {"density": m.density} if m.density is not None else {"block_size": self.cfg["block_size"]}
-            if m.compressor in ("int8", "int4"):
+            if m.compressor in spec.ROUNDING_METHODS:
                 kw["rounding"] = m.rounding
             c = pycomm.get_compressor(m.compressor, **kw)
             r = torch.zeros(numel) if m.error_feedback else None
@@ -334,7 +297,7 @@ class _RankTrainer:
     def compute_time(self) -> float:
         """Median seconds of one forward + backward + optimizer step without any
         communication, all ranks at once (the part no compression removes)."""
-        model, batch_fn, loss_fn = _workload(self.cfg)
+        model, batch_fn, loss_fn = workload(self.cfg)
         opt = _optimizer(model, self.cfg)
         times = []
         for step in range(6):
@@ -356,7 +319,7 @@ class _RankTrainer:
         torch = self.torch
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        model, batch_fn, loss_fn = _workload(self.cfg)
+        model, batch_fn, loss_fn = workload(self.cfg)
         ddp = DDP(model, bucket_cap_mb=self.cfg["bucket_cap_mb"])
 
         def no_comm(_, bucket):
@@ -489,7 +452,7 @@ class _RankTrainer:
         if engine is not None:
             rec["engine_profile_ms_per_step"] = self._engine_profile(engine, len(timed))
         rec["compress_time_s"] = self._compress_time(m, numel)
-        if m.compressor == "auto":
+        if m.compressor == AUTO:
             import pycomm.distributed as pd
 
             # What the calibration chose for each bucket (and the whole table).
@@ -536,22 +499,14 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
         raise ValueError("--warmup: not used by ddp; use --start-iter")
     if args.ranks < 2:
         raise ValueError(f"--ranks must be >= 2, got {args.ranks}")
-    bws = split_list(args.bandwidth) or (QUICK_BANDWIDTHS if args.quick else DEFAULT_BANDWIDTHS)
-    rates: List[Optional[float]] = []
-    for b in bws:
-        try:
-            rates.append(parse_rate(b))
-        except ValueError as exc:
-            raise ValueError(f"--bandwidth: {exc}") from None
-    if len(set(rates)) != len(rates):
-        raise ValueError(f"--bandwidth: repeated value in {bws}")
-    if not getattr(args, "netns", True) and any(r is not None for r in rates):
-        raise ValueError(f"--bandwidth {','.join(bws)}: with --no-netns links cannot be shaped, use --bandwidth none")
+    bws, rates = parse_bandwidths(args.bandwidth, QUICK_BANDWIDTHS if args.quick else DEFAULT_BANDWIDTHS,
+                                  getattr(args, "netns", True))
     args.bandwidth = bws
     args.rates = rates
     methods = split_list(args.methods) or (QUICK_METHODS if args.quick else DEFAULT_METHODS)
     for name in methods:
         try:
+            error_feedback_suffix(name, default_on=True, where="pycomm-bench ddp")
             parse_method(name)
         except ValueError as exc:
             raise ValueError(f"--methods: {exc}") from None
@@ -560,8 +515,8 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
             if parse_method(name).variance_every is not None:
                 raise ValueError(f"--methods: {name}: -v<K> sets OneBitAdam's variance updates "
                                  f"(--optimizer adamw), not {args.optimizer}'s")
-    if "allreduce" not in methods and getattr(args, "baseline", True):
-        methods = ["allreduce", *methods]  # every ratio is against it
+    if ALLREDUCE not in methods and getattr(args, "baseline", True):
+        methods = [ALLREDUCE, *methods]  # every ratio is against it
     if len(set(methods)) != len(methods):
         raise ValueError(f"--methods: repeated method in {methods}")
     args.methods = methods
@@ -607,18 +562,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from .cli import nonnegative_int, positive_int
 
     g = parser.add_argument_group("ddp options")
-    g.add_argument("--ranks", type=positive_int, default=4, help="processes, one per emulated host (default: 4)")
-    g.add_argument("--bandwidth", nargs="+", metavar="RATE", default=None,
-                   help="link rates, comma or space separated, e.g. 100mbit,1gbit,2.5gbit,none "
-                        f"(none: unshaped; default: {','.join(DEFAULT_BANDWIDTHS)}; "
-                        f"{','.join(QUICK_BANDWIDTHS)} with --quick)")
+    add_sweep_options(g, bandwidth_help="link rates, comma or space separated, e.g. 100mbit,1gbit,2.5gbit,none "
+                                        f"(none: unshaped; default: {','.join(DEFAULT_BANDWIDTHS)}; "
+                                        f"{','.join(QUICK_BANDWIDTHS)} with --quick)",
+                      netns_prefix="pycomm-ddp", baseline=ALLREDUCE)
     g.add_argument("--train-bandwidth", default=None, metavar="RATE",
                    help="the rate at which every method trains --steps steps (default: 1gbit if "
                         "swept, else the first); elsewhere only --time-steps are timed")
     g.add_argument("--methods", nargs="+", metavar="METHOD", default=None,
-                   help="allreduce, fp16, bf16, powersgd-<rank>, onebit, topk-<density>, int8, int4, auto, "
-                        "optim-<onebit|int8|int4> (the compressed-momentum optimizer matching --optimizer); "
-                        "onebit, topk, int8 and int4 with -noef and/or -backend, auto with -noef (default: all of "
+                   help=f"{vocabulary(DDP_BASES, suffixes=True)} (optim-*: the compressed-momentum optimizer "
+                        "matching --optimizer; default: all of "
                         f"{','.join(DEFAULT_METHODS)}; with --quick {','.join(QUICK_METHODS)})")
     g.add_argument("--workload", choices=WORKLOADS, default="lm",
                    help="lm: the byte-level GPT on standard-library text (default); mlp: many small tensors")
@@ -630,42 +583,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help=f"plain all-reduce warm-up steps before any method compresses (default: {DEFAULT_START_ITER})")
     g.add_argument("--batch-size", type=positive_int, default=None,
                    help="sequences (lm) or rows (mlp) per rank per step (default: 1 / 32)")
-    g.add_argument("--model", choices=("default", "tiny"), default="default",
-                   help="lm size: default (4.9M parameters) or tiny (43K, for smoke tests)")
-    g.add_argument("--seq-len", type=positive_int, default=DEFAULT_SEQ_LEN,
-                   help=f"lm: bytes per sequence (default: {DEFAULT_SEQ_LEN})")
     g.add_argument("--optimizer", choices=("adamw", "sgd"), default=DEFAULT_OPTIMIZER,
                    help=f"adamw, or sgd with momentum 0.9 (default: {DEFAULT_OPTIMIZER})")
     g.add_argument("--lr", type=float, default=None,
                    help=f"learning rate (default: {DEFAULT_LR['adamw']:g} for adamw, {DEFAULT_LR['sgd']:g} for sgd)")
-    g.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="constant",
-                   help="constant, or cosine: decayed from --lr to 0 over the --steps of the run, as real "
-                        "training runs end (the held-out loss then flattens by the end; default: constant)")
     g.add_argument("--block-size", type=positive_int, default=DEFAULT_BLOCK_SIZE,
                    help=f"onebit block size of the pycomm methods (default: {DEFAULT_BLOCK_SIZE})")
     g.add_argument("--bucket-cap-mb", type=float, default=DEFAULT_BUCKET_CAP_MB,
                    help=f"DDP bucket size (default: {DEFAULT_BUCKET_CAP_MB:g})")
-    g.add_argument("--seed", type=int, default=0, help="the first seed (default: 0)")
-    g.add_argument("--seeds", type=positive_int, default=1,
-                   help="train every method once per seed, seeds --seed ... --seed+N-1 (model init and data "
-                        "order; the same for every method of a seed); the final loss is then reported as mean "
-                        "and spread over seeds and per seed relative to allreduce (default: 1)")
     g.add_argument("--optim-warmup", type=positive_int, default=None, metavar="STEPS",
                    help="optim-* methods: steps of exact averaging before the momentum is compressed "
                         f"(default: {OPTIM_WARMUP_FRACTION * 100:.0f}%% of --steps, at least --start-iter)")
     g.add_argument("--eval-every", type=nonnegative_int, default=0, metavar="STEPS",
                    help="also record the held-out loss every STEPS training steps (untimed; 0: only at the end)")
-    g.add_argument("--eval-batches", type=positive_int, default=EVAL_BATCHES, metavar="N",
-                   help=f"held-out batches the final loss is the mean of (default: {EVAL_BATCHES})")
     g.add_argument("--merge", nargs="+", metavar="JSON", default=None,
                    help="run nothing: combine these result files (the same settings, different seeds) into "
                         "--json, as if they had been one run with every seed")
-    g.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
-                   help=f"seconds without progress before a run is stopped (default: {DEFAULT_TIMEOUT:g})")
-    g.add_argument("--no-netns", dest="netns", action="store_false",
-                   help="run every rank on plain loopback, no namespaces (unshaped only: --bandwidth none)")
-    g.add_argument("--netns-prefix", default="pycomm-ddp",
-                   help="name prefix of the network namespaces built (leftovers with it are deleted first)")
     g.add_argument("--train-all", action="store_true",
                    help="train every method --steps steps at the training bandwidth, -backend ones too "
                         "(by default those are only timed there: their training is their hook twin's, bit for bit)")
@@ -673,13 +606,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="do not train allreduce unless --methods names it (for a run to be --merge'd with "
                         "files of the same settings and seeds that hold it: training is deterministic, and "
                         "the merge checks that shared seeds agree); ratios to it come from the merge")
-    g.add_argument("--no-plots", dest="plots", action="store_false", help="do not write PNG plots")
 
 
 def run_ddp(args: argparse.Namespace, out=sys.stdout) -> List[Dict[str, Any]]:
     """Run the sweep; the list of records (one per method and bandwidth,
     each holding every seed's results)."""
-    from .netem import LoopbackCluster, fmt_rate, link_report, make_cluster
+    from .links import link_report
 
     order = [args.train_rate] + [r for r in args.rates if r != args.train_rate]
     plans = {r: run_plan(args, r == args.train_rate) for r in order}
@@ -698,35 +630,21 @@ def run_ddp(args: argparse.Namespace, out=sys.stdout) -> List[Dict[str, Any]]:
                 "block_size": args.block_size, "eval_every": args.eval_every, "eval_batches": args.eval_batches,
                 "lr": args.lr, "lr_schedule": args.lr_schedule, "bucket_cap_mb": args.bucket_cap_mb, "plan": plan,
             }
-            cluster = (make_cluster(args.ranks, rate, prefix=args.netns_prefix) if args.netns
-                       else LoopbackCluster(args.ranks, reason="--no-netns"))
-            with cluster:
-                if not cluster.emulated:
-                    cfg["count_ifname"] = "lo"
+            with cluster_for(args, rate, cfg) as cluster:
                 busbw, line = link_report(cluster)
                 bar.write(line, file=out)
-                done: Dict[Tuple[str, int], int] = {}
-
-                def on_step(ev: Dict[str, Any]) -> None:
-                    if ev["event"] == "step":
-                        key = (ev["method"], ev.get("seed", 0))
-                        bar.set_postfix_str(f"{fmt_rate(rate)} {ev['method']} seed {key[1]}", refresh=False)
-                        bar.update(ev["step"] - done.get(key, 0))
-                        done[key] = ev["step"]
-
                 # The timeout bounds each collective and the wait for any progress alike.
                 events = run_ranks(_rank_main, cluster, cfg, timeout=args.timeout, stall=args.timeout,
-                                   threads=threads_per_rank(args.ranks, args.threads), on_event=on_step)
+                                   threads=threads_per_rank(args.ranks, args.threads),
+                                   on_event=step_progress(bar, rate))
             baselines = next(({k: v for k, v in e.items() if k not in ("event", "rank")}
                               for e in events if e["event"] == "compute"), {})
             runs = {run["method"]: run for run in plan}
             per_method: Dict[str, List[Dict[str, Any]]] = {}
             for rec in (e["record"] for e in events if e["event"] == "result"):
                 run = runs[rec["method"]]
-                sent, sent_all = rec["bytes_sent_per_rank_per_step"], rec["bytes_sent_per_rank_per_step_all_steps"]
-                if sent is not None and not cluster.emulated:
-                    # loopback counts every rank's traffic once (and anything else on lo)
-                    sent, sent_all = sent / args.ranks, sent_all / args.ranks
+                sent = per_rank_bytes(rec["bytes_sent_per_rank_per_step"], cluster, args.ranks)
+                sent_all = per_rank_bytes(rec["bytes_sent_per_rank_per_step_all_steps"], cluster, args.ranks)
                 rec.update({
                     "bandwidth": rate,
                     "link_busbw_measured": busbw,
@@ -776,27 +694,13 @@ SAME_FOR_EVERY_SEED = ("method", "bandwidth", "ranks", "workload", "model", "opt
                        "seq_len", "block_size", "steps", "start_iter", "training_run", "emulated")
 
 
-def _mean(xs: Sequence[float]) -> float:
-    return sum(xs) / len(xs)
-
-
-def _stdev(xs: Sequence[float]) -> float:
-    """Sample standard deviation (0 for one value)."""
-    if len(xs) < 2:
-        return 0.0
-    m = _mean(xs)
-    return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
-
-
 def combine_seeds(recs: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
-    """One record of a method at one bandwidth from its per-seed records:
-    the settings, ``per_seed`` (each seed's own results, by seed), and the
-    aggregates: step-time median/p10/p90 over every seed's timed steps,
-    ``final_loss`` (mean over seeds) with ``final_loss_std`` (sample
-    standard deviation), ``_min``/``_max`` and ``final_loss_per_seed``,
-    bytes sent (mean), ``params_identical`` (every seed), and
-    ``loss_per_step`` / ``step_times_s`` / ``eval_loss_curve`` as means
-    over seeds, step by step. With one seed every field is that seed's.
+    """One record of a method at one bandwidth from its per-seed records
+    (:func:`pycomm.bench.sweep.combine_seeds`, the settings of
+    :data:`SAME_FOR_EVERY_SEED` checked), plus ``params_identical`` (every
+    seed), the compression time (median), the engine profile and
+    ``eval_loss_curve`` (means over seeds). With one seed every field is
+    that seed's.
 
     >>> r = lambda seed, loss: dict(method="m", seed=seed, final_loss=loss, train_loss_last=loss,
     ...     bytes_sent_per_rank_per_step=1.0, params_identical=True, timed_from=1, compress_time_s=None,
@@ -805,57 +709,24 @@ def combine_seeds(recs: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
     >>> c["seeds"], round(c["final_loss"], 3), round(c["final_loss_std"], 3), c["loss_per_step"]
     ([0, 1], 2.1, 0.141, [3.0, 2.1])
     """
+    out = combine_seed_records(recs, PER_SEED_FIELDS, SAME_FOR_EVERY_SEED)
     recs = sorted(recs, key=lambda r: r["seed"])
-    seeds = [r["seed"] for r in recs]
-    if len(set(seeds)) != len(seeds):
-        raise ValueError(f"{recs[0]['method']}: seed repeated in {seeds}")
-    for k in SAME_FOR_EVERY_SEED:
-        vals = {json_key(r.get(k)) for r in recs}
-        if len(vals) > 1:
-            raise ValueError(f"{recs[0]['method']}: the seeds' runs differ in {k!r}: {sorted(vals)}")
-    out = {k: v for k, v in recs[0].items() if k not in PER_SEED_FIELDS}
-    out["seeds"] = seeds
-    out["per_seed"] = [{k: r.get(k) for k in PER_SEED_FIELDS} for r in recs]
-    timed = [t for r in recs for t in r["step_times_s"][r["timed_from"]:]]
-    stats = summarize(timed)
-    out.update(timed_steps=len(timed), step_time_median_s=stats["median_s"], step_time_p10_s=stats["p10_s"],
-               step_time_p90_s=stats["p90_s"])
-    losses = [r["final_loss"] for r in recs]
-    out.update(final_loss=_mean(losses), final_loss_std=_stdev(losses), final_loss_min=min(losses),
-               final_loss_max=max(losses), final_loss_per_seed=losses,
-               train_loss_last=_mean([r["train_loss_last"] for r in recs]))
-    for k in ("bytes_sent_per_rank_per_step", "bytes_sent_per_rank_per_step_all_steps"):
-        sent = [r[k] for r in recs if r.get(k) is not None]
-        out[k] = _mean(sent) if sent else None
     out["params_identical"] = all(r["params_identical"] for r in recs)
     ct = [r["compress_time_s"] for r in recs if r.get("compress_time_s") is not None]
     out["compress_time_s"] = median(ct) if ct else None
     out["timed_from"] = recs[0]["timed_from"]
     profiles = [r["engine_profile_ms_per_step"] for r in recs if r.get("engine_profile_ms_per_step")]
     if profiles:
-        out["engine_profile_ms_per_step"] = {k: _mean([p[k] for p in profiles]) for k in profiles[0]}
+        out["engine_profile_ms_per_step"] = {k: mean([p[k] for p in profiles]) for k in profiles[0]}
     if recs[0].get("optim_bytes_per_step") is not None:
         out["optim_bytes_per_step"] = recs[0]["optim_bytes_per_step"]
-    if all(r.get("loss_per_step") for r in recs):
-        out["loss_per_step"] = [_mean(xs) for xs in zip(*(r["loss_per_step"] for r in recs))]
-        out["step_times_s"] = [_mean(xs) for xs in zip(*(r["step_times_s"] for r in recs))]
-    else:
-        out.pop("loss_per_step", None)
-        out["step_times_s"] = recs[0]["step_times_s"]
     curves = [r.get("eval_loss_curve") for r in recs]
     out["eval_loss_curve"] = None
     if all(curves):
         steps = sorted(set.intersection(*({p[0] for p in c} for c in curves)))
         at = [{p[0]: p[1] for p in c} for c in curves]
-        out["eval_loss_curve"] = [[s, _mean([a[s] for a in at])] for s in steps]
+        out["eval_loss_curve"] = [[s, mean([a[s] for a in at])] for s in steps]
     return out
-
-
-def json_key(value: Any) -> str:
-    """A value as a sortable, hashable key (JSON text)."""
-    import json
-
-    return json.dumps(value, sort_keys=True)
 
 
 def finish_records(records: List[Dict[str, Any]]) -> None:
@@ -885,14 +756,14 @@ def add_loss_ratios(records: List[Dict[str, Any]]) -> None:
     ([1.1, 1.0], 1.1)
     """
     base = {r["bandwidth"]: {p["seed"]: p["final_loss"] for p in r.get("per_seed", [])}
-            for r in records if r["method"] == "allreduce" and r.get("training_run")}
+            for r in records if r["method"] == ALLREDUCE and r.get("training_run")}
     for r in records:
         ratios = None
         plain = base.get(r["bandwidth"], {})
         if r.get("training_run") and r.get("per_seed") and all(p["seed"] in plain for p in r["per_seed"]):
             ratios = [round(p["final_loss"] / plain[p["seed"]], 12) for p in r["per_seed"]]
         r["final_loss_vs_allreduce_per_seed"] = ratios
-        r["final_loss_vs_allreduce_mean"] = _mean(ratios) if ratios else None
+        r["final_loss_vs_allreduce_mean"] = mean(ratios) if ratios else None
         r["final_loss_vs_allreduce_min"] = min(ratios) if ratios else None
         r["final_loss_vs_allreduce_max"] = max(ratios) if ratios else None
 
@@ -991,15 +862,9 @@ def _seq_len(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- analysis
 
 
-def _effective_bw(rec: Dict[str, Any]) -> float:
-    """The x of a record in bandwidth plots and break-even: the set rate, or
-    the measured bus bandwidth for an unshaped link."""
-    return rec["bandwidth"] if rec["bandwidth"] is not None else rec["link_busbw_measured"]
-
-
 def add_speedups(records: List[Dict[str, Any]]) -> None:
     """Add ``speedup_vs_allreduce`` (plain median / method median, same bandwidth)."""
-    base = {r["bandwidth"]: r["step_time_median_s"] for r in records if r["method"] == "allreduce"}
+    base = {r["bandwidth"]: r["step_time_median_s"] for r in records if r["method"] == ALLREDUCE}
     for r in records:
         b = base.get(r["bandwidth"])
         r["speedup_vs_allreduce"] = b / r["step_time_median_s"] if b else None
@@ -1019,9 +884,9 @@ def break_even(records: List[Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
     out: Dict[str, Dict[str, Any]] = {}
     by_method: Dict[str, List[Tuple[float, float]]] = {}
     for r in records:
-        if r["method"] == "allreduce" or r.get("speedup_vs_allreduce") is None:
+        if r["method"] == ALLREDUCE or r.get("speedup_vs_allreduce") is None:
             continue
-        by_method.setdefault(r["method"], []).append((_effective_bw(r), r["speedup_vs_allreduce"]))
+        by_method.setdefault(r["method"], []).append((effective_bw(r), r["speedup_vs_allreduce"]))
     for m, pts in by_method.items():
         pts.sort()
         res: Dict[str, Any] = {"bits_per_s": None}
@@ -1058,7 +923,7 @@ def format_table(records: List[Dict[str, Any]]) -> str:
             methods.append(r["method"])
     cell = {(r["method"], r["bandwidth"]): r for r in records}
     train = {r["method"]: r for r in records if r.get("training_run")}
-    plain_loss = train.get("allreduce", {}).get("final_loss")
+    plain_loss = train.get(ALLREDUCE, {}).get("final_loss")
     be = break_even(records)
     headers = ["method"] + [f"{fmt_rate(b) if b else 'unshaped'}\nms (x plain)" for b in bws]
     headers += ["MB sent/rank/step\n(train link)", "compress\nshare",
@@ -1106,87 +971,12 @@ def _loss_cell(t: Dict[str, Any], train: Dict[str, Dict[str, Any]], plain_loss: 
     return f"{loss:.3f} ({loss / plain_loss:.3f})" if plain_loss else "-"
 
 
-def plot(records: List[Dict[str, Any]], prefix: str, what: str = "DDP", baseline: str = "allreduce") -> List[str]:
-    """PNG plots next to the JSON: step time vs bandwidth, loss vs steps and
-    loss vs seconds at the (first) training bandwidth, ``baseline`` drawn
-    bold. Returns the paths written."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from .netem import fmt_rate
-
-    paths = []
-    methods: List[str] = []
-    for r in records:
-        if r["method"] not in methods:
-            methods.append(r["method"])
-    style = {m: ("-" if not m.endswith("-backend") else "--") for m in methods}
-    ranks = records[0]["ranks"]
-
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for m in methods:
-        pts = sorted((_effective_bw(r), r["step_time_median_s"]) for r in records if r["method"] == m)
-        ax.plot([p[0] / 1e9 for p in pts], [p[1] * 1e3 for p in pts], style[m], marker="o", label=m,
-                linewidth=2.5 if m == baseline else 1.2)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("link bandwidth, Gbit/s (unshaped: measured)")
-    ax.set_ylabel("median step time, ms")
-    ax.set_title(f"{what} step time vs bandwidth, {ranks} ranks")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    paths.append(prefix + "-step-time.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
-
-    train = [r for r in records if r.get("training_run") and r.get("loss_per_step")]
-    if train:
-        rate = train[0]["bandwidth"]
-        train = [r for r in train if r["bandwidth"] == rate]
-        for kind in ("steps", "seconds"):
-            fig, ax = plt.subplots(figsize=(8, 5))
-            for r in train:
-                loss = _smooth(r["loss_per_step"])
-                if kind == "steps":
-                    x = list(range(1, len(loss) + 1))
-                else:
-                    x, acc = [], 0.0
-                    for t in r["step_times_s"]:
-                        acc += t
-                        x.append(acc)
-                ax.plot(x, loss, style[r["method"]], label=r["method"], linewidth=2.5 if r["method"] == baseline else 1.2)
-            ax.set_xlabel("step" if kind == "steps" else "wall-clock seconds (sum of measured step times)")
-            ax.set_ylabel("training loss (mean over ranks, smoothed)")
-            ax.set_title(f"{what} loss vs {kind} at {fmt_rate(rate) if rate else 'unshaped'}, {ranks} ranks")
-            ax.grid(True, alpha=0.3)
-            ax.legend(fontsize=7, ncol=2)
-            fig.tight_layout()
-            paths.append(f"{prefix}-loss-vs-{kind}.png")
-            fig.savefig(paths[-1], dpi=110)
-            plt.close(fig)
-    return paths
-
-
-def _smooth(xs: Sequence[float], window: int = 10) -> List[float]:
-    """Trailing moving average (the per-step loss of small batches is noisy)."""
-    out, acc = [], 0.0
-    for i, x in enumerate(xs):
-        acc += x
-        if i >= window:
-            acc -= xs[i - window]
-        out.append(acc / min(i + 1, window))
-    return out
-
-
 def format_flattening(records: List[Dict[str, Any]]) -> str:
     """One line per training ``allreduce`` record with a held-out loss curve:
     how much its loss still fell over the last quarter of the steps."""
     lines = []
     for r in records:
-        if r["method"] == "allreduce" and r.get("eval_loss_change_last_quarter") is not None:
+        if r["method"] == ALLREDUCE and r.get("eval_loss_change_last_quarter") is not None:
             pts = ", ".join(f"{s}: {v:.3f}" for s, v in r["eval_loss_curve"])
             lines.append(f"allreduce held-out loss (mean over {len(r['seeds'])} seed(s)) by step: {pts}\n"
                          f"change from step {r['eval_loss_change_from_step']} to {r['steps']}: "

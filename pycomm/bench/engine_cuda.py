@@ -55,19 +55,23 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..distributed import spec
 from ..distributed.spec import chunk_bounds
+from .methods import PLAIN, SPARSE
 from .report import default_json_path, finish, fmt_number, machine_info, size_label, table
 
 HELP = "the engine on one GPU (one rank over NCCL): keyed all-reduce vs its kernels vs NCCL, buckets, DDP"
 
+#: DDP step contenders: plain DDP and the hook with each method that keeps
+#: residuals (block codecs first).
+DDP_METHODS = (PLAIN, *spec.BLOCK_METHODS, SPARSE)
 #: Timed methods; "plain" is NCCL's own all-reduce.
-METHODS = ("plain", "onebit", "int8", "int4", "topk", "fp16", "bf16")
-COMPRESSED = tuple(m for m in METHODS if m != "plain")
-#: DDP step contenders: plain DDP and the hook with each of these.
-DDP_METHODS = ("plain", "onebit", "int8", "int4", "topk")
+METHODS = (*DDP_METHODS, *spec.CAST_METHODS)
+COMPRESSED = tuple(m for m in METHODS if m != PLAIN)
 #: The methods whose engine result equals the reference simulation bit for
-#: bit (pycomm/distributed/simulate.py); onebit agrees to float32 rounding.
-EXACT_METHODS = ("int8", "int4", "topk", "fp16", "bf16", "none")
+#: bit (pycomm/distributed/simulate.py); onebit, whose block scale is a mean
+#: (a float sum whose order differs), agrees to float32 rounding.
+EXACT_METHODS = tuple(m.name for m in spec.METHOD_TABLE if not (m.kind == "block" and m.bits == 1))
 DEFAULT_NUMEL = 1 << 26
 QUICK_NUMEL = 1 << 22
 #: A 25 MB DDP bucket of float32 (DDP's default bucket_cap_mb).
@@ -178,7 +182,7 @@ def compare(method: str, got: torch.Tensor, want: torch.Tensor, scale: float, *,
     n = g.numel()
     if n != w.numel():
         return f"{what} has {n} elements, the simulation {w.numel()}", None
-    if method != "onebit":
+    if method in EXACT_METHODS:
         if same_bits(g, w):
             return None, None
         diff = ~((g == w) | (g.isnan() & w.isnan()))
@@ -223,7 +227,7 @@ def sim_settings(method: str, options: Dict[str, Any]) -> Dict[str, Any]:
 
     if method in BLOCK_METHODS:
         return {"block_size": block_size_for(method, options.get("block_size"))}
-    if method == "topk":
+    if method == SPARSE:
         return {"density": float(options["density"]), "approx": bool(options["approx"])}
     return {}
 
@@ -377,8 +381,8 @@ def kernel_fn(method: str, x: torch.Tensor, out: torch.Tensor, residual: torch.T
     True
     """
     ops = torch.ops.pycomm
-    if method in ("fp16", "bf16"):
-        dtype = torch.float16 if method == "fp16" else torch.bfloat16
+    if method in spec.CAST_METHODS:
+        dtype = spec.method_spec(method).dtype
 
         def cast() -> None:
             out.copy_(x.to(dtype))
@@ -386,23 +390,23 @@ def kernel_fn(method: str, x: torch.Tensor, out: torch.Tensor, residual: torch.T
         return cast
     from ..distributed.spec import block_size_for
 
-    if method == "onebit":
-        B = block_size_for("onebit", options.get("block_size"))
+    if spec.BLOCK_BITS.get(method) == 0:  # onebit: sign bits
+        B = block_size_for(method, options.get("block_size"))
 
         def onebit() -> None:
             bits, scales = ops.onebit_compress(x, residual, B)
             ops.onebit_decompress(out, bits, scales, B, False)
 
         return onebit
-    if method in ("int8", "int4"):
-        B, nbits = block_size_for(method, options.get("block_size")), 8 if method == "int8" else 4
+    if method in spec.BLOCK_METHODS:
+        B, nbits = block_size_for(method, options.get("block_size")), spec.BLOCK_BITS[method]
 
         def quant() -> None:
             data, scales = ops.quant_compress(x, residual, nbits, B, -1)
             ops.quant_decompress(out, data, scales, nbits, B, False)
 
         return quant
-    if method == "topk":
+    if method == SPARSE:
         from ..wire import topk_k
 
         k, approx = topk_k(x.numel(), float(options["density"])), bool(options["approx"])
@@ -513,8 +517,8 @@ def engine_part(cfg: Dict[str, Any], device: torch.device, progress: bool = Fals
     def engine(group: Any) -> Callable[[], None]:
         return lambda: pd.all_reduce(buf, key=KEY, group=group, op="avg")
 
-    if "plain" in methods:
-        rec = records["plain"] = _record("plain", None, n)
+    if PLAIN in methods:
+        rec = records[PLAIN] = _record(PLAIN, None, n)
         buf.copy_(orig)
         _plain_allreduce(dist, buf)
         if not same_bits(buf, orig):  # one rank: the average is the input
@@ -522,11 +526,11 @@ def engine_part(cfg: Dict[str, Any], device: torch.device, progress: bool = Fals
             failures.append(f"plain: {rec['error']}")
         else:
             rec["verified"] = True
-            contenders["plain"] = (lambda: _plain_allreduce(dist, buf), restore)
+            contenders[PLAIN] = (lambda: _plain_allreduce(dist, buf), restore)
 
     settings = {} if cfg.get("chunk_numel") is None else {"chunk_numel": cfg["chunk_numel"]}
     for m in methods:
-        if m == "plain":
+        if m == PLAIN:
             continue
         try:
             group = pd.wrap(compressor=m, **settings)
@@ -583,7 +587,7 @@ def engine_part(cfg: Dict[str, Any], device: torch.device, progress: bool = Fals
     profiles = {id(g): _per_call(pd.profile(g, device.type)) for g in groups}
     for g in groups:  # the n-element residuals of every group
         pd.reset_error_feedback(group=g, device=device.type)
-    plain_ms = timed_ms(times["plain"])["median_ms"] if "plain" in times else None
+    plain_ms = timed_ms(times[PLAIN])["median_ms"] if PLAIN in times else None
     for name, sample in times.items():
         if "error" in sample:
             failures.append(f"{name} (timed): {sample['error']}")
@@ -597,7 +601,7 @@ def engine_part(cfg: Dict[str, Any], device: torch.device, progress: bool = Fals
         t = timed_ms(times[m])
         rec.update(engine_ms=t["median_ms"], engine_p10_ms=t["p10_ms"], engine_p90_ms=t["p90_ms"],
                    engine_wall_ms=stats_ms(times[m]["wall"])["median_ms"], engine_gbps=gbps(n, t["median_ms"]))
-        rec["vs_plain"] = ratio(rec["engine_ms"], plain_ms) if m != "plain" else 1.0
+        rec["vs_plain"] = ratio(rec["engine_ms"], plain_ms) if m != PLAIN else 1.0
         if f"{m}:kernels" in times and "error" in times[f"{m}:kernels"]:
             rec["kernels_error"] = times[f"{m}:kernels"]["error"]
         elif f"{m}:kernels" in times:
@@ -628,7 +632,7 @@ def bucket_part(cfg: Dict[str, Any], device: torch.device, progress: bool = Fals
     result: Dict[str, Any] = {"numel": n, "calls": calls, "methods": {}}
     for m in cfg["methods"]:
         _say(progress, f"bucket {m}")
-        if m == "plain":
+        if m == PLAIN:
             def call(async_op: bool = False) -> Any:
                 return _plain_allreduce(dist, x, async_op=async_op)
             group = None
@@ -703,7 +707,7 @@ def ddp_part(cfg: Dict[str, Any], device: torch.device, progress: bool = False) 
         model.to(device)
         params = sum(p.numel() for p in model.parameters())
         ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-        if m != "plain":
+        if m != PLAIN:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)  # the hook's onebit-with-momentum advice
                 state = CompressionState(compressor=m, start_iter=DDP_START_ITER)
@@ -742,7 +746,7 @@ def ddp_part(cfg: Dict[str, Any], device: torch.device, progress: bool = False) 
                "step_gpu_ms": stats_ms(times[m]["gpu"])["median_ms"], "final_loss": float(losses[-1]),
                "finite": bool(torch.isfinite(losses).all()), "overhead_pct": None}
         out["methods"][m] = rec
-        if m == "plain":
+        if m == PLAIN:
             plain = rec["step_ms"]
     for m, rec in out["methods"].items():
         r = ratio(rec["step_ms"], plain)
@@ -833,7 +837,7 @@ def format_table(doc: Dict[str, Any]) -> str:
     d = doc.get("ddp")
     if d and "error" not in d:
         rows = [[m, fmt_number(r["step_ms"]), f"{fmt_number(r['step_p10_ms'])}-{fmt_number(r['step_p90_ms'])}",
-                 fmt_number(r["step_gpu_ms"]), "-" if m == "plain" else fmt_number(r["overhead_pct"]),
+                 fmt_number(r["step_gpu_ms"]), "-" if m == PLAIN else fmt_number(r["overhead_pct"]),
                  fmt_number(r["final_loss"]), "" if r["finite"] else "NON-FINITE LOSS"]
                 for m, r in d["methods"].items()]
         g = d["gpt"]

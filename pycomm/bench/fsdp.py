@@ -59,45 +59,39 @@ import sys
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
-from .ddp import (
-    DEFAULT_LR,
-    DEFAULT_SEQ_LEN,
-    EVAL_BATCHES,
-    EVAL_RANK,
-    FINAL_LOSS_WINDOW,
-    LR_SCHEDULES,
-    _mean,
-    _stdev,
-    _workload,
-    lr_at,
-    plot,
-)
+from ..distributed import spec
 from .launch import Rank, RanksFailed, run_ranks, threads_per_rank
+from .methods import PLAIN
 from .report import finish, fmt_number, machine_info, progress_bar, table
+from .sweep import (DEFAULT_LR, EVAL_RANK, FINAL_LOSS_WINDOW, add_sweep_options, cluster_for, error_feedback_suffix,
+                    lr_at, mean, parse_bandwidths, per_rank_bytes, plot, step_progress, workload)
+from .sweep import combine_seeds as combine_seed_records
 from .timing import summarize
 
 HELP = "end-to-end FSDP2 training on emulated slow links: pycomm.fsdp int8/int4 vs plain and bf16 reduce"
 
+#: The block codecs pycomm.fsdp runs without error feedback unless asked
+#: (int8, int4): each is a method, with ``-weights`` (the parameter
+#: all-gather compressed too) and ``-ef`` (error feedback on).
+COMPRESSORS = tuple(m for m in spec.BLOCK_METHODS if not spec.method_spec(m).error_feedback)
+#: FSDP2's own reduce in a narrower float: MixedPrecisionPolicy(reduce_dtype=bfloat16).
+REDUCE_CAST = "bf16"
 #: method -> (pycomm compressor or None, weights compressor or None, FSDP2 reduce dtype or None)
 METHODS: Dict[str, Tuple[Optional[str], Optional[str], Optional[str]]] = {
-    "plain": (None, None, None),
-    "bf16": (None, None, "bfloat16"),
-    "int8": ("int8", None, None),
-    "int4": ("int4", None, None),
-    "int8-weights": ("int8", "int8", None),
-    "int4-weights": ("int4", "int4", None),
-    "int8-ef": ("int8", None, None),
-    "int4-ef": ("int4", None, None),
+    PLAIN: (None, None, None),
+    REDUCE_CAST: (None, None, str(spec.method_spec(REDUCE_CAST).dtype).replace("torch.", "")),
+    **{c: (c, None, None) for c in COMPRESSORS},
+    **{f"{c}-weights": (c, c, None) for c in COMPRESSORS},
+    **{f"{c}-ef": (c, None, None) for c in COMPRESSORS},
 }
 #: Methods that turn error feedback on (the residuals' memory shows in the peak).
-EF_METHODS = ("int8-ef", "int4-ef")
+EF_METHODS = tuple(f"{c}-ef" for c in COMPRESSORS)
 DEFAULT_METHODS = ["plain", "bf16", "int8", "int4", "int8-weights"]
 DEFAULT_BANDWIDTHS = ["1gbit"]
 DEFAULT_STEPS = 60
 QUICK_STEPS = 12
 DEFAULT_WARMUP = 3
 QUICK_WARMUP = 2
-DEFAULT_TIMEOUT = 600.0
 #: Per-seed fields, kept in each record's ``per_seed`` list.
 PER_SEED_FIELDS = ("seed", "final_loss", "train_loss_last", "step_time_median_s", "bytes_sent_per_rank_per_step",
                    "bytes_sent_per_rank_per_step_all_steps", "peak_rss_bytes", "peak_rss_increase_bytes",
@@ -156,7 +150,7 @@ def _setup(cfg: Dict[str, Any], method: str, seed: int):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     compressor, weights, reduce_dtype = METHODS[method]
-    model, batch_fn, loss_fn = _workload(cfg, seed)
+    model, batch_fn, loss_fn = workload(cfg, seed)
     kw = {}
     if reduce_dtype is not None:
         kw["mp_policy"] = MixedPrecisionPolicy(reduce_dtype=getattr(torch, reduce_dtype))
@@ -183,7 +177,7 @@ def _full_model(cfg: Dict[str, Any], model, seed: int):
 
     full = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach()
             for k, v in model.state_dict().items()}
-    plain, _, _ = _workload(cfg, seed)
+    plain, _, _ = workload(cfg, seed)
     plain.load_state_dict(full)
     return plain
 
@@ -192,7 +186,7 @@ def _warm_up(rank: Rank, steps: int = 2) -> None:
     """A few discarded steps of plain FSDP2 before any method is measured:
     the process's first FSDP run pays one-time costs (lazy initialization,
     the allocator's growth) that would otherwise land on the first method."""
-    model, opt, loss_fn, batch_fn, _ = _setup(rank.cfg, "plain", rank.cfg["seed"])
+    model, opt, loss_fn, batch_fn, _ = _setup(rank.cfg, PLAIN, rank.cfg["seed"])
     for step in range(steps):
         loss_fn(model, batch_fn(rank.rank, step)).backward()
         opt.step()
@@ -294,7 +288,6 @@ def _rank_main(rank: Rank) -> None:
 def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
     """Defaults (``--quick`` shrinks them) and checks; ValueError names the option."""
     from .cli import split_list
-    from .netem import parse_rate
     from .report import default_json_path
 
     if args.device.type != "cpu":
@@ -303,24 +296,17 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
         raise ValueError("--repeats: not used by fsdp; use --steps")
     if args.ranks < 2:
         raise ValueError(f"--ranks must be >= 2, got {args.ranks}")
-    bws = split_list(args.bandwidth) or DEFAULT_BANDWIDTHS
-    rates: List[Optional[float]] = []
-    for b in bws:
-        try:
-            rates.append(parse_rate(b))
-        except ValueError as exc:
-            raise ValueError(f"--bandwidth: {exc}") from None
-    if len(set(rates)) != len(rates):
-        raise ValueError(f"--bandwidth: repeated value in {bws}")
-    if not args.netns and any(r is not None for r in rates):
-        raise ValueError(f"--bandwidth {','.join(bws)}: with --no-netns links cannot be shaped, use --bandwidth none")
-    args.bandwidth, args.rates = bws, rates
+    args.bandwidth, args.rates = parse_bandwidths(args.bandwidth, DEFAULT_BANDWIDTHS, args.netns)
     methods = split_list(args.methods) or DEFAULT_METHODS
     for name in methods:
         if name not in METHODS:
+            try:
+                error_feedback_suffix(name, default_on=False, where="pycomm-bench fsdp")
+            except ValueError as exc:
+                raise ValueError(f"--methods: {exc}") from None
             raise ValueError(f"--methods: unknown method {name!r} (one of {', '.join(METHODS)})")
-    if "plain" not in methods:
-        methods = ["plain", *methods]  # every ratio is against it
+    if PLAIN not in methods:
+        methods = [PLAIN, *methods]  # every ratio is against it
     if len(set(methods)) != len(methods):
         raise ValueError(f"--methods: repeated method in {methods}")
     args.methods = methods
@@ -343,62 +329,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from .cli import nonnegative_int, positive_int
 
     g = parser.add_argument_group("fsdp options")
-    g.add_argument("--ranks", type=positive_int, default=4, help="processes, one per emulated host (default: 4)")
-    g.add_argument("--bandwidth", nargs="+", metavar="RATE", default=None,
-                   help="link rates, comma or space separated, e.g. 100mbit,1gbit,none (none: unshaped; "
-                        f"default: {','.join(DEFAULT_BANDWIDTHS)}); every method trains --steps at each")
+    add_sweep_options(g, bandwidth_help="link rates, comma or space separated, e.g. 100mbit,1gbit,none (none: "
+                                        f"unshaped; default: {','.join(DEFAULT_BANDWIDTHS)}); every method trains "
+                                        "--steps at each",
+                      netns_prefix="pycomm-fsdp", baseline=PLAIN)
     g.add_argument("--methods", nargs="+", metavar="METHOD", default=None,
-                   help=f"{', '.join(METHODS)} (plain always runs; default: {','.join(DEFAULT_METHODS)})")
+                   help=f"{', '.join(METHODS)} (plain always runs; default: {','.join(DEFAULT_METHODS)}); "
+                        "error feedback is off unless a name ends in -ef, as in pycomm.fsdp")
     g.add_argument("--steps", type=positive_int, default=None,
                    help=f"training steps per method and seed (default: {DEFAULT_STEPS}; {QUICK_STEPS} with --quick)")
     g.add_argument("--batch-size", type=positive_int, default=1, help="sequences per rank per step (default: 1)")
-    g.add_argument("--model", choices=("default", "tiny"), default="default",
-                   help="GPT size: default (4.9M parameters) or tiny (43K, for smoke tests)")
-    g.add_argument("--seq-len", type=positive_int, default=DEFAULT_SEQ_LEN,
-                   help=f"bytes per sequence (default: {DEFAULT_SEQ_LEN})")
     g.add_argument("--lr", type=float, default=None, help=f"AdamW learning rate (default: {DEFAULT_LR['adamw']:g})")
-    g.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="constant",
-                   help="constant, or cosine: decayed from --lr to 0 over the --steps of the run "
-                        "(as pycomm-bench ddp; default: constant)")
     g.add_argument("--min-compress-numel", type=nonnegative_int, default=None,
                    help="pycomm.fsdp's min_compress_numel (buffers below it go exact; default: the library's)")
-    g.add_argument("--seed", type=int, default=0, help="the first seed (default: 0)")
-    g.add_argument("--seeds", type=positive_int, default=1,
-                   help="train every method once per seed, seeds --seed ... --seed+N-1 (default: 1)")
-    g.add_argument("--eval-batches", type=positive_int, default=EVAL_BATCHES, metavar="N",
-                   help=f"held-out batches the final loss is the mean of (default: {EVAL_BATCHES})")
-    g.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
-                   help=f"seconds without progress before a run is stopped (default: {DEFAULT_TIMEOUT:g})")
-    g.add_argument("--no-plots", dest="plots", action="store_false",
-                   help="do not write PNG plots (step time vs bandwidth, loss vs steps and seconds)")
-    g.add_argument("--no-netns", dest="netns", action="store_false",
-                   help="run every rank on plain loopback, no namespaces (unshaped only: --bandwidth none)")
-    g.add_argument("--netns-prefix", default="pycomm-fsdp",
-                   help="name prefix of the network namespaces built (leftovers with it are deleted first)")
 
 
 def combine_seeds(recs: List[Dict[str, Any]]) -> Dict[str, Any]:
     """One record from a method's per-seed records: the settings, ``per_seed``,
     step times pooled over the seeds' timed steps, final loss mean/std/min/max,
     bytes (mean) and peak memory (max over seeds)."""
-    recs = sorted(recs, key=lambda r: r["seed"])
-    out = {k: v for k, v in recs[0].items() if k not in PER_SEED_FIELDS}
-    out["seeds"] = [r["seed"] for r in recs]
-    out["per_seed"] = [{k: r.get(k) for k in PER_SEED_FIELDS} for r in recs]
-    stats = summarize([t for r in recs for t in r["step_times_s"][r["timed_from"]:]])
-    out.update(timed_steps=sum(len(r["step_times_s"]) - r["timed_from"] for r in recs),
-               step_time_median_s=stats["median_s"], step_time_p10_s=stats["p10_s"], step_time_p90_s=stats["p90_s"])
-    losses = [r["final_loss"] for r in recs]
-    out.update(final_loss=_mean(losses), final_loss_std=_stdev(losses), final_loss_min=min(losses),
-               final_loss_max=max(losses), final_loss_per_seed=losses,
-               train_loss_last=_mean([r["train_loss_last"] for r in recs]))
-    for k in ("bytes_sent_per_rank_per_step", "bytes_sent_per_rank_per_step_all_steps"):
-        vals = [r[k] for r in recs if r.get(k) is not None]
-        out[k] = _mean(vals) if vals else None
+    out = combine_seed_records(recs, PER_SEED_FIELDS)
     for k in ("peak_rss_bytes", "peak_rss_increase_bytes"):
         out[k] = max(r[k] for r in recs)
-    out["loss_per_step"] = [_mean(xs) for xs in zip(*(r["loss_per_step"] for r in recs))]
-    out["step_times_s"] = [_mean(xs) for xs in zip(*(r["step_times_s"] for r in recs))]
     return out
 
 
@@ -413,13 +365,13 @@ def add_ratios(records: List[Dict[str, Any]]) -> None:
     >>> recs[2]["step_time_vs_plain"], recs[2]["step_time_vs_bf16"], recs[2]["final_loss_vs_plain_mean"]
     (0.25, 0.5, 1.1)
     """
-    for base in ("plain", "bf16"):
+    for base in (PLAIN, REDUCE_CAST):
         ref = {r["bandwidth"]: r for r in records if r["method"] == base}
         for r in records:
             b = ref.get(r["bandwidth"])
             r[f"step_time_vs_{base}"] = r["step_time_median_s"] / b["step_time_median_s"] if b else None
     plain = {r["bandwidth"]: {p["seed"]: p["final_loss"] for p in r["per_seed"]}
-             for r in records if r["method"] == "plain"}
+             for r in records if r["method"] == PLAIN}
     for r in records:
         t = r["step_time_vs_plain"]
         r["speedup_vs_plain"] = 1.0 / t if t else None
@@ -427,7 +379,7 @@ def add_ratios(records: List[Dict[str, Any]]) -> None:
         ratios = ([round(p["final_loss"] / base[p["seed"]], 12) for p in r["per_seed"]]
                   if all(p["seed"] in base for p in r["per_seed"]) else None)
         r["final_loss_vs_plain_per_seed"] = ratios
-        r["final_loss_vs_plain_mean"] = _mean(ratios) if ratios else None
+        r["final_loss_vs_plain_mean"] = mean(ratios) if ratios else None
 
 
 def format_table(records: List[Dict[str, Any]]) -> str:
@@ -458,7 +410,7 @@ def format_table(records: List[Dict[str, Any]]) -> str:
 def run_fsdp(args: argparse.Namespace, out=sys.stdout) -> List[Dict[str, Any]]:
     """Train every method at every bandwidth; the records (one per method
     and bandwidth, each holding every seed's results)."""
-    from .netem import LoopbackCluster, fmt_rate, link_report, make_cluster
+    from .links import link_report
 
     seeds = list(range(args.seed, args.seed + args.seeds))
     bar = progress_bar(len(args.rates) * len(seeds) * len(args.methods) * args.steps, "step", args.progress)
@@ -472,29 +424,16 @@ def run_fsdp(args: argparse.Namespace, out=sys.stdout) -> List[Dict[str, Any]]:
                    "warmup": args.warmup, "lr": args.lr, "lr_schedule": args.lr_schedule,
                    "eval_batches": args.eval_batches,
                    "min_compress_numel": args.min_compress_numel}
-            cluster = (make_cluster(args.ranks, rate, prefix=args.netns_prefix) if args.netns
-                       else LoopbackCluster(args.ranks, reason="--no-netns"))
-            with cluster:
-                if not cluster.emulated:
-                    cfg["count_ifname"] = "lo"
+            with cluster_for(args, rate, cfg) as cluster:
                 busbw, line = link_report(cluster)
                 bar.write(line, file=out)
-                done: Dict[Tuple[str, int], int] = {}
-
-                def on_step(ev: Dict[str, Any]) -> None:
-                    if ev["event"] == "step":
-                        key = (ev["method"], ev["seed"])
-                        bar.set_postfix_str(f"{fmt_rate(rate)} {ev['method']} seed {key[1]}", refresh=False)
-                        bar.update(ev["step"] - done.get(key, 0))
-                        done[key] = ev["step"]
-
                 events = run_ranks(_rank_main, cluster, cfg, timeout=args.timeout, stall=args.timeout,
-                                   threads=threads_per_rank(args.ranks, args.threads), on_event=on_step)
+                                   threads=threads_per_rank(args.ranks, args.threads),
+                                   on_event=step_progress(bar, rate))
             per_method: Dict[str, List[Dict[str, Any]]] = {}
             for rec in (e["record"] for e in events if e["event"] == "result"):
                 for k in ("bytes_sent_per_rank_per_step", "bytes_sent_per_rank_per_step_all_steps"):
-                    if rec[k] is not None and not cluster.emulated:
-                        rec[k] /= args.ranks  # loopback counts every rank's traffic once
+                    rec[k] = per_rank_bytes(rec[k], cluster, args.ranks)
                 rec.update({
                     "bandwidth": rate, "link_busbw_measured": busbw, "emulated": cluster.emulated,
                     "link": cluster.describe(), "ranks": args.ranks, "workload": "lm", "model": args.model,
@@ -528,7 +467,7 @@ def run(args: argparse.Namespace) -> int:
     status = finish(records, args.json, format_table(records), bad, t0)
     if args.plots:
         try:
-            for p in plot(records, os.path.splitext(args.json)[0], what="FSDP2", baseline="plain"):
+            for p in plot(records, os.path.splitext(args.json)[0], what="FSDP2", baseline=PLAIN):
                 print(f"wrote {p}")
         except ImportError:
             print("matplotlib is not installed: no plots", file=sys.stderr)

@@ -32,7 +32,9 @@ import sys
 import time
 from typing import Any, Dict, List, Optional
 
+from ..distributed import spec
 from .launch import Rank, RanksFailed, run_ranks, threads_per_rank
+from .methods import ONEBIT, PLAIN, SPARSE
 from .report import default_json_path, finish, machine_info, table
 from .timing import summarize, time_interleaved
 
@@ -40,12 +42,27 @@ HELP = "hierarchical vs flat compressed all-reduce vs plain, on emulated nodes j
 
 DEFAULT_SIZES = [1 << 22, 1 << 24]
 QUICK_SIZES = [1 << 20]
-DEFAULT_COMPRESSORS = ["onebit", "topk"]
+#: What runs hierarchically: every method that compresses.
+COMPRESSORS = spec.EF_METHODS
+DEFAULT_COMPRESSORS = [ONEBIT, SPARSE]
 DEFAULT_REPEATS, QUICK_REPEATS = 7, 3
 
 
 def _method_names(compressors: List[str]) -> List[str]:
-    return ["plain"] + [f"{c}-{h}" for c in compressors for h in ("flat", "hier")]
+    return [PLAIN] + [f"{c}-{h}" for c in compressors for h in ("flat", "hier")]
+
+
+def settings(comp: str, cfg: Dict[str, Any]) -> Dict[str, Any]:
+    """The group settings of ``comp`` from the options: ``--density`` for
+    topk, ``--block-size`` for onebit (int8/int4 keep their own default).
+
+    >>> settings("topk", {"density": 0.01, "block_size": 2048}), settings("int8", {"block_size": 2048})
+    ({'density': 0.01}, {})
+    """
+    row = spec.method_spec(comp)
+    if row.kind == "sparse":
+        return {"density": cfg["density"]}
+    return {"block_size": cfg["block_size"]} if row.kind == "block" and row.bits == 1 else {}
 
 
 # --------------------------------------------------------------------------- rank side
@@ -59,16 +76,16 @@ def _rank_main(rank: Rank) -> None:
     import pycomm.distributed as pd
 
     cfg, r, world, local = rank.cfg, rank.rank, rank.world, rank.cfg["ranks_per_node"]
-    groups: Dict[str, Any] = {"plain": None}
+    groups: Dict[str, Any] = {PLAIN: None}
     for comp in cfg["compressors"]:
-        kw = {"block_size": cfg["block_size"]} if comp == "onebit" else {"density": cfg["density"]}
+        kw = settings(comp, cfg)
         groups[f"{comp}-flat"] = pd.wrap(compressor=comp, hierarchy="flat", **kw)
         groups[f"{comp}-hier"] = pd.wrap(compressor=comp, hierarchy=local, **kw)
     names = list(groups)
     count_bytes = rank.ifname is not None and r % local == 0  # one rank per node reads the node's link
 
     def call(name: str, x: torch.Tensor, key: int) -> None:
-        if name == "plain":
+        if name == PLAIN:
             dist.all_reduce(x)
         else:  # with error feedback, as in training (one key per size)
             pd.all_reduce(x, key=key, group=groups[name])
@@ -132,11 +149,11 @@ def _matches_simulation(name: str, got, inputs, local: int, cfg: Dict[str, Any])
 
     from pycomm.distributed.simulate import simulate_allreduce, simulate_hierarchical_allreduce
 
-    if name == "plain":
+    if name == PLAIN:
         exact = torch.stack(inputs).double().sum(0)
         return bool(torch.allclose(got.double(), exact, rtol=1e-5, atol=1e-5))
     comp, kind = name.split("-")
-    kw = {"block_size": cfg["block_size"]} if comp == "onebit" else {"density": cfg["density"]}
+    kw = settings(comp, cfg)
     if kind == "hier":
         want = simulate_hierarchical_allreduce(inputs, comp, local, impl="cpu", **kw)[0]
     else:
@@ -169,8 +186,8 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
     args.sizes = args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES)
     fill_defaults(args, args.quick, repeats=(DEFAULT_REPEATS, QUICK_REPEATS), warmup=(1, 1))
     for c in args.compressors:
-        if c not in ("onebit", "topk"):
-            raise ValueError(f"--compressors: onebit and/or topk, got {c!r}")
+        if c not in COMPRESSORS:
+            raise ValueError(f"--compressors: any of {', '.join(COMPRESSORS)}, got {c!r}")
     if args.json is None:
         args.json = default_json_path("hierarchy", "cpu", quick=args.quick)
     return args
@@ -185,7 +202,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--bandwidth", default="1gbit", help="link between nodes, e.g. 100mbit, 1gbit, none (default 1gbit)")
     g.add_argument("--sizes", type=positive_int, nargs="+", default=None,
                    help="float32 elements per all-reduce (default 4M 16M; --quick: 1M)")
-    g.add_argument("--compressors", nargs="+", default=DEFAULT_COMPRESSORS, help="onebit and/or topk")
+    g.add_argument("--compressors", nargs="+", default=DEFAULT_COMPRESSORS,
+                   help=f"any of {', '.join(COMPRESSORS)} (default: {' '.join(DEFAULT_COMPRESSORS)})")
     g.add_argument("--block-size", type=positive_int, default=2048, help="onebit block (default 2048)")
     g.add_argument("--density", type=float, default=0.01, help="topk density (default 0.01)")
     g.add_argument("--timeout", type=float, default=600.0, help="seconds without progress before giving up")
@@ -198,7 +216,7 @@ def format_table(doc: Dict[str, Any]) -> str:
     """The results as a text table: time, speedup over plain, bytes out of each node, checks."""
     rows = []
     for rec in doc["records"]:
-        plain = next(r for r in doc["records"] if r["numel"] == rec["numel"] and r["method"] == "plain")
+        plain = next(r for r in doc["records"] if r["numel"] == rec["numel"] and r["method"] == PLAIN)
         sent = rec["node_bytes_out_per_call"]
         rows.append([f"{rec['numel'] / (1 << 20):g}M", rec["method"],
                      f"{rec['median_s'] * 1e3:.1f} ({rec['p10_s'] * 1e3:.0f}-{rec['p90_s'] * 1e3:.0f})",
@@ -213,7 +231,8 @@ def format_table(doc: Dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """``pycomm-bench hierarchy``: run, print the table, write the JSON."""
-    from .netem import LoopbackCluster, link_report, make_cluster
+    from .links import link_report
+    from .netem import LoopbackCluster, make_cluster
 
     t0 = time.monotonic()
     threads = threads_per_rank(args.ranks, args.threads)

@@ -1,9 +1,12 @@
 """Kernel benchmark: each compressor implementation against the unfused torch
 pipeline a peer library would run, side by side in the same run.
 
-Cases: onebit (block 2048: compress with error feedback, decompress,
-decompress-accumulate), topk approximate (density 0.01 and 0.001) and topk
-exact (density 0.01), compress with error feedback. Every implementation that
+Cases (:data:`CASES`, from the method table): each block codec at its
+default block size (onebit b=2048, int8 and int4 b=256: compress with error
+feedback, decompress, decompress-accumulate), topk approximate (density
+0.01 and 0.001) and topk exact (density 0.01), compress with error
+feedback. onebit and topk have an unfused peer; :func:`register_peer` adds
+more. Every implementation that
 can run on the device (``pycomm.available_impls``; Triton on CPU is the
 interpreter and is left out) and every peer is first checked against the
 pure-torch reference on a smaller, odd-sized tensor (bits and indices equal,
@@ -24,7 +27,7 @@ Example::
     >>> from pycomm.bench.kernels import run_kernels, make_args
     >>> doc = run_kernels(make_args(numel=65536, repeats=2, warmup=1))  # doctest: +SKIP
     >>> sorted({r["compressor"] for r in doc["rows"]})                  # doctest: +SKIP
-    ['onebit b=2048', 'topk approx d=0.001', 'topk approx d=0.01', 'topk exact d=0.01']
+    ['int4 b=256', 'int8 b=256', 'onebit b=2048', 'topk approx d=0.001', 'topk approx d=0.01', 'topk exact d=0.01']
 """
 
 from __future__ import annotations
@@ -40,8 +43,13 @@ import torch
 
 import pycomm
 from pycomm.compressors import onebit as onebit_ref
+from pycomm.compressors import quant as quant_ref
 from pycomm.compressors import topk as topk_ref
 from pycomm.compressors.base import compressor_class
+from pycomm.distributed import spec
+from pycomm.wire import quant_num_bytes
+
+from .methods import ONEBIT, SPARSE
 
 from .report import (default_json_path, finish, fmt_number, loadavg, machine_info, ms, progress_bar, spread_ms,
                      status_note, table)
@@ -84,12 +92,28 @@ class Case:
     ops: Tuple[str, ...]
 
 
-CASES: Tuple[Case, ...] = (
-    Case("onebit b=2048", "onebit", {"block_size": 2048}, ("compress", "decompress", "decompress_acc")),
-    Case("topk approx d=0.01", "topk", {"density": 0.01, "approx": True}, ("compress",)),
-    Case("topk approx d=0.001", "topk", {"density": 0.001, "approx": True}, ("compress",)),
-    Case("topk exact d=0.01", "topk", {"density": 0.01, "approx": False}, ("compress",)),
-)
+#: What is timed per block codec; topk has a compress only.
+BLOCK_OPS = ("compress", "decompress", "decompress_acc")
+#: topk's cases: (density, approximate).
+TOPK_SETTINGS = ((0.01, True), (0.001, True), (0.01, False))
+
+
+def _cases() -> Tuple[Case, ...]:
+    """One case per block codec of the method table at its default block
+    size, and topk's settings, in table order."""
+    cases: List[Case] = []
+    for row in spec.METHOD_TABLE:
+        if row.kind == "block":
+            cases.append(Case(f"{row.name} b={row.block_size}", row.name, {"block_size": row.block_size},
+                              BLOCK_OPS))
+        elif row.kind == "sparse":
+            cases += [Case(f"{row.name} {'approx' if approx else 'exact'} d={density:g}", row.name,
+                           {"density": density, "approx": approx}, ("compress",))
+                      for density, approx in TOPK_SETTINGS]
+    return tuple(cases)
+
+
+CASES: Tuple[Case, ...] = _cases()
 
 
 # ------------------------------------------------------------- byte models ---
@@ -106,8 +130,26 @@ def onebit_bytes(numel: int, block_size: int, op: str, ef: bool = True) -> int:
         12.126953125
     """
     payload = 4 * -(-numel // onebit_ref.WORD_BITS) + 4 * -(-numel // block_size)
-    dense = {"compress": 12 if ef else 4, "decompress": 4, "decompress_acc": 8}[op]
-    return dense * numel + payload
+    return _dense_bytes(op, ef) * numel + payload
+
+
+def quant_bytes(numel: int, bits: int, block_size: int, op: str, ef: bool = True) -> int:
+    """Bytes an int8/int4 operation must move at least: as
+    :func:`onebit_bytes`, with ``bits / 8`` bytes of levels per element.
+
+    Example::
+
+        >>> quant_bytes(256, 8, 256, "compress") / 256     # 12 + 1 + 4/256
+        13.015625
+    """
+    payload = quant_num_bytes(numel, bits) + 4 * -(-numel // block_size)
+    return _dense_bytes(op, ef) * numel + payload
+
+
+def _dense_bytes(op: str, ef: bool) -> int:
+    """float32 bytes per element: compress reads g [and reads and writes r];
+    decompress writes out [and reads it when accumulating]."""
+    return {"compress": 12 if ef else 4, "decompress": 4, "decompress_acc": 8}[op]
 
 
 def topk_bytes(numel: int, count: int, ef: bool = True) -> int:
@@ -171,10 +213,12 @@ def _unpackbits_torch(bits: torch.Tensor, numel: int) -> torch.Tensor:
 
 
 def unfused_onebit_compress(
-    grad: torch.Tensor, residual: torch.Tensor, block_size: int
+    grad: torch.Tensor, residual: torch.Tensor, block_size: int,
+    pack: Callable[[torch.Tensor], torch.Tensor] = _packbits,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Onebit EF compress as separate torch passes (+ numpy.packbits); the
-    baseline of the onebit compress rows. Updates ``residual``.
+    """Onebit EF compress as separate torch passes (+ numpy.packbits, or
+    ``pack``: bool [n] -> int32 words); the baseline of the onebit compress
+    rows. Updates ``residual``.
 
     Example::
 
@@ -192,7 +236,7 @@ def unfused_onebit_compress(
     if full < n:  # a partial last block uses its own length
         scales = torch.cat([scales, a[full:].mean().view(1)])
     signs = c >= 0
-    bits = _packbits(signs)
+    bits = pack(signs)
     per_elem = scales.repeat_interleave(block_size)[:n]
     decoded = torch.where(signs, per_elem, -per_elem)
     torch.sub(c, decoded, out=residual)
@@ -200,12 +244,13 @@ def unfused_onebit_compress(
 
 
 def unfused_onebit_decompress(
-    bits: torch.Tensor, scales: torch.Tensor, block_size: int, out: torch.Tensor, accumulate: bool
+    bits: torch.Tensor, scales: torch.Tensor, block_size: int, out: torch.Tensor, accumulate: bool,
+    unpack: Callable[[torch.Tensor, int], torch.Tensor] = _unpackbits,
 ) -> None:
-    """Onebit decode with numpy.unpackbits + where + multiply (the baseline of
-    the decompress rows)."""
+    """Onebit decode with numpy.unpackbits (or ``unpack``) + where + multiply
+    (the baseline of the decompress rows)."""
     n = out.numel()
-    positive = _unpackbits(bits, n)
+    positive = unpack(bits, n)
     sign = torch.where(positive, 1.0, -1.0)
     decoded = sign * scales.repeat_interleave(block_size)[:n]
     if accumulate:
@@ -456,104 +501,184 @@ def _timed_with_residual(ctx: _Ctx, call: Callable[[torch.Tensor, torch.Tensor],
     return (fn, setup), first
 
 
-# ------------------------------------------------------------------ onebit ---
-def _onebit_oracle(ctx: _Ctx, block: int) -> Dict[str, torch.Tensor]:
-    key = ("onebit-oracle", block)
+# ------------------------------------------------------------- extra peers ---
+#: family -> peer name -> runners factory, registered with :func:`register_peer`.
+EXTRA_PEERS: Dict[str, Dict[str, Callable]] = {}
+
+
+def register_peer(family: str, name: str, runners: Callable) -> None:
+    """Time ``name`` as one more peer of every ``family`` case, verified and
+    reported like the unfused one (kind "peer"). ``runners`` takes what
+    the family's runners take after the implementation and returns what
+    they return: a block codec's ``runners(block) -> (compress,
+    decompress)`` (:func:`block_runners`), topk ``runners(density, approx) -> compress``
+    (:func:`topk_runner`, always exact like the unfused peer). A later
+    registration of the same name replaces it; :func:`unregister_peer`
+    removes it.
+
+    Example::
+
+        >>> register_peer("onebit", "unfused-again", lambda block: block_runners("onebit", PEER, block))
+        >>> block_runners("onebit", "unfused-again", 64)[0] is not None
+        True
+        >>> unregister_peer("onebit", "unfused-again")
+    """
+    if family not in (c.family for c in CASES):
+        raise ValueError(f"no kernel cases of {family!r}; choose from {sorted({c.family for c in CASES})}")
+    EXTRA_PEERS.setdefault(family, {})[name] = runners
+
+
+def unregister_peer(family: str, name: str) -> None:
+    """Remove a peer :func:`register_peer` added (nothing if there is none)."""
+    EXTRA_PEERS.get(family, {}).pop(name, None)
+
+
+def peers(family: str) -> List[str]:
+    """The peers timed in every case of ``family``: the unfused pipeline
+    (onebit and topk have one) and the registered ones.
+
+    >>> peers("onebit"), peers("int8")
+    (['unfused'], [])
+    """
+    own = [PEER] if spec.method_spec(family).kind == "sparse" or spec.BLOCK_BITS.get(family) == 0 else []
+    return own + list(EXTRA_PEERS.get(family, {}))
+
+
+# ------------------------------------------------------------ block codecs ---
+@dataclass
+class _Codec:
+    """What the block-codec contenders need of onebit or int8/int4 beside
+    :func:`block_runners`: the pure-torch reference, the bytes an operation
+    moves, and the name of the payload's data."""
+
+    reference: Tuple[Callable, Callable]
+    nbytes: Callable[[int, str], int]
+    data: str
+
+
+def _codec(family: str, block: int) -> _Codec:
+    bits = spec.BLOCK_BITS[family]
+    if bits == 0:
+        return _Codec(
+            (lambda g, r: onebit_ref.compress_reference(g, r, block),
+             lambda data, scales, out, acc: onebit_ref.decompress_reference(data, scales, block, out, acc)),
+            lambda n, op: onebit_bytes(n, block, op), "bits")
+    return _Codec(
+        (lambda g, r: quant_ref.compress_reference(g, r, bits, block, -1),
+         lambda data, scales, out, acc: quant_ref.decompress_reference(data, scales, bits, block, out, acc)),
+        lambda n, op: quant_bytes(n, bits, block, op), "levels")
+
+
+def _block_oracle(ctx: _Ctx, family: str, codec: _Codec, block: int) -> Dict[str, torch.Tensor]:
+    key = ("block-oracle", family, block)
     if key not in ctx.cache:
+        compress, decompress = codec.reference
         r = ctx.rv0.clone()
-        bits, scales = onebit_ref.compress_reference(ctx.gv, r, block)
+        data, scales = compress(ctx.gv, r)
         dec = torch.empty_like(ctx.gv)
-        onebit_ref.decompress_reference(bits, scales, block, dec, False)
+        decompress(data, scales, dec, False)
         acc = ctx.base_v.clone()
-        onebit_ref.decompress_reference(bits, scales, block, acc, True)
-        ctx.cache[key] = dict(bits=bits, scales=scales, residual=r, dec=dec, acc=acc)
+        decompress(data, scales, acc, True)
+        ctx.cache[key] = dict(data=data, scales=scales, residual=r, dec=dec, acc=acc)
     return ctx.cache[key]
 
 
-def _onebit_payload(ctx: _Ctx, block: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def _block_payload(ctx: _Ctx, family: str, codec: _Codec, block: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """Full-size payload the decompress rows decode (made once, by the reference)."""
-    key = ("onebit-payload", block)
+    key = ("block-payload", family, block)
     if key not in ctx.cache:
-        ctx.cache[key] = onebit_ref.compress_reference(ctx.g, ctx.r0.clone(), block)
+        ctx.cache[key] = codec.reference[0](ctx.g, ctx.r0.clone())
     return ctx.cache[key]
 
 
-def onebit_runners(impl: str, block: int):
-    """``(compress(g, r) -> (bits, scales), decompress(bits, scales, out, acc))``
-    for an implementation (through the public API) or the unfused peer (``PEER``).
+def block_runners(family: str, impl: str, block: int):
+    """``(compress(g, r) -> (data, scales), decompress(data, scales, out,
+    acc))`` of a block codec (``family``: onebit's sign bits, int8/int4's
+    levels rounded to nearest) for an implementation (through the public
+    API), the unfused peer (``PEER``, onebit) or a registered peer
+    (:func:`register_peer`).
 
     Example::
 
         >>> import torch
-        >>> compress, decompress = onebit_runners("reference", 64)
-        >>> bits, scales = compress(torch.randn(100), torch.zeros(100))
+        >>> compress, decompress = block_runners("int4", "reference", 64)
+        >>> levels, scales = compress(torch.randn(100), torch.zeros(100))
+        >>> levels.numel(), scales.numel()
+        (50, 2)
         >>> out = torch.empty(100)
-        >>> decompress(bits, scales, out, False)
+        >>> decompress(levels, scales, out, False)
     """
-    if impl == PEER:
+    if impl == PEER and family == ONEBIT:
         return (
             lambda g, r: unfused_onebit_compress(g, r, block),
             lambda bits, scales, out, acc: unfused_onebit_decompress(bits, scales, block, out, acc),
         )
-    comp = pycomm.get_compressor("onebit", block_size=block, impl=impl)
+    extra = EXTRA_PEERS.get(family, {})
+    if impl in extra:
+        return extra[impl](block)
+    comp = pycomm.get_compressor(family, block_size=block, impl=impl)
+    signs = spec.BLOCK_BITS[family] == 0
 
     def compress(g, r):
         p = comp.compress(g, r)
-        return p.bits, p.scales
+        return (p.bits if signs else p.data), p.scales
 
-    def decompress(bits, scales, out, acc):
-        payload = pycomm.OneBitPayload(bits, scales, out.numel(), tuple(out.shape), block)
+    def decompress(data, scales, out, acc):
+        fields = (data, scales, out.numel(), tuple(out.shape), block)
+        payload = pycomm.OneBitPayload(*fields) if signs else quant_ref.QuantPayload(*fields, comp.bits)
         comp.decompress(payload, out=out, accumulate=acc)
 
     return compress, decompress
 
 
-def _onebit_contenders(ctx: _Ctx, case: Case, op: str, impls: Sequence[str]) -> List[Contender]:
+def _block_contenders(ctx: _Ctx, case: Case, op: str, impls: Sequence[str]) -> List[Contender]:
     block = int(case.params["block_size"])
+    codec = _codec(case.family, block)
     dev = ctx.device
+    peers_ = peers(case.family)
     out: List[Contender] = []
-    for impl in list(impls) + [PEER]:
-        kind = "peer" if impl == PEER else "impl"
+    for impl in list(impls) + peers_:
+        kind = "peer" if impl in peers_ else "impl"
 
         if op == "compress":
 
             def verify(impl=impl):
-                compress, _ = onebit_runners(impl, block)
-                want = _onebit_oracle(ctx, block)
+                compress, _ = block_runners(case.family, impl, block)
+                want = _block_oracle(ctx, case.family, codec, block)
                 r = ctx.rv0.to(dev, copy=True)  # updated in place
-                bits, scales = compress(ctx.gv.to(dev), r)
-                check_equal("bits", bits.view(torch.int32), want["bits"])
+                data, scales = compress(ctx.gv.to(dev), r)
+                check_equal(codec.data, data.view(want["data"].dtype), want["data"])
                 check_close("scales", scales, want["scales"], **SCALE_TOL)
                 check_close("residual", r, want["residual"], **VALUE_TOL)
 
             def prepare(impl=impl):
-                compress, _ = onebit_runners(impl, block)
+                compress, _ = block_runners(case.family, impl, block)
                 timed, _first = _timed_with_residual(ctx, compress)
-                return timed, onebit_bytes(ctx.numel, block, op), {}
+                return timed, codec.nbytes(ctx.numel, op), {}
 
         else:
             acc = op == "decompress_acc"
 
             def verify(impl=impl, acc=acc):
-                _, decompress = onebit_runners(impl, block)
-                want = _onebit_oracle(ctx, block)
+                _, decompress = block_runners(case.family, impl, block)
+                want = _block_oracle(ctx, case.family, codec, block)
                 if acc:
                     buf = ctx.base_v.to(dev, copy=True)
                 else:  # NaN everywhere: an element the kernel skips shows up
                     buf = torch.full_like(ctx.gv, float("nan"), device=dev)
-                decompress(want["bits"].to(dev), want["scales"].to(dev), buf, acc)
+                decompress(want["data"].to(dev), want["scales"].to(dev), buf, acc)
                 check_close("decoded", buf, want["acc" if acc else "dec"], **VALUE_TOL)
 
             def prepare(impl=impl, acc=acc):
-                _, decompress = onebit_runners(impl, block)
-                bits, scales = _onebit_payload(ctx, block)
+                _, decompress = block_runners(case.family, impl, block)
+                data, scales = _block_payload(ctx, case.family, codec, block)
                 buf = torch.zeros_like(ctx.g)
 
                 def fn():
-                    decompress(bits, scales, buf, acc)
+                    decompress(data, scales, buf, acc)
 
                 fn()
-                return (fn, None), onebit_bytes(ctx.numel, block, op), {}
+                return (fn, None), codec.nbytes(ctx.numel, op), {}
 
         out.append(Contender(impl, kind, verify, prepare))
     return out
@@ -583,7 +708,8 @@ def _exact_mask(ctx: _Ctx, k: int) -> torch.Tensor:
 
 def topk_runner(impl: str, density: float, approx: bool):
     """``compress(g, r) -> (indices, values)`` for an implementation (public
-    API) or the unfused peer (``PEER``, always exact, indices unsorted).
+    API), the unfused peer (``PEER``, always exact, indices unsorted) or a
+    registered peer (:func:`register_peer`).
 
     Example::
 
@@ -594,7 +720,10 @@ def topk_runner(impl: str, density: float, approx: bool):
     """
     if impl == PEER:
         return lambda g, r: unfused_topk_compress(g, r, topk_ref.topk_k(g.numel(), density))
-    comp = pycomm.get_compressor("topk", density=density, approx=approx, impl=impl)
+    extra = EXTRA_PEERS.get(SPARSE, {})
+    if impl in extra:
+        return extra[impl](density, approx)
+    comp = pycomm.get_compressor(SPARSE, density=density, approx=approx, impl=impl)
 
     def compress(g, r):
         p = comp.compress(g, r)
@@ -610,18 +739,19 @@ def _topk_contenders(ctx: _Ctx, case: Case, op: str, impls: Sequence[str]) -> Li
     k_full = topk_ref.topk_k(ctx.numel, density)
     k_v = topk_ref.topk_k(ctx.gv.numel(), density)
     out: List[Contender] = []
+    peers_ = peers(case.family)
 
-    for impl in list(impls) + [PEER]:
-        kind = "peer" if impl == PEER else "impl"
+    for impl in list(impls) + peers_:
+        kind = "peer" if impl in peers_ else "impl"
 
-        def verify(impl=impl):
+        def verify(impl=impl, kind=kind):
             compress = topk_runner(impl, density, approx)
-            # The peer is always exact top-k, whatever mode the case is in.
-            want = _topk_oracle(ctx, k_v, approx and impl != PEER)
+            # A peer is always exact top-k, whatever mode the case is in.
+            want = _topk_oracle(ctx, k_v, approx and kind != "peer")
             r = ctx.rv0.to(dev, copy=True)
             idx, vals = compress(ctx.gv.to(dev), r)
             idx, vals = idx.long().cpu(), vals.cpu()
-            if impl == PEER:  # torch.topk returns them in no particular order
+            if kind == "peer":  # torch.topk returns them in no particular order
                 idx, order = idx.sort()
                 vals = vals[order]
             check_equal("indices", idx, want["indices"])
@@ -652,7 +782,11 @@ def _topk_contenders(ctx: _Ctx, case: Case, op: str, impls: Sequence[str]) -> Li
     return out
 
 
-FAMILY_CONTENDERS = {"onebit": _onebit_contenders, "topk": _topk_contenders}
+def _contenders(ctx: _Ctx, case: Case, op: str, impls: Sequence[str]) -> List[Contender]:
+    """The contenders of one operation of ``case``, by its method's kind."""
+    if spec.method_spec(case.family).kind == "sparse":
+        return _topk_contenders(ctx, case, op, impls)
+    return _block_contenders(ctx, case, op, impls)
 
 
 # ------------------------------------------------------------------- setup ---
@@ -752,7 +886,7 @@ def run_kernels(args: argparse.Namespace) -> Dict[str, object]:
             plan.append((case, op, impls, missing))
 
     ctx = _make_ctx(args)
-    contender_lists = [FAMILY_CONTENDERS[case.family](ctx, case, op, impls) for case, op, impls, _ in plan]
+    contender_lists = [_contenders(ctx, case, op, impls) for case, op, impls, _ in plan]
     # One tick per timed or warm-up call (every contender, plus the copy in each operation).
     total = sum(len(c) + COPY_PER_ROUND for c in contender_lists) * ctx.calls_per_contender
     bar = progress_bar(total, "call", args.progress)

@@ -19,7 +19,11 @@ Grammar: ``<base>[-sr][-noef][-backend]``, base one of
 
 ``-sr`` rounds int8/int4 stochastically (``rounding="stochastic"``; for
 ``int8``, ``int4``, ``optim-int8`` and ``optim-int4``), ``-noef`` turns
-error feedback off and ``-backend`` runs the compression in
+error feedback off (the DDP hook's default is on; ``pycomm-bench fsdp``,
+whose library default is off, takes ``-ef`` instead: one rule, a suffix
+names the departure from the entry point's default, and the suffix that
+restates it is refused by :func:`pycomm.bench.sweep.error_feedback_suffix`)
+and ``-backend`` runs the compression in
 a ``"pycomm"`` process group instead of the hook (both for onebit, topk,
 int8, int4 and auto; not for ``optim-*``). Each benchmark accepts the part
 of it that it can run (:data:`ALLREDUCE_BASES`, :data:`DDP_BASES`).
@@ -44,22 +48,40 @@ import re
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-#: Every base name (``powersgd`` and ``topk`` stand for ``powersgd-<rank>``, ``topk-<density>``).
-ALL_BASES = ("plain", "allreduce", "fp16", "bf16", "powersgd", "onebit", "topk", "int8", "int4", "auto", "optim")
-#: What ``pycomm-bench allreduce`` times (a pycomm group per compressor, no suffixes).
-ALLREDUCE_BASES = ("plain", "fp16", "bf16", "onebit", "topk")
-#: What ``pycomm-bench ddp`` trains with.
-DDP_BASES = ("allreduce", "fp16", "bf16", "powersgd", "onebit", "topk", "int8", "int4", "auto", "optim")
-#: Bases that take ``-noef`` / ``-backend``.
-SUFFIX_BASES = ("onebit", "topk", "int8", "int4", "auto")
-#: What ``optim-<compressor>`` may name: the momentum's compressor.
-OPTIM_COMPRESSORS = ("onebit", "int8", "int4")
+from ..distributed import spec
 
-_PARAM = {"powersgd": "powersgd-<rank>", "topk": "topk-<density>",
-          "optim": "optim-<onebit|int8|int4>[-overlap][-v<K>]"}
+#: The harness's own names, defined here once; every other base is a method
+#: of the table (:data:`pycomm.distributed.spec.METHOD_TABLE`).
+#: torch's float32 all-reduce, "plain" in the all-reduce benchmarks and
+#: "allreduce" in the training ones (the names their JSON has always used).
+PLAIN, ALLREDUCE = "plain", "allreduce"
+#: PyTorch's PowerSGD hook, pycomm's per-size choice (a calibrated
+#: ``compressor="auto"`` group) and the compressed-momentum optimizer.
+POWERSGD, AUTO, OPTIM = "powersgd", spec.AUTO_METHOD, "optim"
+#: The table's sparse method (``topk-<density>``), its block codec of sign
+#: bits and its exact all-reduce.
+SPARSE = spec.methods(kind="sparse")[0]
+ONEBIT = spec.methods(kind="block", bits=1)[0]
+EXACT = spec.EXACT_METHOD
+
+#: Every base name (``powersgd``, the sparse method and ``optim`` stand for
+#: ``powersgd-<rank>``, ``topk-<density>``, ``optim-<compressor>``).
+ALL_BASES = (PLAIN, ALLREDUCE, *spec.CAST_METHODS, POWERSGD, *spec.EF_METHODS, AUTO, OPTIM)
+#: What ``pycomm-bench allreduce`` times (a pycomm group per compressor, no suffixes).
+ALLREDUCE_BASES = (PLAIN, *spec.CAST_METHODS, *spec.EF_METHODS)
+#: What ``pycomm-bench ddp`` trains with.
+DDP_BASES = (ALLREDUCE, *spec.CAST_METHODS, POWERSGD, *spec.EF_METHODS, AUTO, OPTIM)
+#: Bases that take ``-noef`` / ``-backend``: the methods that keep residuals, and auto.
+SUFFIX_BASES = (*spec.EF_METHODS, AUTO)
+#: What ``optim-<compressor>`` may name: the momentum's compressor, a block codec.
+OPTIM_COMPRESSORS = spec.BLOCK_METHODS
+
+_PARAM = {POWERSGD: f"{POWERSGD}-<rank>", SPARSE: f"{SPARSE}-<density>",
+          OPTIM: f"{OPTIM}-<{'|'.join(OPTIM_COMPRESSORS)}>[-overlap][-v<K>]"}
+_BARE = "|".join(b for b in ALL_BASES if b not in _PARAM)
 _METHOD_RE = re.compile(
-    r"^(?P<base>plain|allreduce|fp16|bf16|auto|int8|int4|powersgd-(?P<rank>[0-9]+)|onebit"
-    r"|topk-(?P<density>[0-9.eE+-]+?)|optim-(?P<optim>[a-z0-9]+?)(?P<overlap>-overlap)?(?:-v(?P<variance>[0-9]+))?)"
+    rf"^(?P<base>{_BARE}|{POWERSGD}-(?P<rank>[0-9]+)"
+    rf"|{SPARSE}-(?P<density>[0-9.eE+-]+?)|{OPTIM}-(?P<optim>[a-z0-9]+?)(?P<overlap>-overlap)?(?:-v(?P<variance>[0-9]+))?)"
     r"(?P<sr>-sr)?(?P<noef>-noef)?(?P<backend>-backend)?$"
 )
 
@@ -96,12 +118,31 @@ class Method:
     @property
     def compressed(self) -> bool:
         """Anything but the plain float32 all-reduce."""
-        return self.compressor != "none"
+        return self.compressor != EXACT
+
+    @property
+    def kind(self) -> Optional[str]:
+        """The method table's kind of :attr:`compressor` ("block", "sparse",
+        "cast", "exact"); None for the harness's own (powersgd, auto).
+
+        >>> parse_method("int4").kind, parse_method("plain").kind, parse_method("powersgd-1").kind
+        ('block', 'exact', None)
+        """
+        return spec.method_spec(self.compressor).kind if self.compressor in spec.METHODS else None
 
 
-def _vocabulary(bases: Sequence[str], suffixes: bool) -> str:
-    names = [_PARAM.get(b, b) for b in bases]
-    text = ", ".join(names[:-1]) + f" or {names[-1]}" if len(names) > 1 else names[0]
+def _or(names: Sequence[str]) -> str:
+    """``a, b or c``."""
+    return ", ".join(names[:-1]) + f" or {names[-1]}" if len(names) > 1 else names[0]
+
+
+def vocabulary(bases: Sequence[str], suffixes: bool = False) -> str:
+    """The names ``bases`` allow, for help texts and errors.
+
+    >>> vocabulary(ALLREDUCE_BASES)
+    'plain, fp16, bf16, onebit, topk-<density>, int8 or int4'
+    """
+    text = _or([_PARAM.get(b, b) for b in bases])
     if suffixes:
         text += "; " + ", ".join(b for b in SUFFIX_BASES if b in bases) + " optionally followed by -noef and/or -backend"
     return text
@@ -120,30 +161,31 @@ def parse_method(name: str, bases: Sequence[str] = ALL_BASES, suffixes: bool = T
         >>> parse_method("onebit-noef", bases=ALLREDUCE_BASES, suffixes=False)
         Traceback (most recent call last):
         ...
-        ValueError: unknown method 'onebit-noef': expected plain, fp16, bf16, onebit or topk-<density>
+        ValueError: unknown method 'onebit-noef': expected plain, fp16, bf16, onebit, topk-<density>, int8 or int4
     """
     name = name.strip()
     m = _METHOD_RE.match(name)
     base = None if m is None else m.group("base").split("-")[0]
     has_suffix = m is not None and bool(m.group("noef") or m.group("backend"))
     if m is None or base not in bases or (has_suffix and not suffixes):
-        raise ValueError(f"unknown method {name!r}: expected {_vocabulary(bases, suffixes)}")
+        raise ValueError(f"unknown method {name!r}: expected {vocabulary(bases, suffixes)}")
     rounding = "stochastic" if m.group("sr") else "nearest"
-    if m.group("sr") and base not in ("int8", "int4") and not (base == "optim" and m.group("optim") in ("int8", "int4")):
-        raise ValueError(f"method {name!r}: -sr (stochastic rounding) applies to int8 and int4 only")
+    rounds = m.group("optim") if base == OPTIM else base
+    if m.group("sr") and rounds not in spec.ROUNDING_METHODS:
+        raise ValueError(f"method {name!r}: -sr (stochastic rounding) applies to "
+                         f"{' and '.join(spec.ROUNDING_METHODS)} only")
     if has_suffix and base not in SUFFIX_BASES:
-        raise ValueError(f"method {name!r}: -noef and -backend apply to onebit and topk only "
-                         f"(and int8, int4, auto)")
-    if base in ("plain", "allreduce"):
-        return Method(name, "ddp", "none")
-    if base in ("fp16", "bf16"):
+        raise ValueError(f"method {name!r}: -noef and -backend apply to {_or(SUFFIX_BASES)} only")
+    if base in (PLAIN, ALLREDUCE):
+        return Method(name, "ddp", EXACT)
+    if base in spec.CAST_METHODS:
         return Method(name, "torch", base)
-    if base == "powersgd":
+    if base == POWERSGD:
         rank = int(m.group("rank"))
         if rank < 1:
             raise ValueError(f"method {name!r}: the PowerSGD rank must be >= 1")
-        return Method(name, "torch", "powersgd", True, rank=rank)
-    if base == "optim":
+        return Method(name, "torch", POWERSGD, True, rank=rank)
+    if base == OPTIM:
         comp = m.group("optim")
         if comp not in OPTIM_COMPRESSORS:
             raise ValueError(f"method {name!r}: the optimizer's compressor must be one of "
@@ -151,9 +193,9 @@ def parse_method(name: str, bases: Sequence[str] = ALL_BASES, suffixes: bool = T
         every = None if m.group("variance") is None else int(m.group("variance"))
         return Method(name, "optim", comp, True, overlap=bool(m.group("overlap")), rounding=rounding,
                       variance_every=every)
-    entry = "backend" if m.group("backend") or base == "auto" else "hook"
+    entry = "backend" if m.group("backend") or base == AUTO else "hook"
     ef = not m.group("noef")
-    if base != "topk":
+    if base != SPARSE:
         return Method(name, entry, base, ef, rounding=rounding)
     try:
         density = float(m.group("density"))
@@ -161,4 +203,4 @@ def parse_method(name: str, bases: Sequence[str] = ALL_BASES, suffixes: bool = T
         raise ValueError(f"method {name!r}: bad density {m.group('density')!r}") from None
     if not 0.0 < density <= 1.0:
         raise ValueError(f"method {name!r}: density must be in (0, 1], got {density}")
-    return Method(name, entry, "topk", ef, density=density)
+    return Method(name, entry, SPARSE, ef, density=density)

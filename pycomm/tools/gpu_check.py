@@ -50,15 +50,15 @@ standing in for CuPy in the extra peer), the result files. It says what it
 skipped.
 
 Only the standard library is imported here, so the check also runs where
-pycomm cannot be imported yet (``python pycomm/bench/gpu_check.py``, or
+pycomm cannot be imported yet (``python pycomm/tools/gpu_check.py``, or
 ``bash benchmarks/gpu_check.sh``); the parts that need torch run in the
 interpreter under test, as subprocesses.
 
 Example::
 
-    $ python -m pycomm.bench gpu-check --dry-run          # or: python -m pycomm.bench.gpu_check --dry-run
-    $ python pycomm/bench/gpu_check.py --only build,tests /tmp/gpu-out
-    $ python pycomm/bench/gpu_check.py --only build,bench_engine,op_errors /tmp/gpu-out
+    $ pycomm-bench gpu-check --dry-run          # or: python -m pycomm.tools.gpu_check --dry-run
+    $ python pycomm/tools/gpu_check.py --only build,tests /tmp/gpu-out
+    $ python pycomm/tools/gpu_check.py --only build,bench_engine,op_errors /tmp/gpu-out
 """
 
 from __future__ import annotations
@@ -79,15 +79,22 @@ import xml.etree.ElementTree as ET
 from typing import Dict, List, Optional, Sequence, Tuple
 
 if __package__:
-    from .report import fmt_number
-else:  # run as a file, before pycomm can be imported: its folder is on sys.path
-    from report import fmt_number
+    from ..bench.report import fmt_number
+else:  # run as a file, before pycomm can be imported: load the report module by its path
+    import importlib.util as _util
+
+    _spec = _util.spec_from_file_location(
+        "_pycomm_bench_report", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                             "bench", "report.py"))
+    _report = _util.module_from_spec(_spec)
+    _spec.loader.exec_module(_report)
+    fmt_number = _report.fmt_number
 
 HELP = "the GPU check: CUDA build, GPU tests, kernel benchmark and report (--dry-run on a CPU machine)"
 SELF = os.path.abspath(__file__)
 HERE = os.path.dirname(SELF)
 ROOT = os.path.dirname(os.path.dirname(HERE))
-PROG = "python -m pycomm.bench.gpu_check"
+PROG = "python -m pycomm.tools.gpu_check"
 
 USAGE = """\
 usage: {prog} [--dry-run] [--only STEPS] [--budget SECONDS] [--numel N]
@@ -1023,7 +1030,7 @@ def helper_bench(argv: List[str]) -> int:
     json_path = argv[argv.index("--json") + 1]
     if "--impls" not in argv:
         wanted = ["cuda", "triton"] if device.type == "cuda" else ["cpu"]
-        have = set(K.benchmarkable_impls("onebit", device)) | set(K.benchmarkable_impls("topk", device))
+        have = {i for case in K.CASES for i in K.benchmarkable_impls(case.family, device)}
         impls = [i for i in wanted if i in have]
         missing = [i for i in wanted if i not in have]
         if missing:
@@ -1048,7 +1055,7 @@ def helper_bench(argv: List[str]) -> int:
         return contextlib.nullcontext()
 
     def packbits_xp(signs):
-        """bool [n] -> int32 words, bit i of word w = element 32w + i (as K._packbits)."""
+        """bool [n] -> int32 words, bit i of word w = element 32w + i (as numpy.packbits in K)."""
         with stream_ctx():
             packed = xp.packbits(xp.from_dlpack(signs.contiguous().view(torch.uint8)), bitorder="little")
             pad = (-packed.size) % 4
@@ -1063,41 +1070,13 @@ def helper_bench(argv: List[str]) -> int:
             out = torch.from_dlpack(flags)
         return out.view(torch.bool)
 
-    def swapped(name, repl, call):
-        """Run call() with K.<name> replaced: the peer is K's unfused pipeline
-        with only its bit packing done by xp."""
-        saved = getattr(K, name)
-        setattr(K, name, repl)
-        try:
-            return call()
-        finally:
-            setattr(K, name, saved)
-
     if peer_xp is not None:
-        for name in ("_packbits", "_unpackbits", "onebit_runners", "FAMILY_CONTENDERS",
-                     "unfused_onebit_compress", "unfused_onebit_decompress"):
-            assert hasattr(K, name), f"pycomm.bench.kernels.{name} is gone: update helper_bench in {SELF}"
-        orig_runners = K.onebit_runners
-        orig_contenders = K.FAMILY_CONTENDERS["onebit"]
-
-        def onebit_runners(impl, block):
-            if impl != peer_xp:
-                return orig_runners(impl, block)
-            return (
-                lambda g, r: swapped("_packbits", packbits_xp, lambda: K.unfused_onebit_compress(g, r, block)),
-                lambda bits, scales, out, acc: swapped(
-                    "_unpackbits", unpackbits_xp, lambda: K.unfused_onebit_decompress(bits, scales, block, out, acc)),
-            )
-
-        def onebit_contenders(ctx, case, op, impls):
-            out = orig_contenders(ctx, case, op, list(impls) + [peer_xp])
-            for c in out:
-                if c.impl == peer_xp:
-                    c.kind = "peer"
-            return out
-
-        K.onebit_runners = onebit_runners
-        K.FAMILY_CONTENDERS["onebit"] = onebit_contenders
+        # The unfused onebit pipeline with only its bit packing done by xp.
+        K.register_peer(K.ONEBIT, peer_xp, lambda block: (
+            lambda g, r: K.unfused_onebit_compress(g, r, block, pack=packbits_xp),
+            lambda bits, scales, out, acc: K.unfused_onebit_decompress(bits, scales, block, out, acc,
+                                                                       unpack=unpackbits_xp),
+        ))
         print(f"bench: extra onebit peer {peer_xp!r} ({xp.__name__} {xp.__version__} packbits, via DLPack)")
     else:
         print(f"bench: CuPy is not importable ({xp_error}): the CuPy packbits peer is left out")
