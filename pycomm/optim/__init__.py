@@ -7,6 +7,11 @@ server residuals), over any process group and with or without DDP
 (``optimizer.attach(ddp_model)``). docs/optim.md describes the algorithm,
 the state and the guarantees.
 
+:class:`DiLoCo` synchronizes rarely instead: each rank trains its whole copy
+of the model with any torch optimizer, and every ``sync_every`` steps the
+change of the parameters is all-reduced (compressed, optionally in streamed
+fragments) and applied by an outer Nesterov SGD (docs/diloco.md).
+
 Example (on every rank)::
 
     from pycomm.optim import OneBitAdam
