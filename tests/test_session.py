@@ -300,3 +300,23 @@ def test_a_hook_state_that_loads_another_compressor_says_so():
     with pytest.warns(UserWarning, match=r"compressor='onebit' \(was 'topk'\)"):
         b.load_state_dict(a.state_dict())
     assert b.compressor == "onebit"
+
+
+def _groups_that_differ(rank, world):
+    import plugin_int8  # noqa: F401 - registers "int8-absmax", as a user's file would
+
+    out = {}
+    for name, kwargs in (("min_compress_numel", dict(compressor="int8", min_compress_numel=1000 * (rank + 1))),
+                         ("options", dict(compressor="int8-absmax", compressor_options={"levels": 127 - rank}))):
+        try:
+            pd.wrap(**kwargs)
+            out[name] = None
+        except (ValueError, RuntimeError) as exc:
+            out[name] = str(exc)
+    return out
+
+
+def test_groups_created_with_different_settings_name_them():
+    for out in run_ranks(_groups_that_differ, WORLD, timeout=120):
+        assert "min_compress_numel (rank 0: 1000, rank 1: 2000)" in out["min_compress_numel"], out
+        assert "compressor_options (rank 0: {'levels': 127}, rank 1: {'levels': 126})" in out["options"], out

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import json
 import logging
 import os
 from dataclasses import dataclass, fields
@@ -37,7 +38,7 @@ from ..compressors.plugin import is_plugin, options_json
 from ..wire import MAX_BLOCK_SIZE
 from ..compressors.quant import MASK32
 from .spec import (AUTO_METHOD, CHECK_MODES, DEFAULT_BLOCK_SIZE, DEFAULT_CHUNK_NUMEL_BY_INNER, GROUP_METHODS,
-                   ROUNDING_METHODS, ROUNDINGS, check_mode)
+                   ROUNDING_METHODS, ROUNDINGS, check_key, check_mode)
 
 BACKEND_NAME = "pycomm"
 log = logging.getLogger(__name__)
@@ -192,6 +193,7 @@ def _create_backend(dist_opts: Any, options: Optional[PycommOptions]) -> Any:
         return dist.ProcessGroupNCCL(sub_store, sub_rank, sub_size, nccl_opts)
 
     inner = make(store, rank, size)
+    _check_same_options(inner, options, size, "cuda" if inner_name == "nccl" else "cpu")
     local = _agreed_ranks_per_node(inner, options.hierarchy, rank, size, "cuda" if inner_name == "nccl" else "cpu")
     intra = inter = None
     if local > 1:
@@ -217,6 +219,42 @@ def _create_backend(dist_opts: Any, options: Optional[PycommOptions]) -> Any:
 
         calibrate(backend, options, "cuda" if inner_name == "nccl" else "cpu")
     return backend
+
+
+#: Settings every rank of a pycomm group must give alike that the call
+#: check does not compare (it names the method, chunk, block size, density,
+#: approx and rounding of each call): differing, they would hang the group
+#: (one rank compresses or checks a call the other forwards) or show only as
+#: two hashes (a registered compressor's options). Compared at creation.
+_SHARED_OPTIONS = ("inner", "min_compress_numel", "check_calls", "compressor_options")
+
+
+def _check_same_options(inner: Any, options: PycommOptions, size: int, device: str) -> None:
+    """Raise on every rank when the ranks created this group with different
+    :data:`_SHARED_OPTIONS`, naming each and every rank's value. Two small
+    collectives, once per group."""
+    if size == 1:
+        return
+    mine = {name: getattr(options, name) for name in _SHARED_OPTIONS}
+    mine["check_calls"] = check_mode(options.check_calls)
+    text = json.dumps(mine, sort_keys=True, default=repr).encode()
+    length = torch.tensor([len(text)], dtype=torch.int64, device=device)
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.MAX
+    inner.allreduce([length], opts).wait()
+    buf = torch.zeros(int(length[0]), dtype=torch.uint8)
+    buf[:len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+    buf = buf.to(device)
+    every = [torch.empty_like(buf) for _ in range(size)]
+    inner.allgather([every], [buf]).wait()
+    texts = [bytes(t.cpu().tolist()).rstrip(b"\0") for t in every]
+    if all(t == texts[0] for t in texts):
+        return
+    theirs = [json.loads(t) for t in texts]
+    diff = [k for k in _SHARED_OPTIONS if any(o.get(k) != theirs[0].get(k) for o in theirs)]
+    raise ValueError("the ranks created this pycomm group with different settings: "
+                     + "; ".join(f"{k} (" + ", ".join(f"rank {r}: {o.get(k)!r}" for r, o in enumerate(theirs)) + ")"
+                                 for k in diff))
 
 
 def _agreed_ranks_per_node(inner: Any, hierarchy: Union[str, int], rank: int, size: int, device: str) -> int:
@@ -357,9 +395,6 @@ def _device(device: Any) -> torch.device:
         raise ValueError(f"device must name a device, e.g. 'cpu' or 'cuda:0', got {device!r}") from exc
 
 
-def _check_key(key: Any) -> None:
-    if key is not None and (isinstance(key, bool) or not isinstance(key, int) or not 0 <= key <= INT64_MAX):
-        raise ValueError(f"key must be an int in [0, 2**63) (the engine's keys are int64) or None, got {key!r}")
 
 
 def _span(t: torch.Tensor) -> tuple:
@@ -451,7 +486,7 @@ def all_reduce(
     """
     if op not in ("sum", "avg"):
         raise ValueError(f"op must be 'sum' or 'avg', got {op!r}")
-    _check_key(key)
+    check_key(key)
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
     for name, value in (("async_op", async_op), ("compress", compress)):
@@ -495,7 +530,7 @@ def reduce_scatter(
     """
     if op not in ("sum", "avg"):
         raise ValueError(f"op must be 'sum' or 'avg', got {op!r}")
-    _check_key(key)
+    check_key(key)
     for name, t in (("output", output), ("input", input)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -532,7 +567,7 @@ def all_gather(
         full = torch.empty(dist.get_world_size() * shard.numel())
         pd.all_gather(full, shard, group=pg)
     """
-    _check_key(key)
+    check_key(key)
     for name, t in (("output", output), ("input", input)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -561,7 +596,7 @@ def error_feedback_state(group: Optional[dist.ProcessGroup] = None, device: str 
             raise TypeError(f"keys must be a sequence of ints or None, got {keys!r}")
         keys = list(keys)
         for k in keys:
-            _check_key(k)
+            check_key(k)
     return dict(_pycomm_backend(group, _device(device)).error_feedback_state(keys))
 
 
@@ -581,7 +616,7 @@ def load_error_feedback_state(state: Dict[int, dict], group: Optional[dist.Proce
     if not isinstance(state, dict):
         raise TypeError(f"state must be the dict error_feedback_state() returned, got {type(state).__name__}")
     for key, value in state.items():
-        _check_key(key)
+        check_key(key)
         if not isinstance(value, dict):
             raise TypeError(f"state[{key!r}] must be a dict of residuals, got {type(value).__name__}")
         missing = sorted({"numel", "world_size", "chunk_numel", "method", "worker", "server"} - set(value))
@@ -628,13 +663,13 @@ def undo_error_feedback(keys: Sequence[int], group: Optional[dist.ProcessGroup] 
     for k in keys:
         if k is None:
             raise ValueError("keys: None is not a key")
-        _check_key(k)
+        check_key(k)
     _pycomm_backend(group, _device(device)).undo_error_feedback(keys)
 
 
 def reset_error_feedback(key: Optional[int] = None, group: Optional[dist.ProcessGroup] = None, device: str = "cpu") -> None:
     """Forget the residuals of ``key`` (all keys when None)."""
-    _check_key(key)
+    check_key(key)
     _pycomm_backend(group, _device(device)).reset_error_feedback(key)
 
 

@@ -60,6 +60,7 @@ from .spec import (
     REDUCE_SCATTER_SUFFIX,
     UNCOMPRESSED_METHODS,
     block_segments,
+    check_key,
     chunk_bounds,
     method_spec,
     normalize_op,
@@ -293,8 +294,7 @@ class _Seeds:
 
     def __init__(self, comp: Any, collective: str, key: Optional[int], call: int,
                  efs: Optional[Sequence[ErrorFeedback]], ranks: Sequence[int]) -> None:
-        if key is not None and (isinstance(key, bool) or not isinstance(key, int) or key < 0):
-            raise ValueError(f"key must be a non-negative int or None, got {key!r}")
+        check_key(key)
         if isinstance(call, bool) or not isinstance(call, int) or call < 0:
             raise ValueError(f"call must be a non-negative int, got {call!r}")
         self.base = comp.seed if getattr(comp, "rounding", "nearest") == "stochastic" else -1

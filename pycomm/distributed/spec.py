@@ -229,6 +229,19 @@ def method_code(method: str) -> int:
         raise ValueError(f"unknown method {method!r}; choose one of {list(METHODS)}") from None
 
 
+def check_key(key: Any) -> None:
+    """Refuse a key the engine cannot hold: keys are int64, non-negative
+    (None: a keyless call).
+
+    >>> check_key(2**63)
+    Traceback (most recent call last):
+    ...
+    ValueError: key must be an int in [0, 2**63) (the engine's keys are int64) or None, got 9223372036854775808
+    """
+    if key is not None and (isinstance(key, bool) or not isinstance(key, int) or not 0 <= key < 2**63):
+        raise ValueError(f"key must be an int in [0, 2**63) (the engine's keys are int64) or None, got {key!r}")
+
+
 def check_mode(mode: str = "first", name: str = "check_calls") -> str:
     """``mode``, or "every" when the environment says ``PYCOMM_DEBUG=detail``
     (``name``: the argument's name in the error for a bad ``mode``)."""
