@@ -84,6 +84,21 @@ def _rank_undo(rank, world):
         pd.all_reduce(_input(rank, 3), key=1, group=pg, op="avg")
         pd.load_error_feedback_state(pd.error_feedback_state(pg, keys=[1]), pg, replace=False)
         r["loaded_refused"] = _refused(lambda: pd.undo_error_feedback([1], pg), "key 1", "cannot be undone")
+        # A call the check refused (another op on one rank; every call is
+        # checked) is the key's last call: the kept one before it cannot be
+        # undone any more.
+        checked = pd.wrap(compressor=method, min_compress_numel=1, chunk_numel=CHUNK, check_calls="every",
+                          **settings)
+        pd.all_reduce(_input(rank, 3), key=1, group=checked, op="avg")
+        try:
+            pd.all_reduce(_input(rank, 4), key=1, group=checked, op=("avg", "sum")[rank % 2])
+            r["mismatch_raised"] = False
+        except RuntimeError:
+            r["mismatch_raised"] = True
+        kept_checked = _snap(checked, 1)
+        r["refused_call_undo_refused"] = _refused(lambda: pd.undo_error_feedback([1], checked), "key 1",
+                                                  "cannot be undone")
+        r["refused_call_kept"] = _same(kept_checked, _snap(checked, 1))
         # The group still works, on every rank alike.
         y = _input(rank, 4)
         pd.all_reduce(y, key=1, group=pg, op="avg")
@@ -107,6 +122,7 @@ def test_undo_error_feedback(world):
                 assert c["same_result"], f"{where} {name}: the repeated call differs"
                 assert c["same_residuals"], f"{where} {name}: the repeated call's residuals differ"
             for k in ("unknown_refused", "twice_refused", "unchanged_after_refusals", "bad_key_refused",
-                      "none_refused", "str_refused", "nonfinite_kept", "nonfinite_refused", "loaded_refused"):
+                      "none_refused", "str_refused", "nonfinite_kept", "nonfinite_refused", "loaded_refused",
+                      "mismatch_raised", "refused_call_undo_refused", "refused_call_kept"):
                 assert r[k], f"{where}: {k}"
             assert torch.equal(r["after"], results[0][method]["after"]), f"{where}: ranks disagree after"

@@ -1,6 +1,7 @@
 // CompressedBackend: a c10d::Backend that wraps a real one (Gloo or NCCL)
-// and compresses float SUM/AVG all-reduces (docs/allreduce.md); every other
-// collective is forwarded unchanged.
+// and compresses float SUM/AVG all-reduces, reduce-scatters and
+// all-gathers (docs/allreduce.md); every other collective is forwarded
+// unchanged.
 //
 // Ordering: Gloo and NCCL match collectives across ranks by the order in
 // which they are issued. The compressed algorithms issue several dependent
@@ -8,6 +9,14 @@
 // included) are issued from ONE worker thread, in the order the caller
 // submitted them; the caller gets a Work at once. Point-to-point ops are
 // matched by tag, not order, and go straight to the inner backend.
+//
+// Where the parts live: work_queue.cpp (the worker thread, deferred
+// finishing), call_scope.cpp (what every compressed call shares),
+// call_check.cpp (cross-rank call checks and tags), error_feedback.cpp
+// (residual state), codecs.cpp (the compressors and the payload format),
+// pipeline.cpp (the chunked payload exchange), all_reduce.cpp with
+// hierarchy.cpp, reduce_scatter.cpp, all_gather.cpp, forward.cpp (every
+// other collective) and backend.cpp (set-up, settings).
 #pragma once
 
 #include <chrono>
@@ -23,145 +32,20 @@
 #include <tuple>
 #include <vector>
 
-#include <c10/core/Event.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include "codecs.h"
+#include "config.h"
+#include "error_feedback.h"
+#include "pipeline.h"
 #include "spec.h"
+#include "work_queue.h"
 
 namespace pycomm {
 namespace dist {
 
-struct Config {
-  std::string method = "onebit";  // one of kMethods, or "auto"
-  int64_t min_compress_numel = 65536;
-  int64_t chunk_numel = kDefaultChunkNumel;
-  int64_t block_size = 0;  // 0: each block method's default (default_block_size)
-  double density = 0.01;
-  bool approx = true;
-  // Cross-rank check of compressed calls (docs/reliability.md): 0 never,
-  // 1 at the first use of each key / keyless signature, 2 every call.
-  int check_calls = 1;
-  // method "auto": the method of a tensor of n elements is that of the first
-  // entry whose bound exceeds n (set from the calibration, docs/auto.md).
-  std::vector<std::pair<int64_t, std::string>> size_methods;
-  // The calibration the table came from (JSON, kept for reports).
-  std::string calibration;
-  // A method that is not one of kMethods names a compressor registered in
-  // Python (pycomm.register_compressor): the engine reaches it through the
-  // ops pycomm::plugin_compress / plugin_decompress, with these options
-  // (JSON, passed to its constructor).
-  std::string plugin_options = "{}";
-  // int8/int4 rounding: -1 to nearest; else stochastic, with the seeds of
-  // rounding_seed (spec.h) drawn from this group seed in [0, 2^32).
-  int64_t rounding_seed = -1;
-};
-
-// The seeds of one call's compresses (stochastic rounding; spec.h,
-// rounding_seed): at(chunk, part) is -1 when the group rounds to nearest.
-struct CallSeeds {
-  int64_t seed = -1, stream = -1, call = 0;
-  int collective = 0;
-  int64_t rank = 0;
-  int64_t at(int64_t chunk, int64_t part) const {
-    return seed < 0 ? -1 : int64_t(rounding_seed(seed, stream, call, collective, rank, chunk, part));
-  }
-};
-
-// The ranks one compressed step runs over: every rank (flat), or the ranks
-// holding the same shard on every node (hierarchical, docs/hierarchy.md).
-struct Group {
-  c10d::Backend* pg;
-  int rank;
-  int world;
-};
-
-// Error-feedback residuals of one key (see docs/allreduce.md).
-struct ErrorFeedback {
-  int64_t numel = 0;
-  int world_size = 0;
-  int64_t chunk_numel = 0;
-  std::string method;
-  at::Tensor worker;                // numel floats
-  std::vector<at::Tensor> server;   // onebit: this rank's segment of each chunk
-  // Second buffers: the old residuals while a call runs, or its new ones
-  // (see CompressedBackend::double_buffered); not part of the saved state.
-  at::Tensor worker_backup;
-  std::vector<at::Tensor> server_backup;
-  // Calls that kept new residuals on this key (the stream of its
-  // stochastic rounding seeds; saved with the residuals, so a resumed run
-  // draws the same numbers). A non-finite call, or an undone one, does not
-  // count: a skipped step leaves everything as it was.
-  int64_t calls = 0;
-  // The last call on this key kept its new residuals and the second buffers
-  // still hold the ones before it: undo_error_feedback can put them back.
-  bool undoable = false;
-};
-
-// Where the worker thread's time goes (docs/performance.md): wall seconds
-// summed over the calls since the group was created or last reset. On an
-// accelerator the kernels run asynchronously, so encode/decode then count
-// their launches and `wire` also the kernels a collective waits for.
-struct Profile {
-  int64_t calls = 0;         // compressed collectives run
-  int64_t collectives = 0;   // inner collectives they issued
-  int64_t forwarded = 0;     // collectives forwarded unchanged
-  double queued_s = 0;       // submitted -> started: the hand-off, and waiting behind earlier calls
-  double run_s = 0;          // compressed calls, start to end
-  double check_s = 0;        // the cross-rank call check
-  double encode_s = 0;       // compress (worker and server), payload assembly, issuing
-  double wire_s = 0;         // waiting for the inner collectives
-  double decode_s = 0;       // decompress, sums, finiteness
-  double sync_s = 0;         // reading a call's checks (tags, finiteness): on an
-                             // accelerator, the wait for its kernels to finish
-  double forwarded_s = 0;    // forwarded collectives, start to end
-};
-
-// Adds the wall time of a scope to a Profile field.
-class Span {
- public:
-  explicit Span(double& into) : into_(into), t0_(std::chrono::steady_clock::now()) {}
-  ~Span() { into_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count(); }
-  Span(const Span&) = delete;
-  Span& operator=(const Span&) = delete;
-
- private:
-  double& into_;
-  std::chrono::steady_clock::time_point t0_;
-};
-
-// A Work completed by the worker thread; its future holds the result tensors.
-class PycommWork : public c10d::Work {
- public:
-  PycommWork(int rank, c10d::OpType type, std::vector<at::Tensor> result);
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
-  std::vector<at::Tensor> result() override { return result_; }
-  int sourceRank() const override { return source_rank_; }
-  void complete(std::exception_ptr error = nullptr, int source_rank = -1);
-
- private:
-  std::vector<at::Tensor> result_;
-  c10::intrusive_ptr<c10::ivalue::Future> future_;
-  int source_rank_ = -1;
-};
-
-// A compressed call on an accelerator whose checks (call tags, finiteness)
-// are still on their way to the host: its kernels and collectives are
-// queued, and the worker thread finishes it (keeps or discards its new
-// residuals, counts it, completes its Work) once the device has passed
-// `done`, without waiting for the device in between (docs/allreduce.md,
-// "Streams").
-// On a CPU the checks are read at once and the call is finished at the
-// worker's next turn: one path for every device.
-struct PendingCall {
-  std::optional<c10::Event> done;  // none on a CPU
-  at::Tensor checks;  // host copy (pinned on an accelerator) of the call's 0-dim bool checks
-  // Applies the checks; throws (the Work's error) when the tags differ.
-  std::function<void(const std::vector<bool>&)> finish;
-  c10::intrusive_ptr<PycommWork> work;
-  std::optional<c10::Stream> stream;
-  std::optional<int64_t> key;
-};
+struct Float32Views;
 
 class CompressedBackend : public c10d::Backend {
  public:
@@ -271,6 +155,7 @@ class CompressedBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
 
  private:
+  // ---- work_queue.cpp ----
   // Queues `body` for the worker thread; the Work completes when it returns.
   // `stream` (an accelerator's, see caller_stream): the body runs with it
   // current, and the Work's completion is recorded on it, so the work is
@@ -280,11 +165,6 @@ class CompressedBackend : public c10d::Backend {
                                         std::function<void()> body,
                                         std::optional<c10::Stream> stream = std::nullopt,
                                         bool overlaps = false);
-  // Issues an inner collective from the worker thread and waits for it there,
-  // on the caller's stream of the tensors' device (`tensors`, else `result`).
-  c10::intrusive_ptr<c10d::Work> forward(c10d::OpType type, std::vector<at::Tensor> result,
-                                         std::function<c10::intrusive_ptr<c10d::Work>()> issue,
-                                         const std::vector<at::Tensor>& tensors = {});
   void run_worker();
   // Finishes pending calls in order: those the device has passed (`wait`
   // false), or all of them (`wait` true), or all up to the last one on
@@ -295,6 +175,61 @@ class CompressedBackend : public c10d::Backend {
   // call is finished later by `finish` (see PendingCall).
   void defer(const std::vector<at::Tensor>& checks, std::optional<int64_t> key,
              std::function<void(const std::vector<bool>&)> finish);
+
+  // ---- forward.cpp ----
+  // Issues an inner collective from the worker thread and waits for it there,
+  // on the caller's stream of the tensors' device (`tensors`, else `result`).
+  c10::intrusive_ptr<c10d::Work> forward(c10d::OpType type, std::vector<at::Tensor> result,
+                                         std::function<c10::intrusive_ptr<c10d::Work>()> issue,
+                                         const std::vector<at::Tensor>& tensors = {});
+  c10::intrusive_ptr<c10d::Work> forward_allreduce(std::vector<at::Tensor>& tensors,
+                                                   const c10d::AllreduceOptions& opts);
+
+  // ---- backend.cpp ----
+  // Why a compressed reduce-scatter / all-gather cannot run these tensors
+  // (empty when it can): `whole` holds world size x `part`'s elements.
+  std::string bad_pair(const char* what, const at::Tensor& whole, const at::Tensor& part,
+                       const char* whole_name, const char* part_name) const;
+  // A call this rank cannot run: it still takes part in the call check,
+  // then raises `why`.
+  c10::intrusive_ptr<c10d::Work> refuse(const at::Tensor& tensor, std::optional<int64_t> key,
+                                        bool average, const std::string& m, int collective,
+                                        std::string why);
+  // The block length `method` runs with: the configured one, or its default.
+  int64_t block_for(const std::string& method) const {
+    return config_.block_size > 0 ? config_.block_size : default_block_size(method);
+  }
+
+  // ---- call_scope.cpp ----
+  // Runs `body`, one compressed call of collective `collective` (index into
+  // kCollectives) on `tensor`, on the worker thread: counted and timed
+  // (Profile), checked across ranks (check_call), tagged (set_tag), and any
+  // error rethrown naming the call and this rank.
+  void run_call(int collective, const at::Tensor& tensor, std::optional<int64_t> key,
+                bool average, const std::string& method, const std::function<void()>& body);
+  // The exact or 16-bit path of every collective ("none", "fp16", "bf16";
+  // false for the methods that compress, which it leaves to the caller):
+  // `exchange` runs the inner collective on the float32 (exact) or 16-bit
+  // values it is given and returns where the result is (they themselves
+  // when in place); the result is written to `output`.
+  bool run_uncompressed(const Float32Views& views, const at::Tensor& output, bool average,
+                        const std::string& method,
+                        const std::function<at::Tensor(const at::Tensor&)>& exchange);
+  // Waits for an inner collective of a compressed call (Profile::wire_s).
+  void wait_wire(const c10::intrusive_ptr<c10d::Work>& work);
+
+  // ---- call_check.cpp ----
+  // Exchanges a descriptor of this call with every rank and throws, on every
+  // rank, when they differ (Config::check_calls decides when).
+  // `refused`: this rank will raise instead of running the call; its
+  // descriptor then matches no valid call, so every rank raises.
+  void check_call(const at::Tensor& tensor, std::optional<int64_t> key, bool average,
+                  const std::string& method, bool refused = false);
+  std::string describe_call(const at::Tensor& tensor, std::optional<int64_t> key, bool average,
+                            const std::string& method) const;
+  // "pycomm rank R of W [(peer: rank P)]: <call> failed: " for errors.
+  std::string failure_context(const at::Tensor& tensor, std::optional<int64_t> key,
+                              bool average, const std::string& method) const;
   // The running call's tag (spec.h, kTagWords int32s on its device), set
   // before its payloads are built.
   void set_tag(const at::Tensor& tensor, std::optional<int64_t> key, bool average);
@@ -312,17 +247,41 @@ class CompressedBackend : public c10d::Backend {
   // parts, taken on the way), with one host read when both hold.
   bool checked_finite(const std::vector<at::Tensor>& words, const std::vector<at::Tensor>& sums,
                       const at::Tensor& t);
-  // Waits for an inner collective of a compressed call (Profile::wire_s).
-  void wait_wire(const c10::intrusive_ptr<c10d::Work>& work);
-  c10::intrusive_ptr<c10d::Work> forward_allreduce(std::vector<at::Tensor>& tensors,
-                                                   const c10d::AllreduceOptions& opts);
 
-  void run_compressed(const at::Tensor& tensor, std::optional<int64_t> key, bool average,
-                      const std::string& method);
+  // ---- error_feedback.cpp ----
+  // The running call's hold on the residuals of `key` for `x` (none when
+  // keyless or `x` is empty), kept under `method` (with the collective's
+  // suffix when not an all-reduce); sets the call's rounding seeds.
+  CallResiduals residuals_for(std::optional<int64_t> key, const at::Tensor& x,
+                              const std::string& method, const Group& g);
+  // Every rank, for the steps that are not hierarchical.
+  Group flat_group() const { return Group{inner_.get(), getRank(), getSize()}; }
+  ErrorFeedback* error_feedback_for(int64_t key, const at::Tensor& x, const std::string& method,
+                                    const Group& g);
   // Error feedback with a rollback (docs/allreduce.md, "Non-finite results"):
   // true where the compress writes the new residual to the second buffer
   // (onebit on CPU: no copy), false where the old one is copied there first.
   bool double_buffered(const at::Tensor& x, const std::string& method) const;
+  // Sets seeds_ for the running call: its key's stream (counted in `ef`),
+  // or the keyless one.
+  void begin_seeds(std::optional<int64_t> key, ErrorFeedback* ef);
+
+  // ---- pipeline.cpp ----
+  // The payload exchange of the gathered all-reduce, the reduce-scatter and
+  // the all-gather, pipelined over chunks of `S` elements: per chunk
+  // [c0, c0 + len), this rank encodes (PayloadCodec) segment j at j S + c0 of `in` (error
+  // feedback at the same place of ef->worker), for j < world with
+  // `all_to_all` (segment j goes to rank j), else segment 0 (gathered by
+  // every rank); `received` then decodes the chunk's buffer, one slot per
+  // rank. Returns the received tags, to be checked.
+  std::vector<at::Tensor> exchange_payloads(
+      const std::string& method, const at::Tensor& in, int64_t S, bool all_to_all,
+      ErrorFeedback* ef, const Group& g,
+      const std::function<void(const PayloadCodec&, const PayloadChunk&)>& received);
+
+  // ---- all_reduce.cpp ----
+  void run_compressed(const at::Tensor& tensor, std::optional<int64_t> key, bool average,
+                      const std::string& method);
   // Both return whether the reduced result is finite (the same on every
   // rank of `g`).
   // `deferred_checks`: filled with the call's checks instead of reading
@@ -330,42 +289,32 @@ class CompressedBackend : public c10d::Backend {
   bool run_blocks(const at::Tensor& x, ErrorFeedback* ef, bool average, const Group& g,
                   const std::string& method,
                   std::vector<at::Tensor>* deferred_checks = nullptr);
-  // The block length `method` runs with: the configured one, or its default.
-  int64_t block_for(const std::string& method) const {
-    return config_.block_size > 0 ? config_.block_size : default_block_size(method);
-  }
-  bool run_topk(const at::Tensor& x, ErrorFeedback* ef, bool average, const Group& g);
-  // A registered compressor: each rank's payload of a chunk is gathered by
-  // every rank, which decodes and adds them in rank order (docs/allreduce.md).
-  bool run_plugin(const at::Tensor& x, ErrorFeedback* ef, bool average, const Group& g,
-                  const std::string& method);
-  // Exchanges a descriptor of this call with every rank and throws, on every
-  // rank, when they differ (Config::check_calls decides when).
-  // `refused`: this rank will raise instead of running the call; its
-  // descriptor then matches no valid call, so every rank raises.
-  void check_call(const at::Tensor& tensor, std::optional<int64_t> key, bool average,
-                  const std::string& method, bool refused = false);
-  std::string describe_call(const at::Tensor& tensor, std::optional<int64_t> key, bool average,
-                            const std::string& method) const;
-  // "pycomm rank R of W [(peer: rank P)]: <call> failed: " for errors.
-  std::string failure_context(const at::Tensor& tensor, std::optional<int64_t> key,
-                              bool average, const std::string& method) const;
+  // top-k and registered compressors: each rank's payload of a chunk is
+  // gathered by every rank, which decodes and adds them in rank order
+  // (docs/allreduce.md).
+  bool run_gathered(const at::Tensor& x, ErrorFeedback* ef, bool average, const Group& g,
+                    const std::string& method);
+
+  // ---- hierarchy.cpp ----
+  // This rank's part of a hierarchical all-reduce (docs/hierarchy.md).
+  struct NodeShard {
+    at::Tensor y;              // the shard the compressed step all-reduces
+    at::Tensor padded, shard;  // the node's reduce-scatter buffers
+    int64_t lo = 0;            // where y starts in the tensor
+    Group g;                   // the ranks of the compressed step
+  };
+  // Flat: y is the whole of `x` and g every rank.
+  NodeShard reduce_in_node(const at::Tensor& x);
+  // Puts the node's shards back together into `x`.
+  void gather_in_node(const at::Tensor& x, NodeShard& s, bool average);
+  // Over Gloo the node's exact steps are all-reduces (see reduce_in_node).
+  bool node_allreduces() const { return intra_ && intra_->getBackendName() == "gloo"; }
+
+  // ---- reduce_scatter.cpp, all_gather.cpp ----
   void run_reduce_scatter(const at::Tensor& output, const at::Tensor& input,
                           std::optional<int64_t> key, bool average, const std::string& method);
-  std::string bad_pair(const char* what, const at::Tensor& whole, const at::Tensor& part,
-                       const char* whole_name, const char* part_name) const;
-  c10::intrusive_ptr<c10d::Work> refuse(const at::Tensor& tensor, std::optional<int64_t> key,
-                                        bool average, const std::string& m, int collective,
-                                        std::string why);
   void run_all_gather(const at::Tensor& output, const at::Tensor& input,
                       std::optional<int64_t> key, const std::string& method);
-  void run_cast(const at::Tensor& x, bool average, const std::string& method);
-  // Sets seeds_ for the running call: its key's stream (counted in `ef`),
-  // or the keyless one.
-  void begin_seeds(std::optional<int64_t> key, ErrorFeedback* ef);
-  void run_exact(const at::Tensor& x, bool average);
-  ErrorFeedback* error_feedback_for(int64_t key, const at::Tensor& x, const std::string& method,
-                                    const Group& g);
 
   c10::intrusive_ptr<c10d::Backend> inner_;
   Config config_;
@@ -374,13 +323,6 @@ class CompressedBackend : public c10d::Backend {
 
   std::mutex queue_mutex_;
   std::condition_variable queue_cv_;
-  // A submitted collective; `overlaps`: a compressed call, which may start
-  // while earlier ones are pending. Anything else starts once every pending
-  // call is finished (the state accessors see settled residuals).
-  struct Task {
-    std::function<void()> run;
-    bool overlaps = false;
-  };
   std::deque<Task> queue_;
   // Touched by the worker thread only.
   std::deque<PendingCall> pending_;

@@ -132,7 +132,7 @@ def chunk_bounds(numel: int, chunk_numel: int) -> List[Tuple[int, int]]:
 @dataclass
 class BlockLayout:
     """Segments of one chunk of ``m`` elements of a block codec
-    (docs/allreduce.md step 1, as the layout in csrc/distributed/backend.cpp):
+    (docs/allreduce.md step 1, as ``BlockLayout`` in csrc/distributed/spec.h):
     ``seg`` elements per segment (whole blocks), per segment its length, data
     words, blocks and wire size ``S`` in int32 elements. ``bits``: the
     codec's :data:`~pycomm.distributed.spec.BLOCK_BITS` (0: onebit's signs).
@@ -400,7 +400,7 @@ class _RankBench:
             dtype = spec.method_spec(m.compressor).dtype
 
             def cast() -> None:
-                out.copy_(x.to(dtype))  # in and back out, as run_cast does
+                out.copy_(x.to(dtype))  # in and back out, as the engine's 16-bit path does
 
             return cast
 
@@ -512,7 +512,7 @@ class _RankBench:
             tbufs.append((torch.zeros(size, dtype=torch.int32), torch.empty(W * size, dtype=torch.int32)))
 
         def topk() -> None:
-            # As run_topk: all_gather i issued, then chunk i-1 waited for.
+            # As the engine's gathered all-reduce: all_gather i issued, then chunk i-1 waited for.
             works: List[Any] = []
             for i, (mine, gathered) in enumerate(tbufs):
                 works.append(gather(gathered, mine, async_op=True))

@@ -1,0 +1,232 @@
+// Cross-rank checks of compressed calls: the call check (a descriptor of
+// each call compared across ranks), the call tags that end every payload,
+// and the reading of a call's checks.
+#include "call_check.h"
+
+#include <string.h>
+
+#include <sstream>
+
+#include "backend.hpp"
+
+namespace pycomm {
+namespace dist {
+namespace {
+
+const char* dtype_name(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "float32";
+    case at::kHalf: return "float16";
+    case at::kBFloat16: return "bfloat16";
+    default: return c10::toString(t);
+  }
+}
+
+std::string field_value(int field, int64_t v) {
+  switch (field) {
+    case kDtype: return dtype_name(static_cast<at::ScalarType>(v));
+    case kOp: return v ? "avg" : "sum";
+    case kKey: return v < 0 ? "None" : std::to_string(v);
+    case kNumel: return v == kRefusedNumel ? "a call it refused" : std::to_string(v);
+    case kMethod:
+      if (v >= kPluginCode) return "registered compressor #" + std::to_string(v - kPluginCode);
+      return v >= 0 && v < kNumMethods ? kMethods[v] : "?";
+    case kDensity: {
+      double d;
+      memcpy(&d, &v, sizeof(d));
+      std::ostringstream o;
+      o << d;
+      return o.str();
+    }
+    case kApprox: return v ? "True" : "False";
+    case kCollective: return v >= 0 && v < kNumCollectives ? kCollectives[v] : "?";
+    case kRounding: return v < 0 ? "nearest" : "stochastic, seed " + std::to_string(v);
+    case kDevice: return c10::DeviceTypeName(static_cast<c10::DeviceType>(v), true);
+    default: return std::to_string(v);
+  }
+}
+
+// The values of 0-dim bool tensors of one device, read together: one
+// host synchronization on an accelerator, whatever their number.
+std::vector<bool> read_flags(const std::vector<at::Tensor>& flags) {
+  if (flags.empty()) return {};
+  const at::Tensor host = at::stack(flags).to(at::kCPU);
+  const bool* p = host.const_data_ptr<bool>();
+  return std::vector<bool>(p, p + host.numel());
+}
+
+}  // namespace
+
+void rethrow_with_context(const std::string& context) {
+  try {
+    throw;
+  } catch (const c10::DistBackendError& e) {
+    C10_THROW_ERROR(DistBackendError, context + e.what_without_backtrace());
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, context, e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, context, e.what());
+  }
+  TORCH_CHECK(false, context, "unknown exception");
+}
+
+bool all_finite(const std::vector<at::Tensor>& sums, const at::Tensor& t) {
+  if (sums.empty() || at::isfinite(at::stack(sums)).all().item<bool>()) return true;
+  return at::isfinite(t).all().item<bool>();
+}
+
+std::string CompressedBackend::describe_call(const at::Tensor& tensor, std::optional<int64_t> key,
+                                             bool average, const std::string& method) const {
+  std::ostringstream o;
+  o << kCollectives[collective_] << " key=" << (key ? std::to_string(*key) : "None") << " "
+    << tensor.numel() << " "
+    << dtype_name(tensor.scalar_type()) << " " << method << " "
+    << (average ? "avg" : "sum");
+  return o.str();
+}
+
+void CompressedBackend::check_call(const at::Tensor& tensor, std::optional<int64_t> key,
+                                   bool average, const std::string& method, bool refused) {
+  if (config_.check_calls == 0) return;
+  Span span(profile_.check_s);
+  const int64_t numel = tensor.numel();
+  const int dtype = static_cast<int>(tensor.scalar_type());
+  const auto signature = std::make_tuple(numel, dtype + 256 * collective_, average);
+  if (config_.check_calls == 1) {
+    if (key ? checked_keys_.count(*key) > 0 : checked_signatures_.count(signature) > 0) return;
+  }
+  int64_t density_bits;
+  memcpy(&density_bits, &config_.density, sizeof(density_bits));
+  std::vector<int64_t> mine(kFields);
+  mine[kNumel] = refused ? kRefusedNumel : numel;  // never equal to a peer's valid call
+  mine[kDtype] = dtype;
+  mine[kOp] = average;
+  mine[kKey] = key ? *key : -1;
+  mine[kMethod] = is_plugin(method) ? plugin_code(method, config_.plugin_options) : method_code(method);
+  mine[kChunk] = config_.chunk_numel;
+  mine[kBlock] = block_for(method);
+  mine[kDensity] = density_bits;
+  mine[kApprox] = config_.approx;
+  mine[kDevice] = static_cast<int64_t>(tensor.device().type());
+  mine[kCollective] = collective_;
+  mine[kRounding] = block_bits(method) ? config_.rounding_seed : -1;  // onebit: no rounding
+  const int world = getSize();
+  const auto opts = tensor.options().dtype(at::kLong);
+  at::Tensor in = at::tensor(mine, at::kLong).to(tensor.device());
+  at::Tensor out = at::empty({world * kFields}, opts);
+  ++profile_.collectives;  // its wait counts as the check's, not the wire's
+  wait_inner(inner_->_allgather_base(out, in, c10d::AllgatherOptions()));
+  const at::Tensor all = out.cpu().view({world, kFields});
+  const int64_t* a = all.data_ptr<int64_t>();
+  auto same = [&](int f) {
+    for (int r = 1; r < world; ++r)
+      if (a[r * kFields + f] != a[f]) return false;
+    return true;
+  };
+  // Another compressor has other settings anyway: then name it alone.
+  const bool same_method = same(kMethod);
+  std::ostringstream diffs;
+  for (int f = 0; f < kFields; ++f) {
+    if (same(f) || (!same_method && f != kMethod)) continue;
+    diffs << (diffs.tellp() > 0 ? "; " : "") << kFieldNames[f] << " (";
+    for (int r = 0; r < world; ++r)
+      diffs << (r ? ", " : "") << "rank " << r << ": " << field_value(f, a[r * kFields + f]);
+    diffs << ")";
+  }
+  TORCH_CHECK(diffs.tellp() == 0,
+              "ranks called the compressed ", kCollectives[collective_],
+              " with different arguments: ", diffs.str(),
+              ". Every rank must make the same compressed calls in the same order with the same "
+              "settings (checked at the first use of each key and of each keyless "
+              "(numel, dtype, op); PYCOMM_DEBUG=detail checks every call)");
+  if (key) {
+    checked_keys_.insert(*key);
+  } else {
+    checked_signatures_.insert(signature);
+  }
+}
+
+std::string CompressedBackend::failure_context(const at::Tensor& tensor,
+                                               std::optional<int64_t> key, bool average,
+                                               const std::string& method) const {
+  std::ostringstream o;
+  o << "pycomm rank " << getRank() << " of " << getSize();
+  // With two ranks the peer is known; with more, Gloo's own message below
+  // names the peer's address when the failure is a connection.
+  if (getSize() == 2) o << " (peer: rank " << 1 - getRank() << ")";
+  o << ": " << describe_call(tensor, key, average, method) << " failed: ";
+  return o.str();
+}
+
+void CompressedBackend::set_tag(const at::Tensor& tensor, std::optional<int64_t> key,
+                                bool average) {
+  const uint64_t h = call_tag(collective_, key ? *key : -1, tensor.numel(),
+                              static_cast<int>(tensor.scalar_type()), average);
+  int32_t words[kTagWords];
+  static_assert(sizeof(words) == sizeof(h), "a tag is 64 bits");
+  memcpy(words, &h, sizeof(h));
+  if (tensor.is_cpu()) {
+    tag_ = at::tensor(std::vector<int32_t>(words, words + kTagWords), at::kInt);
+    return;
+  }
+  // On an accelerator the copy would block the worker every call: each tag
+  // is copied once. Keyless calls of many sizes could grow the cache
+  // without bound: it starts over past a few thousand tags.
+  auto where = std::make_pair(h, tensor.device().str());
+  auto it = device_tags_.find(where);
+  if (it == device_tags_.end()) {
+    if (device_tags_.size() >= 4096) device_tags_.clear();
+    at::Tensor t =
+        at::tensor(std::vector<int32_t>(words, words + kTagWords), at::kInt).to(tensor.device());
+    it = device_tags_.emplace(where, t).first;
+  }
+  tag_ = it->second;
+}
+
+at::Tensor CompressedBackend::tag_words(const at::Tensor& buf, int world, int64_t slot) const {
+  const int64_t t = buf.scalar_type() == at::kByte ? kTagBytes : kTagWords;
+  return buf.view({world, slot}).narrow(1, slot - t, t);
+}
+
+at::Tensor CompressedBackend::tags_ok(const std::vector<at::Tensor>& words) const {
+  if (words.empty()) return at::ones({}, tag_.options().dtype(at::kBool));
+  const at::Tensor all = at::cat(words);
+  return all.eq(all.scalar_type() == at::kByte ? tag_.view(at::kByte) : tag_).all();
+}
+
+void CompressedBackend::require_tags(bool ok) const {
+  TORCH_CHECK(ok,
+              "the ranks ran different compressed calls at the same position (another key, "
+              "size, dtype or op: the payloads' call tags differ), so their results were "
+              "discarded and the residuals kept. The engine runs each rank's calls in the order "
+              "they were submitted: calls submitted from several threads must reach it in the "
+              "same order on every rank (issue the compressed calls of a group from one thread; "
+              "check_calls=\"every\" names the difference)");
+}
+
+void CompressedBackend::require_tags(const std::vector<at::Tensor>& words) {
+  require_tags(read_checks({tags_ok(words)})[0]);
+}
+
+std::vector<bool> CompressedBackend::read_checks(const std::vector<at::Tensor>& checks) {
+  Span span(profile_.sync_s);
+  return read_flags(checks);
+}
+
+bool CompressedBackend::checked_finite(const std::vector<at::Tensor>& words,
+                                       const std::vector<at::Tensor>& sums, const at::Tensor& t) {
+  std::vector<at::Tensor> checks;
+  {
+    Span span(profile_.decode_s);
+    checks.push_back(tags_ok(words));
+    if (!sums.empty()) checks.push_back(at::isfinite(at::stack(sums)).all());
+  }
+  const std::vector<bool> ok = read_checks(checks);
+  require_tags(ok[0]);
+  // A sum is finite only if every term is; the exact check only when the
+  // sum itself is not (an overflow of finite values, or a non-finite one).
+  return sums.empty() || ok[1] || at::isfinite(t).all().item<bool>();
+}
+
+}  // namespace dist
+}  // namespace pycomm

@@ -1,0 +1,80 @@
+// The one scope every compressed call runs in (run_call), whichever the
+// collective, and the exact and 16-bit paths they share.
+#include "call_scope.h"
+
+#include "backend.hpp"
+#include "call_check.h"
+
+namespace pycomm {
+namespace dist {
+
+Float32Views::Float32Views(const at::Tensor& input, const at::Tensor& output)
+    : direct(input.scalar_type() == at::kFloat && input.is_contiguous() && output.is_contiguous()) {
+  in = direct ? input.view({-1}) : input.reshape({-1}).to(at::kFloat).contiguous();
+  if (output.is_same(input)) {
+    out = in;
+  } else {
+    out = direct ? output.view({-1}) : at::empty({output.numel()}, in.options());
+  }
+}
+
+bool Float32Views::write_back(const at::Tensor& output, bool check) const {
+  if (direct) return true;
+  output.copy_(out.view(output.sizes()));
+  return !check || all_finite({output.sum(at::kFloat)}, output);
+}
+
+void CompressedBackend::run_call(int collective, const at::Tensor& tensor,
+                                 std::optional<int64_t> key, bool average, const std::string& m,
+                                 const std::function<void()>& body) {
+  const RunningCollective running(collective_, collective);
+  ++profile_.calls;
+  Span span(profile_.run_s);
+  try {
+    check_call(tensor, key, average, m);
+    set_tag(tensor, key, average);
+    body();
+  } catch (...) {
+    if (key) {
+      // A refused or failed call is this key's last call: undo_error_feedback
+      // must not roll back the one before it, which was kept. Its previous
+      // call is decided first, so that deciding it later cannot make it
+      // undoable again.
+      settle(/*wait=*/true, *key);
+      if (auto it = error_feedback_.find(*key); it != error_feedback_.end()) it->second.undoable = false;
+    }
+    rethrow_with_context(failure_context(tensor, key, average, m));
+  }
+}
+
+bool CompressedBackend::run_uncompressed(
+    const Float32Views& views, const at::Tensor& output, bool average, const std::string& m,
+    const std::function<at::Tensor(const at::Tensor&)>& exchange) {
+  const bool exact = method_is(m, "exact");
+  if (!exact && !method_is(m, "cast")) return false;
+  at::Tensor send;
+  {
+    // A 16-bit sum is divided first (as PyTorch's fp16 hook does), so that
+    // it cannot overflow; an exact one after.
+    Span span(profile_.encode_s);
+    send = (average && !exact ? views.in / getSize() : views.in)
+               .to(exact ? at::kFloat : m == "fp16" ? at::kHalf : at::kBFloat16);
+  }
+  const at::Tensor result = exchange(send);
+  {
+    Span span(profile_.decode_s);
+    if (!result.is_same(views.out)) views.out.copy_(result);
+    if (average && exact) views.out.div_(getSize());
+  }
+  views.write_back(output, false);
+  return true;
+}
+
+void CompressedBackend::wait_wire(const c10::intrusive_ptr<c10d::Work>& work) {
+  ++profile_.collectives;
+  Span span(profile_.wire_s);
+  wait_inner(work);
+}
+
+}  // namespace dist
+}  // namespace pycomm

@@ -1,0 +1,81 @@
+// The compressors as the engine uses them: the kernels through the
+// dispatcher (csrc/ops, or a compressor registered in Python), a block
+// codec's segments of a chunk (the two-phase all-reduce), and one payload
+// format for every method (what the gathered all-reduce, the
+// reduce-scatter and the all-gather exchange).
+#pragma once
+
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include <ATen/ATen.h>
+
+#include "spec.h"
+
+namespace pycomm {
+namespace dist {
+
+struct Config;
+
+// Any other method name is a compressor registered in Python.
+inline bool is_plugin(const std::string& m) { return !m.empty() && !known_method(m) && m != "auto"; }
+
+// A block codec (onebit, int8, int4) as the engine uses it: compress a
+// whole chunk, cut a segment's wire words out of its payload, decode a
+// segment's wire words. Segments start at whole blocks (BlockLayout), and
+// blocks at multiples of 32 elements, so a segment's data starts at a whole
+// word or byte of the chunk's.
+struct BlockCodec {
+  int bits;  // 0: onebit
+  int64_t block;
+
+  // `seed`: int8/int4's stochastic rounding seed, -1 to nearest (onebit
+  // has no rounding).
+  std::tuple<at::Tensor, at::Tensor> compress(const at::Tensor& g,
+                                              const std::optional<at::Tensor>& r,
+                                              int64_t seed) const;
+  // The new residual into r_out, r left as it was.
+  std::tuple<at::Tensor, at::Tensor> compress_into(const at::Tensor& g, const at::Tensor& r,
+                                                   const at::Tensor& r_out, int64_t seed) const;
+  // Wire words (int32: data, then scales) of elements [lo, lo + len) of a payload.
+  std::vector<at::Tensor> segment(const at::Tensor& data, const at::Tensor& scales, int64_t lo,
+                                  int64_t len) const;
+  // The scales of the len-element segment at `offset` of an int32 buffer.
+  at::Tensor scales_at(const at::Tensor& buf, int64_t offset, int64_t len) const;
+  // Whether segments with these scales decode to finite values only: their
+  // largest value is +-scale (onebit) or qmax * scale (int8/int4; the
+  // product can overflow even where the scale does not). A 0-dim bool.
+  at::Tensor finite(const at::Tensor& s) const;
+  // Decodes the len-element segment at `offset` of an int32 buffer into out.
+  void decompress(const at::Tensor& out, const at::Tensor& buf, int64_t offset,
+                  bool accumulate) const;
+};
+
+// One segment's payload as bytes, a fixed size for a given length (every
+// method and registered compressor), followed by the call's tag, and its
+// decoding. Parts start 8-byte aligned, so the receiver views them in place.
+struct PayloadCodec {
+  std::string method;
+  const Config& cfg;
+  BlockCodec block;
+
+  PayloadCodec(const std::string& m, const Config& c, int64_t block_size)
+      : method(m), cfg(c), block{block_bits(m), block_size} {}
+
+  // The payload of `seg` (with error feedback when `r` is given, updated in
+  // place), then `tag` (int32 words). `layout`: a registered compressor's
+  // payload parts (dtypes and shapes), learned from the first payload of a
+  // chunk when empty (its segments are alike).
+  at::Tensor encode(const at::Tensor& seg, const std::optional<at::Tensor>& r, int64_t seed,
+                    const at::Tensor& tag, std::vector<at::Tensor>& layout) const;
+  // Decodes the payloads of a received buffer of `slot`-byte slots (one per
+  // rank, payload first, tag last): slot j into dst[j] (written), or, given
+  // one tensor, all of them into it, added in rank order.
+  void decode(const at::Tensor& buf, int64_t slot, const std::vector<at::Tensor>& layout,
+              const std::vector<at::Tensor>& dst) const;
+};
+
+}  // namespace dist
+}  // namespace pycomm

@@ -1,0 +1,64 @@
+// The chunked payload exchange of the gathered all-reduce, the
+// reduce-scatter and the all-gather: one exchange per chunk, pipelined.
+#include "pipeline.h"
+
+#include "backend.hpp"
+
+namespace pycomm {
+namespace dist {
+
+std::vector<at::Tensor> CompressedBackend::exchange_payloads(
+    const std::string& method, const at::Tensor& in, int64_t S, bool all_to_all,
+    ErrorFeedback* ef, const Group& g,
+    const std::function<void(const PayloadCodec&, const PayloadChunk&)>& received) {
+  const PayloadCodec codec(method, config_, block_for(method));
+  const int world = g.world, segments = all_to_all ? world : 1;
+  const int64_t C = chunk_length(S, config_.chunk_numel), chunks = ceil_div(S, C);
+  std::vector<PayloadChunk> st;
+  st.reserve(chunks);
+  std::vector<at::Tensor> tags;
+
+  auto send = [&](int64_t i) {
+    Span span(profile_.encode_s);
+    PayloadChunk& ch = st.emplace_back();
+    ch.begin = i * C;
+    ch.len = std::min(C, S - ch.begin);
+    std::vector<at::Tensor> payloads;
+    for (int j = 0; j < segments; ++j) {
+      const int64_t at0 = j * S + ch.begin;
+      std::optional<at::Tensor> r;
+      if (ef) r = ef->worker.narrow(0, at0, ch.len);
+      payloads.push_back(
+          codec.encode(in.narrow(0, at0, ch.len), r, seeds_.at(i, j), tag_, ch.layout));
+    }
+    ch.slot = payloads[0].numel();
+    for (const auto& p : payloads)
+      TORCH_CHECK(p.numel() == ch.slot, "compressor '", codec.method, "' made payloads of ",
+                  ch.slot - kTagBytes, " and ", p.numel() - kTagBytes, " bytes for segments of ",
+                  ch.len, " elements: payload sizes must depend on the element count alone");
+    at::Tensor buf = segments == 1 ? payloads[0] : at::cat(payloads);
+    ch.recv = at::empty({world * ch.slot}, buf.options());
+    if (all_to_all) {
+      std::vector<int64_t> splits(world, ch.slot);
+      ch.work = g.pg->alltoall_base(ch.recv, buf, splits, splits, c10d::AllToAllOptions());
+    } else {
+      ch.work = g.pg->_allgather_base(ch.recv, buf, c10d::AllgatherOptions());
+    }
+  };
+
+  auto receive = [&](int64_t i) {
+    PayloadChunk& ch = st[i];
+    wait_wire(ch.work);
+    Span span(profile_.decode_s);
+    tags.push_back(tag_words(ch.recv, world, ch.slot));
+    received(codec, ch);
+    ch.recv = at::Tensor();
+    ch.layout.clear();
+  };
+
+  run_pipeline(chunks, send, receive);
+  return tags;
+}
+
+}  // namespace dist
+}  // namespace pycomm

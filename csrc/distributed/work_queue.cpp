@@ -1,0 +1,171 @@
+// The worker thread that issues every collective of a group in submission
+// order, and the deferred finishing of compressed calls whose checks are
+// still on an accelerator (PendingCall).
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+
+#include "backend.hpp"
+
+namespace pycomm {
+namespace dist {
+
+using WorkPtr = c10::intrusive_ptr<c10d::Work>;
+
+// ------------------------------------------------------------- PycommWork ---
+PycommWork::PycommWork(int rank, c10d::OpType type, std::vector<at::Tensor> result)
+    : c10d::Work(rank, type), result_(std::move(result)) {
+  std::vector<c10::Device> devices;
+  for (const auto& t : result_)
+    if (t.is_cuda()) devices.push_back(t.device());
+  future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()),
+                                                     devices);
+}
+
+void PycommWork::complete(std::exception_ptr error, int source_rank) {
+  source_rank_ = source_rank;
+  finish(error);  // wakes wait()ers first, so a future callback may wait() safely
+  if (error) {
+    future_->setError(error);
+  } else {
+    future_->markCompleted(c10::IValue(result_));
+  }
+}
+
+void wait_inner(const WorkPtr& work) {
+  if (work) work->wait();
+}
+
+std::optional<c10::Stream> caller_stream(const std::vector<at::Tensor>& tensors) {
+  for (const auto& t : tensors) {
+    if (t.defined() && !t.is_cpu() && !t.is_meta())
+      return c10::impl::VirtualGuardImpl(t.device().type()).getStream(t.device());
+  }
+  return std::nullopt;
+}
+
+// ---------------------------------------------------------- the worker ---
+void CompressedBackend::run_worker() {
+  // Collectives never record autograd history (as on the caller's side of
+  // dist.all_reduce): the tensors may be Parameters that require grad.
+  const c10::AutoGradMode no_grad(false);
+  for (;;) {
+    settle(/*wait=*/false);  // what the device has passed (on a CPU: all)
+    std::optional<Task> task;
+    bool stopping;
+    {
+      std::unique_lock<std::mutex> lock(queue_mutex_);
+      auto ready = [this] { return stopping_ || !queue_.empty(); };
+      // With calls pending, look at the device now and then: their Works
+      // complete when it has passed them.
+      if (pending_.empty()) {
+        queue_cv_.wait(lock, ready);
+      } else {
+        queue_cv_.wait_for(lock, std::chrono::microseconds(50), ready);
+      }
+      stopping = stopping_;
+      if (!queue_.empty()) {
+        task = std::move(queue_.front());
+        queue_.pop_front();
+      } else if (stopping && pending_.empty()) {
+        return;  // stopping, and everything submitted has run
+      }
+    }
+    settle(/*wait=*/task ? !task->overlaps : stopping);
+    if (task) task->run();
+  }
+}
+
+void CompressedBackend::settle(bool wait, std::optional<int64_t> key) {
+  size_t last = 0;  // finish pending_[0, last)
+  if (key) {
+    for (size_t i = 0; i < pending_.size(); ++i)
+      if (pending_[i].key == key) last = i + 1;
+  } else if (wait) {
+    last = pending_.size();
+  } else {
+    // A device error counts as passed: finishing the call then reports it.
+    auto passed = [](const PendingCall& c) {
+      try {
+        return !c.done || c.done->query();
+      } catch (...) {
+        return true;
+      }
+    };
+    while (last < pending_.size() && passed(pending_[last])) ++last;
+  }
+  for (; last > 0; --last) {
+    PendingCall call = std::move(pending_.front());
+    pending_.pop_front();
+    finish_pending(call);
+  }
+}
+
+void CompressedBackend::finish_pending(PendingCall& call) {
+  // The Work completes on the caller's stream (see submit).
+  std::optional<c10::StreamGuard> guard;
+  if (call.stream) guard.emplace(*call.stream);
+  try {
+    if (call.done && !call.done->query()) {
+      Span span(profile_.sync_s);
+      call.done->synchronize();
+    }
+    const bool* f = call.checks.const_data_ptr<bool>();
+    call.finish(std::vector<bool>(f, f + call.checks.numel()));
+    call.work->complete();
+  } catch (...) {
+    call.work->complete(std::current_exception());
+  }
+}
+
+void CompressedBackend::defer(const std::vector<at::Tensor>& checks, std::optional<int64_t> key,
+                              std::function<void(const std::vector<bool>&)> finish) {
+  const at::Tensor dev = at::stack(checks);
+  const c10::Device device = dev.device();
+  PendingCall call{std::nullopt, dev, std::move(finish), {}, std::nullopt, key};
+  if (!dev.is_cpu()) {
+    call.checks = at::empty({dev.numel()}, at::TensorOptions().dtype(at::kBool).pinned_memory(true));
+    call.checks.copy_(dev, /*non_blocking=*/true);
+    call.done.emplace(device.type());
+    call.done->record(c10::impl::VirtualGuardImpl(device.type()).getStream(device));
+  }
+  deferred_.emplace(std::move(call));
+}
+
+WorkPtr CompressedBackend::submit(c10d::OpType type, std::vector<at::Tensor> result,
+                                  std::function<void()> body, std::optional<c10::Stream> stream,
+                                  bool overlaps) {
+  auto work = c10::make_intrusive<PycommWork>(getRank(), type, std::move(result));
+  {
+    std::lock_guard<std::mutex> lock(queue_mutex_);
+    TORCH_CHECK(!stopping_, "pycomm backend is shutting down");
+    queue_.push_back(Task{[this, work, body = std::move(body), stream,
+                         queued = std::chrono::steady_clock::now()] {
+      profile_.queued_s +=
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - queued).count();
+      // The completion too is recorded on the caller's stream: the Work's
+      // future makes the waiter's stream wait on an event recorded on the
+      // current stream when it completes.
+      std::optional<c10::StreamGuard> guard;
+      if (stream) guard.emplace(*stream);
+      try {
+        body();
+        if (deferred_) {  // finished later, by settle
+          deferred_->work = work;
+          deferred_->stream = stream;
+          pending_.push_back(std::move(*deferred_));
+          deferred_.reset();
+        } else {
+          work->complete();
+        }
+      } catch (...) {
+        deferred_.reset();
+        work->complete(std::current_exception());
+      }
+    }, overlaps});
+  }
+  queue_cv_.notify_one();
+  return work;
+}
+
+}  // namespace dist
+}  // namespace pycomm

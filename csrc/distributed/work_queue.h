@@ -1,0 +1,103 @@
+// The worker thread's side of the engine: the Work a caller gets, the
+// calls finished later (once an accelerator has passed their checks), and
+// where the worker's time goes.
+#pragma once
+
+#include <chrono>
+#include <exception>
+#include <functional>
+#include <optional>
+#include <vector>
+
+#include <c10/core/Event.h>
+#include <c10/core/Stream.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+namespace pycomm {
+namespace dist {
+
+// Where the worker thread's time goes (docs/performance.md): wall seconds
+// summed over the calls since the group was created or last reset. On an
+// accelerator the kernels run asynchronously, so encode/decode then count
+// their launches and `wire` also the kernels a collective waits for.
+struct Profile {
+  int64_t calls = 0;         // compressed collectives run
+  int64_t collectives = 0;   // inner collectives they issued
+  int64_t forwarded = 0;     // collectives forwarded unchanged
+  double queued_s = 0;       // submitted -> started: the hand-off, and waiting behind earlier calls
+  double run_s = 0;          // compressed calls, start to end
+  double check_s = 0;        // the cross-rank call check
+  double encode_s = 0;       // compress (worker and server), payload assembly, issuing
+  double wire_s = 0;         // waiting for the inner collectives
+  double decode_s = 0;       // decompress, sums, finiteness
+  double sync_s = 0;         // reading a call's checks (tags, finiteness): on an
+                             // accelerator, the wait for its kernels to finish
+  double forwarded_s = 0;    // forwarded collectives, start to end
+};
+
+// Adds the wall time of a scope to a Profile field.
+class Span {
+ public:
+  explicit Span(double& into) : into_(into), t0_(std::chrono::steady_clock::now()) {}
+  ~Span() { into_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count(); }
+  Span(const Span&) = delete;
+  Span& operator=(const Span&) = delete;
+
+ private:
+  double& into_;
+  std::chrono::steady_clock::time_point t0_;
+};
+
+// A Work completed by the worker thread; its future holds the result tensors.
+class PycommWork : public c10d::Work {
+ public:
+  PycommWork(int rank, c10d::OpType type, std::vector<at::Tensor> result);
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+  std::vector<at::Tensor> result() override { return result_; }
+  int sourceRank() const override { return source_rank_; }
+  void complete(std::exception_ptr error = nullptr, int source_rank = -1);
+
+ private:
+  std::vector<at::Tensor> result_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+  int source_rank_ = -1;
+};
+
+// A compressed call on an accelerator whose checks (call tags, finiteness)
+// are still on their way to the host: its kernels and collectives are
+// queued, and the worker thread finishes it (keeps or discards its new
+// residuals, counts it, completes its Work) once the device has passed
+// `done`, without waiting for the device in between (docs/allreduce.md,
+// "Streams").
+// On a CPU the checks are read at once and the call is finished at the
+// worker's next turn: one path for every device.
+struct PendingCall {
+  std::optional<c10::Event> done;  // none on a CPU
+  at::Tensor checks;  // host copy (pinned on an accelerator) of the call's 0-dim bool checks
+  // Applies the checks; throws (the Work's error) when the tags differ.
+  std::function<void(const std::vector<bool>&)> finish;
+  c10::intrusive_ptr<PycommWork> work;
+  std::optional<c10::Stream> stream;
+  std::optional<int64_t> key;
+};
+
+// Waits for an inner backend's Work. A backend may return none for a
+// collective it has nothing to wait for: ProcessGroupNCCL (torch 2.11) does
+// for a forwarded all-reduce of one rank.
+void wait_inner(const c10::intrusive_ptr<c10d::Work>& work);
+
+// The caller's current stream on the device of the first accelerator
+// tensor, taken on the caller's thread (the worker's current stream is
+// another one).
+std::optional<c10::Stream> caller_stream(const std::vector<at::Tensor>& tensors);
+
+// A submitted collective; `overlaps`: a compressed call, which may start
+// while earlier ones are pending. Anything else starts once every pending
+// call is finished (the state accessors see settled residuals).
+struct Task {
+  std::function<void()> run;
+  bool overlaps = false;
+};
+
+}  // namespace dist
+}  // namespace pycomm
