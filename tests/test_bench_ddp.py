@@ -58,6 +58,16 @@ def _args(*argv):
                                      rounding="stochastic")),
     ("optim-onebit-v40", Method("optim-onebit-v40", "optim", "onebit", True, variance_every=40)),
     ("optim-int8-overlap-v0", Method("optim-int8-overlap-v0", "optim", "int8", True, overlap=True, variance_every=0)),
+    # DiLoCo: exact by default; error feedback on for a codec that keeps residuals, as for the hook.
+    ("diloco-H16", Method("diloco-H16", "diloco", "none", False, sync_every=16, fragments=1, delay=0)),
+    ("diloco-H16-int4", Method("diloco-H16-int4", "diloco", "int4", True, sync_every=16, fragments=1, delay=0)),
+    ("diloco-H32-F4-d1-int4", Method("diloco-H32-F4-d1-int4", "diloco", "int4", True, sync_every=32, fragments=4,
+                                     delay=1)),
+    ("diloco-H8-d3-int8-sr-noef", Method("diloco-H8-d3-int8-sr-noef", "diloco", "int8", False,
+                                         rounding="stochastic", sync_every=8, fragments=1, delay=3)),
+    ("diloco-H4-F2-fp16", Method("diloco-H4-F2-fp16", "diloco", "fp16", False, sync_every=4, fragments=2, delay=0)),
+    ("diloco-H1-onebit-noef", Method("diloco-H1-onebit-noef", "diloco", "onebit", False, sync_every=1, fragments=1,
+                                     delay=0)),
 ])
 def test_parse_method(name, want):
     assert parse_method(name) == want
@@ -70,6 +80,12 @@ def test_parse_method(name, want):
     ("optim-onebit-noef", "apply to onebit, topk"), ("optim-int4-backend", "apply to onebit, topk"),
     ("onebit-sr", "int8 and int4 only"), ("optim-onebit-sr", "int8 and int4 only"), ("fp16-sr", "int8 and int4 only"),
     ("onebit-v40", "unknown method"), ("optim-onebit-v", "unknown method"),
+    ("diloco", "unknown method"), ("diloco-16", "unknown method"), ("diloco-H0", "H and F must be >= 1"),
+    ("diloco-H16-F3", "F=3 must divide H=16"), ("diloco-H16-F4-d4", "d=4 must be less than H/F = 4"),
+    ("diloco-H16-topk", "must be one of onebit, int8, int4, fp16 or bf16 (or none, for the exact average), got 'topk'"),
+    ("diloco-H16-int2", "got 'int2'"), ("diloco-H16-noef", "-noef applies to a codec that keeps residuals"),
+    ("diloco-H16-bf16-noef", "onebit, int8 or int4"), ("diloco-H16-onebit-sr", "int8 and int4 only"),
+    ("diloco-H16-int4-backend", "-backend does not apply to diloco"),
 ])
 def test_parse_method_refuses(name, words):
     with pytest.raises(ValueError, match=None) as e:
@@ -109,6 +125,8 @@ def test_defaults_cover_the_comparison():
     (["--methods", "optim-onebit", "--steps", "20", "--optim-warmup", "18"], "--optim-warmup"),
     (["--steps", "20", "--eval-every", "20"], "--eval-every"),
     (["--optimizer", "sgd", "--methods", "optim-onebit-v10"], "OneBitAdam's variance"),
+    (["--optimizer", "sgd", "--methods", "diloco-H16"], "diloco-H16: DiLoCo's outer step"),
+    (["--outer-lr", "0"], "--outer-lr must be > 0"), (["--outer-momentum", "1"], "--outer-momentum must be in [0, 1)"),
     # fsdp's suffix, which restates the hook's default: refused, saying what to write
     (["--methods", "int8-ef"], "error feedback is on by default in pycomm-bench ddp: write 'int8'"),
 ])
@@ -329,6 +347,76 @@ def test_backend_twins_are_timed_not_retrained():
     assert all(not r["training"] for r in ddp.run_plan(a, training=False))
     a.train_all = True
     assert all(r["training"] for r in ddp.run_plan(a, training=True))
+
+
+def test_diloco_is_timed_over_whole_sync_periods():
+    a = _args("--methods", "diloco-H16-int4,diloco-H8-F4-d1", "--steps", "50", "--time-steps", "10")
+    timing = {r["method"]: r for r in ddp.run_plan(a, training=False)}
+    # 10 timed steps rounded up to one period of H: exactly one sync of every fragment timed.
+    assert timing["diloco-H16-int4"] == dict(method="diloco-H16-int4", steps=3 + 16, start_iter=2, timed_from=3,
+                                             training=False)
+    assert timing["diloco-H8-F4-d1"]["steps"] == 3 + 16 and timing["allreduce"]["steps"] == 2 + 10
+    train = {r["method"]: r for r in ddp.run_plan(a, training=True)}
+    assert train["diloco-H16-int4"]["steps"] == 50 and train["diloco-H16-int4"]["start_iter"] == a.start_iter
+
+
+class _Bucket:
+    def __init__(self, last):
+        self.last = last
+
+    def is_last(self):
+        return self.last
+
+
+def test_cast_hooks_wait_for_the_plain_warm_up(monkeypatch):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    calls = []
+    monkeypatch.setattr(default_hooks, "allreduce_hook", lambda group, bucket: calls.append("plain") or "p")
+    state = ddp._AfterWarmup(2, lambda group, bucket: calls.append("fp16") or "c")
+    # Two buckets per step: a step counts once, at its last bucket.
+    futs = [ddp._AfterWarmup.hook(state, _Bucket(last)) for _ in range(3) for last in (False, True)]
+    assert calls == ["plain"] * 4 + ["fp16"] * 2 and futs == ["p"] * 4 + ["c"] * 2 and state.iter == 3
+
+
+def test_quick_runs_say_their_loss_is_no_verdict(tmp_path, capsys):
+    recs = [ddp.combine_seeds([_seed_rec(m, 0, loss)]) for m, loss in (("allreduce", 2.0), ("x", 2.1))]
+    ddp.finish_records(recs)
+    (tmp_path / "q.json").write_text(json.dumps(recs))
+    for quick in (True, False):
+        args = _args("--merge", str(tmp_path / "q.json"), "--json", str(tmp_path / "o.json"), "--no-plots",
+                     *(["--quick"] if quick else []))
+        assert ddp.run(args) == 0
+        out = capsys.readouterr().out
+        assert ("no verdict on quality" in out) is quick and "2.100 (1.050)" in out
+
+
+def test_diloco_end_to_end(tmp_path):
+    out = tmp_path / "d.json"
+    methods = "fp16,diloco-H4-int4,diloco-H4-F2-d1"
+    proc = _run_bench(tmp_path, "--methods", methods, "--steps", "12", "--start-iter", "3", "--eval-every", "4",
+                      "--eval-batches", "4", "--outer-lr", "0.5", "--json", str(out))
+    recs = {r["method"]: r for r in json.loads(out.read_text())}
+    plain, fp16 = recs["allreduce"], recs["fp16"]
+    # fp16 trains plainly through the same warm-up: the same losses until its first compressed step counts.
+    assert fp16["loss_per_step"][:4] == plain["loss_per_step"][:4]
+    for name in ("diloco-H4-int4", "diloco-H4-F2-d1"):
+        r = recs[name]
+        for k in RECORD_KEYS + SEED_KEYS:
+            assert k in r, (name, k)
+        assert r["entry"] == "diloco" and r["optimizer_class"] == "DiLoCo(AdamW)"
+        assert (r["diloco_outer_lr"], r["diloco_outer_momentum"]) == (0.5, 0.9)
+        assert r["params_identical"] is True  # every rank holds the same anchor
+        assert [s for s, _ in r["eval_loss_curve"]] == [4, 8, 12] and math.isfinite(r["final_loss"])
+        assert r["step_time_mean_s"] > 0 and r["diloco_memory_bytes"] > 0
+        assert 0 < r["diloco_bytes_per_step"] < plain["bytes_sent_per_rank_per_step"]
+    # 9 DiLoCo steps after the 3 warm-up ones: syncs at its steps 4 and 8 (H=4); F=2: a fragment every 2 steps.
+    assert recs["diloco-H4-int4"]["per_seed"][0]["diloco_syncs"] == 2
+    assert recs["diloco-H4-F2-d1"]["per_seed"][0]["diloco_syncs"] == 4
+    # int4 sends about an eighth of the exact average's bytes per sync (float32 -> 4 bits and scales).
+    exact_sync = recs["diloco-H4-F2-d1"]["diloco_bytes_per_sync"]
+    assert recs["diloco-H4-int4"]["diloco_bytes_per_sync"] < exact_sync / 6
+    assert "MB/step by DiLoCo.bytes_per_step" in proc.stdout and "no verdict" not in proc.stdout
 
 
 def test_small_tensor_workload_runs(tmp_path):

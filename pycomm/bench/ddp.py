@@ -34,10 +34,31 @@ Methods, side by side in the same rank processes (same seed, same batches):
   ``--start-iter``), then DDP sends nothing and the optimizer all-reduces
   its momentum with compressor C (``optim-C-vK``, AdamW: every K-th step
   averages exactly instead and updates OneBitAdam's variance,
-  ``variance_update_every=K``).
+  ``variance_update_every=K``);
+* ``diloco-H<H>[-F<F>][-d<tau>][-<codec>]`` (e.g. ``diloco-H16``,
+  ``diloco-H16-int4``, ``diloco-H32-F4-d1-int4``): the model is not wrapped
+  in DDP and no gradient is sent; after the plain warm-up (gradients
+  averaged exactly, so every rank starts DiLoCo from the same parameters)
+  :class:`pycomm.optim.DiLoCo` wraps the inner AdamW (``--optimizer adamw``
+  only: its outer Nesterov step is tuned for an AdamW inner loop) and
+  averages the pseudo-gradients every H steps, F fragments staggered, each
+  applied tau steps after its send, with the codec (none: exact; the
+  outer Nesterov SGD: ``--outer-lr``, ``--outer-momentum``). The
+  ranks' parameters differ between syncs, so the held-out loss is that of
+  the replicas' mean (an exact all-reduce outside the timed steps, its
+  bytes not counted); the record adds ``diloco_bytes_per_step``
+  (``DiLoCo.bytes_per_step``), ``diloco_syncs`` and ``diloco_memory_bytes``,
+  and checks that every rank holds the same anchor. Its step time varies
+  (a sync every H/F steps): compare ``step_time_mean_s``, not the median.
 
 Every compressing method, PyTorch's and pycomm's, starts after the same
-``start_iter`` plain warm-up steps (``optim-*``: after ``--optim-warmup``).
+``start_iter`` plain warm-up steps (``optim-*``: after ``--optim-warmup``;
+``fp16``/``bf16``: PyTorch's cast hooks, which have no warm-up of their own,
+are wrapped to all-reduce plainly until then, as ``powersgd-R`` does).
+``--quick`` runs are smoke tests: their held-out losses are one evaluation
+after 40 steps and the ratios to plain flip between neighbouring steps
+(PowerSGD 1.43x at step 40, 1.02x at 44), so the output says the loss
+column is no verdict.
 ``--seeds N`` trains every method N times, with seeds ``--seed`` ...
 ``--seed + N - 1`` (the seed fixes the model's initial weights and every
 rank's batches: the same for every method of one seed): each record then
@@ -107,6 +128,14 @@ DEFAULT_START_ITER = 10
 TIMING_START_ITER = 2
 DEFAULT_BUCKET_CAP_MB = 4.0
 DEFAULT_OPTIMIZER = "adamw"
+#: DiLoCo's outer Nesterov SGD, as :class:`pycomm.optim.DiLoCo` defaults it
+#: (Douillard et al. 2023); ``--outer-lr`` / ``--outer-momentum``.
+DILOCO_OUTER_LR, DILOCO_OUTER_MOMENTUM = 0.7, 0.9
+#: Printed under the table of a ``--quick`` run (a single held-out
+#: evaluation after 40 steps, on one seed).
+QUICK_LOSS_NOTE = ("--quick: the held-out losses are one evaluation after a few steps on one seed, and their "
+                   "ratios to allreduce flip between neighbouring steps (PowerSGD 1.43x at step 40, 1.02x at "
+                   "44): no verdict on quality; compare losses with --steps 400 --seeds 3 --eval-every 100")
 #: onebit block of the benchmark's pycomm methods: with AdamW, 256 trained
 #: the language model to a loss within 2% of plain all-reduce where the
 #: library default 2048 stayed ~11% above it (4 ranks, 150-200 steps).
@@ -127,7 +156,7 @@ def parse_method(name: str) -> Method:
     (:mod:`pycomm.bench.methods`, the names this benchmark trains with).
 
     >>> parse_method("topk-0.01-noef")
-    Method(name='topk-0.01-noef', entry='hook', compressor='topk', error_feedback=False, density=0.01, rank=None, overlap=False, rounding='nearest', variance_every=None)
+    Method(name='topk-0.01-noef', entry='hook', compressor='topk', error_feedback=False, density=0.01, rank=None, overlap=False, rounding='nearest', variance_every=None, sync_every=None, fragments=None, delay=None)
     """
     return _parse_method(name, bases=DDP_BASES)
 
@@ -168,6 +197,31 @@ def _optimizer(model, cfg: Dict[str, Any], m: Optional[Method] = None, warmup: i
     if cfg["optimizer"] == "sgd":
         return torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=0.9, fused=True)
     return torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=0.0, fused=True)
+
+
+class _AfterWarmup:
+    """A PyTorch DDP hook (``hook(None, bucket)``, e.g. ``fp16_compress_hook``)
+    that runs only after ``start_iter`` steps of DDP's plain all-reduce, the
+    warm-up every other method gets (PowerSGD's ``start_powerSGD_iter``,
+    pycomm's ``start_iter``). Steps are counted at each step's last bucket.
+
+    >>> w = _AfterWarmup(2, hook=None)
+    >>> w.iter, w.start_iter
+    (0, 2)
+    """
+
+    def __init__(self, start_iter: int, hook) -> None:
+        self.start_iter, self.inner, self.iter = start_iter, hook, 0
+
+    @staticmethod
+    def hook(state: "_AfterWarmup", bucket):
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        fut = (default_hooks.allreduce_hook(None, bucket) if state.iter < state.start_iter
+               else state.inner(None, bucket))
+        if bucket.is_last():
+            state.iter += 1
+        return fut
 
 
 class _RankTrainer:
@@ -211,6 +265,10 @@ class _RankTrainer:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         model, batch_fn, loss_fn = workload(self.cfg, seed)
+        if m.entry == "diloco":
+            # No DDP: DiLoCo's replicas drift between syncs by design. The
+            # warm-up's inner AdamW; DiLoCo wraps it after start_iter (train()).
+            return model, _optimizer(model, self.cfg), loss_fn, batch_fn, None
         group = self._pycomm_group(m) if m.entry == "backend" else None
         ddp = DDP(model, process_group=group, bucket_cap_mb=self.cfg["bucket_cap_mb"])
         state = None
@@ -221,7 +279,8 @@ class _RankTrainer:
             from ..ddp import serialized_hook
 
             if m.kind == "cast":  # torch's fp16_compress_hook, bf16_compress_hook
-                ddp.register_comm_hook(None, getattr(default_hooks, f"{m.compressor}_compress_hook"))
+                state = _AfterWarmup(start_iter, getattr(default_hooks, f"{m.compressor}_compress_hook"))
+                ddp.register_comm_hook(state, _AfterWarmup.hook)
             else:
                 state = P.PowerSGDState(process_group=None, matrix_approximation_rank=m.rank,
                                         start_powerSGD_iter=start_iter, use_error_feedback=True,
@@ -339,6 +398,46 @@ class _RankTrainer:
             times.append(time.perf_counter() - t0)
         return median(self.me.max_over_ranks(times)[warmup:])
 
+    # ---- DiLoCo
+    def _average(self, tensors) -> None:
+        """Replace ``tensors`` by their mean over the ranks, exactly: one
+        flat float32 all-reduce (DDP's own average, without DDP)."""
+        with self.torch.no_grad():
+            flat = self.torch.cat([t.reshape(-1) for t in tensors])
+            self.dist.all_reduce(flat)
+            flat.div_(self.world)
+            offset = 0
+            for t in tensors:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+    def _average_gradients(self, model) -> None:
+        """DDP's exact gradient average, for a model without DDP (DiLoCo's warm-up)."""
+        self._average([p.grad for p in model.parameters() if p.grad is not None])
+
+    def _consensus(self, model):
+        """A copy of ``model`` holding the mean of every rank's parameters
+        (DiLoCo's replicas differ between syncs; evaluated is their average,
+        what an exact sync with outer lr 1 would give). A collective."""
+        import copy
+
+        avg = copy.deepcopy(model)
+        self._average(list(avg.parameters()))
+        return avg
+
+    def _diloco(self, m: Method, model, inner):
+        """DiLoCo of method ``m`` around the warm-up's ``inner`` optimizer
+        (its AdamW state kept), from the parameters every rank now shares."""
+        from ..optim import DiLoCo
+
+        kw: Dict[str, Any] = {}
+        if m.kind == "block":
+            kw = {"block_size": self.cfg["block_size"], "rounding": m.rounding}
+        return DiLoCo(model, inner, sync_every=m.sync_every, fragments=m.fragments, delay=m.delay,
+                      compressor=m.compressor, error_feedback=m.error_feedback,
+                      outer_lr=self.cfg.get("outer_lr", DILOCO_OUTER_LR),
+                      outer_momentum=self.cfg.get("outer_momentum", DILOCO_OUTER_MOMENTUM), **kw)
+
     # ---- one method
     def _eval(self, module, batch_fn, loss_fn) -> float:
         """The held-out loss: the mean over ``--eval-batches`` batches no
@@ -376,6 +475,9 @@ class _RankTrainer:
         import pycomm.distributed as pd
 
         ddp, opt, loss_fn, batch_fn, state = self._setup(m, start_iter, seed)
+        diloco = m.entry == "diloco"
+        module = ddp if diloco else ddp.module
+        eval_tx = 0  # bytes of DiLoCo's evaluation averages, not training's
         numel = sum(p.numel() for p in ddp.parameters())
         times: List[float] = []
         losses: List[float] = []
@@ -388,9 +490,15 @@ class _RankTrainer:
             if eval_every and step and step % eval_every == 0:
                 # Untimed, on rank 0 only (the ranks hold the same parameters);
                 # the others wait at the barrier, not in a timed step.
+                tx_eval = self.me.tx_bytes()
+                held_out = self._eval(self._consensus(module) if diloco else module, batch_fn, loss_fn)
                 if self.rank == 0:
-                    curve.append([step, self._eval(ddp.module, batch_fn, loss_fn)])
+                    curve.append([step, held_out])
                 self.dist.barrier()
+                if tx_eval is not None:
+                    eval_tx += self.me.tx_bytes() - tx_eval
+            if diloco and step == start_iter:
+                opt = self._diloco(m, ddp, opt)
             if step == timed_from:
                 tx0 = self.me.tx_bytes()
                 engine = self._engine_of(m, state, opt)
@@ -402,13 +510,19 @@ class _RankTrainer:
             t0 = time.perf_counter()
             loss = loss_fn(ddp, batch_fn(self.rank, step))
             loss.backward()
+            if diloco and step < start_iter:
+                self._average_gradients(ddp)  # the plain warm-up, without DDP
             opt.step()
             opt.zero_grad(set_to_none=True)
             times.append(time.perf_counter() - t0)
             losses.append(float(loss.detach()))
             if (step + 1) % report_every == 0 or step + 1 == steps:
                 self.emit("step", method=m.name, seed=seed, step=step + 1, steps=steps)
+        if diloco:
+            opt.finish()  # a sync still in flight (delay > 0) is applied, as at the end of training
         tx1 = self.me.tx_bytes()
+        if tx1 is not None:
+            tx1 -= eval_tx
         times = self.me.max_over_ranks(times)
         losses = self.me.mean_over_ranks(losses)
         sent = sent_all = None
@@ -420,7 +534,11 @@ class _RankTrainer:
         window = losses[-min(FINAL_LOSS_WINDOW, len(losses)):]
         # Rank 0 speaks for the group (its record is the one sent), and every
         # rank holds the same parameters (checked below): one evaluation.
-        final = self._eval(ddp.module, batch_fn, loss_fn) if self.rank == 0 else math.nan
+        if diloco:
+            final = self._eval(self._consensus(module), batch_fn, loss_fn)
+            final = final if self.rank == 0 else math.nan
+        else:
+            final = self._eval(module, batch_fn, loss_fn) if self.rank == 0 else math.nan
         if eval_every:
             curve.append([steps, final])
         rec = {
@@ -447,7 +565,9 @@ class _RankTrainer:
             "loss_per_step": losses,
             "eval_loss_curve": curve if eval_every else None,
             "step_times_s": times,
-            "params_identical": self._params_identical(ddp),
+            # DiLoCo's replicas differ by design; its promise is the same anchor.
+            "params_identical": self.me.identical(self.torch.cat([a.reshape(-1) for a in opt.anchor]))
+                                if diloco else self._params_identical(ddp),
         }
         if engine is not None:
             rec["engine_profile_ms_per_step"] = self._engine_profile(engine, len(timed))
@@ -460,6 +580,14 @@ class _RankTrainer:
             rec["auto_bucket_methods"] = {str(b.buffer().numel()): cal.choose(b.buffer().numel())
                                           for b in ddp.reducer._get_zeros_like_grad_buckets()}
             rec["auto_calibration"] = cal.to_dict()
+        if diloco:
+            rec["diloco_bytes_per_step"] = opt.bytes_per_step(world_size=self.world)
+            rec["diloco_bytes_per_sync"] = opt.bytes_per_sync(world_size=self.world)
+            rec["diloco_syncs"] = opt.syncs
+            rec["diloco_outer_lr"], rec["diloco_outer_momentum"] = opt.outer_lr, opt.outer_momentum
+            rec["diloco_memory_bytes"] = opt.memory_bytes()
+            rec["optimizer"] = f"DiLoCo({type(opt.inner).__name__})"
+            opt = opt._session  # its engine group's residuals are released below
         if m.entry == "optim":
             # The optimizer's own count (from the spec) of what a compressed step sends.
             rec["optim_bytes_per_step"] = {"exact": opt.bytes_per_step(compressed=False),
@@ -512,6 +640,9 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
             raise ValueError(f"--methods: {exc}") from None
     if getattr(args, "optimizer", DEFAULT_OPTIMIZER) != "adamw":
         for name in methods:
+            if parse_method(name).entry == "diloco":
+                raise ValueError(f"--methods: {name}: DiLoCo's outer step (Nesterov, lr 0.7) is tuned for an "
+                                 f"AdamW inner optimizer: use --optimizer adamw")
             if parse_method(name).variance_every is not None:
                 raise ValueError(f"--methods: {name}: -v<K> sets OneBitAdam's variance updates "
                                  f"(--optimizer adamw), not {args.optimizer}'s")
@@ -545,6 +676,11 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
             raise ValueError(f"--train-bandwidth: {exc}") from None
         if args.train_rate not in rates:
             raise ValueError(f"--train-bandwidth {args.train_bandwidth} is not one of --bandwidth {bws}")
+    # DiLoCo's own checks, here instead of inside every rank.
+    if not getattr(args, "outer_lr", DILOCO_OUTER_LR) > 0:
+        raise ValueError(f"--outer-lr must be > 0, got {args.outer_lr}")
+    if not 0 <= getattr(args, "outer_momentum", DILOCO_OUTER_MOMENTUM) < 1:
+        raise ValueError(f"--outer-momentum must be in [0, 1), got {args.outer_momentum}")
     if args.lr is None:
         args.lr = DEFAULT_LR[args.optimizer]
     if args.block_size % 32:
@@ -594,6 +730,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--optim-warmup", type=positive_int, default=None, metavar="STEPS",
                    help="optim-* methods: steps of exact averaging before the momentum is compressed "
                         f"(default: {OPTIM_WARMUP_FRACTION * 100:.0f}%% of --steps, at least --start-iter)")
+    g.add_argument("--outer-lr", type=float, default=DILOCO_OUTER_LR,
+                   help=f"diloco-* methods: the outer SGD's learning rate (default: {DILOCO_OUTER_LR})")
+    g.add_argument("--outer-momentum", type=float, default=DILOCO_OUTER_MOMENTUM,
+                   help=f"diloco-* methods: the outer SGD's Nesterov momentum, 0 for none "
+                        f"(default: {DILOCO_OUTER_MOMENTUM})")
     g.add_argument("--eval-every", type=nonnegative_int, default=0, metavar="STEPS",
                    help="also record the held-out loss every STEPS training steps (untimed; 0: only at the end)")
     g.add_argument("--merge", nargs="+", metavar="JSON", default=None,
@@ -629,6 +770,7 @@ def run_ddp(args: argparse.Namespace, out=sys.stdout) -> List[Dict[str, Any]]:
                 "seq_len": args.seq_len, "model": args.model, "optimizer": args.optimizer,
                 "block_size": args.block_size, "eval_every": args.eval_every, "eval_batches": args.eval_batches,
                 "lr": args.lr, "lr_schedule": args.lr_schedule, "bucket_cap_mb": args.bucket_cap_mb, "plan": plan,
+                "outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum,
             }
             with cluster_for(args, rate, cfg) as cluster:
                 busbw, line = link_report(cluster)
@@ -687,11 +829,12 @@ def run_ddp(args: argparse.Namespace, out=sys.stdout) -> List[Dict[str, Any]]:
 PER_SEED_FIELDS = ("seed", "final_loss", "train_loss_last", "bytes_sent_per_rank_per_step",
                    "bytes_sent_per_rank_per_step_all_steps", "step_time_median_s",
                    "params_identical", "compress_time_s", "timed_from", "loss_per_step", "step_times_s",
-                   "eval_loss_curve", "optim_bytes_per_step", "engine_profile_ms_per_step")
+                   "eval_loss_curve", "optim_bytes_per_step", "engine_profile_ms_per_step", "diloco_syncs")
 #: Settings that must agree between runs whose seeds are combined (--merge).
 SAME_FOR_EVERY_SEED = ("method", "bandwidth", "ranks", "workload", "model", "optimizer", "lr", "lr_schedule",
                        "batch_size", "eval_batches",
-                       "seq_len", "block_size", "steps", "start_iter", "training_run", "emulated")
+                       "seq_len", "block_size", "steps", "start_iter", "training_run", "emulated",
+                       "diloco_outer_lr", "diloco_outer_momentum")
 
 
 def combine_seeds(recs: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
@@ -720,6 +863,9 @@ def combine_seeds(recs: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
         out["engine_profile_ms_per_step"] = {k: mean([p[k] for p in profiles]) for k in profiles[0]}
     if recs[0].get("optim_bytes_per_step") is not None:
         out["optim_bytes_per_step"] = recs[0]["optim_bytes_per_step"]
+    for k in ("diloco_bytes_per_step", "diloco_bytes_per_sync", "diloco_memory_bytes"):
+        if recs[0].get(k) is not None:  # the same count for every seed
+            out[k] = recs[0][k]
     curves = [r.get("eval_loss_curve") for r in recs]
     out["eval_loss_curve"] = None
     if all(curves):
@@ -734,6 +880,9 @@ def finish_records(records: List[Dict[str, Any]]) -> None:
     samples/s, compression share, speedups, loss ratios, flattening."""
     for r in records:
         t = r["step_time_median_s"]
+        timed = r["step_times_s"][r["timed_from"]:]
+        # The median hides a rare slow step (DiLoCo's sync every H/F steps): the mean does not.
+        r["step_time_mean_s"] = mean(timed) if timed else None
         r["tokens_per_s"] = r["tokens_per_step"] / t if r.get("tokens_per_step") else None
         r["samples_per_s"] = r["samples_per_step"] / t if r.get("samples_per_step") else None
         r["compress_time_share"] = r["compress_time_s"] / t if r.get("compress_time_s") is not None else None
@@ -829,12 +978,19 @@ def run_plan(args: argparse.Namespace, training: bool) -> List[Dict[str, Any]]:
     loss is the twin's (``loss_from``) and training it again would only
     double the run time. An ``optim-*`` method's warm-up (its
     ``start_iter``) is ``--optim-warmup`` when it trains; its timed steps
-    (and bytes) start after it.
+    (and bytes) start after it. A ``diloco-*`` method syncs every H/F
+    steps: where it is only timed, its timed steps are rounded up to whole
+    periods of H (its t-th DiLoCo step is the (t+1)-th timed one, so
+    ``--time-steps`` rounded up to k*H timed steps hold exactly k syncs of
+    each fragment).
 
     >>> a = argparse.Namespace(methods=["allreduce", "onebit", "onebit-backend", "optim-onebit"], steps=100,
     ...                        start_iter=10, time_steps=5, optim_warmup=20)
     >>> [(r["method"], r["steps"], r["training"], r["timed_from"]) for r in run_plan(a, True)]
     [('allreduce', 100, True, 11), ('onebit', 100, True, 11), ('onebit-backend', 7, False, 3), ('optim-onebit', 100, True, 21)]
+    >>> a.methods = ["diloco-H16-int4"]
+    >>> [(r["steps"] - r["timed_from"], r["timed_from"]) for r in run_plan(a, False)]
+    [(16, 3)]
     """
     timing = {"steps": TIMING_START_ITER + args.time_steps, "start_iter": TIMING_START_ITER,
               "timed_from": TIMING_START_ITER + 1, "training": False}
@@ -844,7 +1000,11 @@ def run_plan(args: argparse.Namespace, training: bool) -> List[Dict[str, Any]]:
     plan = []
     for name in args.methods:
         twin = name[: -len("-backend")] if name.endswith("-backend") else None
-        if not training:
+        if not training and name.startswith("diloco-"):
+            h = parse_method(name).sync_every
+            timed = -(-args.time_steps // h) * h
+            plan.append({"method": name, **timing, "steps": timing["timed_from"] + timed})
+        elif not training:
             plan.append({"method": name, **timing})
         elif twin is not None and twin in args.methods and not getattr(args, "train_all", False):
             plan.append({"method": name, **timing, "loss_from": twin})
@@ -1016,6 +1176,34 @@ def format_profile(records: List[Dict[str, Any]]) -> str:
     return "engine thread per step (rank 0, ms):\n" + tabulate(rows, head, tablefmt="plain")
 
 
+def format_diloco(records: List[Dict[str, Any]]) -> str:
+    """One line per ``diloco-*`` record: its bytes per step by
+    ``DiLoCo.bytes_per_step`` against plain all-reduce's measured bytes,
+    and its mean step time (its median hides the sync steps); "" without one.
+
+    >>> print(format_diloco([dict(method="allreduce", bandwidth=None, bytes_sent_per_rank_per_step=3e7,
+    ...                           step_time_mean_s=0.4),
+    ...                      dict(method="diloco-H16", bandwidth=None, diloco_bytes_per_step=2e6,
+    ...                           step_time_mean_s=0.2, diloco_memory_bytes=4e7)]))
+    diloco-H16 (unshaped): 2.00 MB/step by DiLoCo.bytes_per_step (15x fewer than allreduce's measured 30.0 MB), mean step 200 ms (allreduce: 400 ms), 40.0 MB of DiLoCo state per rank
+    """
+    plain = {r["bandwidth"]: r for r in records if r["method"] == ALLREDUCE}
+    lines = []
+    for r in records:
+        if r.get("diloco_bytes_per_step") is None:
+            continue
+        p = plain.get(r["bandwidth"], {})
+        link = "unshaped" if not r["bandwidth"] else f"{r['bandwidth'] / 1e9:g} Gbit/s"
+        sent, mine = p.get("bytes_sent_per_rank_per_step"), r["diloco_bytes_per_step"]
+        vs = f" ({sent / mine:.0f}x fewer than allreduce's measured {fmt_number(sent / 1e6)} MB)" if sent else ""
+        step = f", mean step {r['step_time_mean_s'] * 1e3:.0f} ms"
+        if p.get("step_time_mean_s"):
+            step += f" (allreduce: {p['step_time_mean_s'] * 1e3:.0f} ms)"
+        lines.append(f"{r['method']} ({link}): {fmt_number(mine / 1e6)} MB/step by DiLoCo.bytes_per_step{vs}{step}, "
+                     f"{fmt_number(r['diloco_memory_bytes'] / 1e6)} MB of DiLoCo state per rank")
+    return "\n".join(lines)
+
+
 def run(args: argparse.Namespace) -> int:
     """``pycomm-bench ddp``: run (or ``--merge``), print the table, write JSON (and plots)."""
     t0 = time.monotonic()
@@ -1030,7 +1218,9 @@ def run(args: argparse.Namespace) -> int:
     print()
     bad = sorted({r["method"] for r in records if not r["params_identical"]})
     text = format_table(records)
-    extra = [t for t in (format_flattening(records), format_profile(records)) if t]
+    extra = [t for t in (format_flattening(records), format_profile(records), format_diloco(records)) if t]
+    if getattr(args, "quick", False):
+        extra.append(QUICK_LOSS_NOTE)
     status = finish(records, args.json, "\n\n".join([text] + extra),
                     [f"{m}: ranks ended with different parameters" for m in bad], t0)
     if args.plots:

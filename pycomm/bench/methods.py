@@ -16,30 +16,46 @@ Grammar: ``<base>[-sr][-noef][-backend]``, base one of
   backward runs, ``attach(model, overlap=True)``; ``-v<K>`` after them:
   OneBitAdam updates its variance from an exact average every K steps,
   ``variance_update_every=K``, 0 for never);
+* ``diloco-H<H>[-F<F>][-d<tau>][-<codec>]`` (``diloco-H16``,
+  ``diloco-H16-int4``, ``diloco-H32-F4-d1-int4``): no gradient
+  communication at all, but :class:`pycomm.optim.DiLoCo` around the inner
+  optimizer: every rank trains its own replica and the pseudo-gradients are
+  averaged every H steps (F fragments, staggered; each applied tau steps
+  after its send), exactly or with a block codec or a cast
+  (:data:`DILOCO_CODECS`; error feedback on for the codecs that keep
+  residuals, as for the DDP hook, where ``DiLoCo`` itself defaults to the
+  method's own: off for int8/int4);
 
 ``-sr`` rounds int8/int4 stochastically (``rounding="stochastic"``; for
-``int8``, ``int4``, ``optim-int8`` and ``optim-int4``), ``-noef`` turns
+``int8``, ``int4``, ``optim-int8``, ``optim-int4`` and ``diloco-...-int8``/
+``-int4``), ``-noef`` turns
 error feedback off (the DDP hook's default is on; ``pycomm-bench fsdp``,
 whose library default is off, takes ``-ef`` instead: one rule, a suffix
 names the departure from the entry point's default, and the suffix that
 restates it is refused by :func:`pycomm.bench.sweep.error_feedback_suffix`)
 and ``-backend`` runs the compression in
 a ``"pycomm"`` process group instead of the hook (both for onebit, topk,
-int8, int4 and auto; not for ``optim-*``). Each benchmark accepts the part
-of it that it can run (:data:`ALLREDUCE_BASES`, :data:`DDP_BASES`).
+int8, int4 and auto; not for ``optim-*`` or ``diloco-*``; ``-noef`` also
+for a ``diloco-*`` codec that keeps residuals). Each benchmark accepts the
+part of it that it can run (:data:`ALLREDUCE_BASES`, :data:`DDP_BASES`).
 
 Example::
 
     >>> parse_method("topk-0.01-noef")
-    Method(name='topk-0.01-noef', entry='hook', compressor='topk', error_feedback=False, density=0.01, rank=None, overlap=False, rounding='nearest', variance_every=None)
+    Method(name='topk-0.01-noef', entry='hook', compressor='topk', error_feedback=False, density=0.01, rank=None, overlap=False, rounding='nearest', variance_every=None, sync_every=None, fragments=None, delay=None)
     >>> parse_method("plain").compressed, parse_method("onebit", bases=ALLREDUCE_BASES).density
     (False, None)
     >>> parse_method("int4-noef"), parse_method("optim-onebit").entry
-    (Method(name='int4-noef', entry='hook', compressor='int4', error_feedback=False, density=None, rank=None, overlap=False, rounding='nearest', variance_every=None), 'optim')
+    (Method(name='int4-noef', entry='hook', compressor='int4', error_feedback=False, density=None, rank=None, overlap=False, rounding='nearest', variance_every=None, sync_every=None, fragments=None, delay=None), 'optim')
     >>> parse_method("int4-sr-noef").rounding, parse_method("optim-int4-overlap-sr").rounding
     ('stochastic', 'stochastic')
     >>> parse_method("optim-onebit-v16").variance_every, parse_method("optim-onebit").variance_every
     (16, None)
+    >>> d = parse_method("diloco-H32-F4-d1-int4-sr-noef")
+    >>> d.entry, d.compressor, d.sync_every, d.fragments, d.delay, d.rounding, d.error_feedback
+    ('diloco', 'int4', 32, 4, 1, 'stochastic', False)
+    >>> parse_method("diloco-H16").compressor, parse_method("diloco-H16").fragments
+    ('none', 1)
 """
 
 from __future__ import annotations
@@ -58,6 +74,8 @@ PLAIN, ALLREDUCE = "plain", "allreduce"
 #: PyTorch's PowerSGD hook, pycomm's per-size choice (a calibrated
 #: ``compressor="auto"`` group) and the compressed-momentum optimizer.
 POWERSGD, AUTO, OPTIM = "powersgd", spec.AUTO_METHOD, "optim"
+#: :class:`pycomm.optim.DiLoCo` (``diloco-H<H>[-F<F>][-d<tau>][-<codec>]``).
+DILOCO = "diloco"
 #: The table's sparse method (``topk-<density>``), its block codec of sign
 #: bits and its exact all-reduce.
 SPARSE = spec.methods(kind="sparse")[0]
@@ -66,22 +84,29 @@ EXACT = spec.EXACT_METHOD
 
 #: Every base name (``powersgd``, the sparse method and ``optim`` stand for
 #: ``powersgd-<rank>``, ``topk-<density>``, ``optim-<compressor>``).
-ALL_BASES = (PLAIN, ALLREDUCE, *spec.CAST_METHODS, POWERSGD, *spec.EF_METHODS, AUTO, OPTIM)
+ALL_BASES = (PLAIN, ALLREDUCE, *spec.CAST_METHODS, POWERSGD, *spec.EF_METHODS, AUTO, OPTIM, DILOCO)
 #: What ``pycomm-bench allreduce`` times (a pycomm group per compressor, no suffixes).
 ALLREDUCE_BASES = (PLAIN, *spec.CAST_METHODS, *spec.EF_METHODS)
 #: What ``pycomm-bench ddp`` trains with.
-DDP_BASES = (ALLREDUCE, *spec.CAST_METHODS, POWERSGD, *spec.EF_METHODS, AUTO, OPTIM)
+DDP_BASES = (ALLREDUCE, *spec.CAST_METHODS, POWERSGD, *spec.EF_METHODS, AUTO, OPTIM, DILOCO)
 #: Bases that take ``-noef`` / ``-backend``: the methods that keep residuals, and auto.
 SUFFIX_BASES = (*spec.EF_METHODS, AUTO)
 #: What ``optim-<compressor>`` may name: the momentum's compressor, a block codec.
 OPTIM_COMPRESSORS = spec.BLOCK_METHODS
+#: What a ``diloco-*`` name may end in (without one: the exact average):
+#: a block codec or a cast (the sparse method would need a density too).
+DILOCO_CODECS = (*spec.BLOCK_METHODS, *spec.CAST_METHODS)
 
 _PARAM = {POWERSGD: f"{POWERSGD}-<rank>", SPARSE: f"{SPARSE}-<density>",
-          OPTIM: f"{OPTIM}-<{'|'.join(OPTIM_COMPRESSORS)}>[-overlap][-v<K>]"}
+          OPTIM: f"{OPTIM}-<{'|'.join(OPTIM_COMPRESSORS)}>[-overlap][-v<K>]",
+          DILOCO: f"{DILOCO}-H<H>[-F<F>][-d<tau>][-<{'|'.join(DILOCO_CODECS)}>]"}
 _BARE = "|".join(b for b in ALL_BASES if b not in _PARAM)
 _METHOD_RE = re.compile(
     rf"^(?P<base>{_BARE}|{POWERSGD}-(?P<rank>[0-9]+)"
-    rf"|{SPARSE}-(?P<density>[0-9.eE+-]+?)|{OPTIM}-(?P<optim>[a-z0-9]+?)(?P<overlap>-overlap)?(?:-v(?P<variance>[0-9]+))?)"
+    rf"|{SPARSE}-(?P<density>[0-9.eE+-]+?)|{OPTIM}-(?P<optim>[a-z0-9]+?)(?P<overlap>-overlap)?(?:-v(?P<variance>[0-9]+))?"
+    # The codec is any word but a suffix, so that a wrong one gets its own error.
+    rf"|{DILOCO}-H(?P<sync>[0-9]+)(?:-F(?P<fragments>[0-9]+))?(?:-d(?P<delay>[0-9]+))?"
+    r"(?:-(?!(?:sr|noef|backend)(?:-|$))(?P<codec>[a-z0-9]+))?)"
     r"(?P<sr>-sr)?(?P<noef>-noef)?(?P<backend>-backend)?$"
 )
 
@@ -93,10 +118,12 @@ class Method:
     name: str
     #: "ddp" (no hook: torch's own all-reduce), "torch" (PyTorch's hooks),
     #: "hook" (pycomm's hook over the Gloo group), "backend" (a "pycomm"
-    #: group), "optim" (pycomm's compressed-momentum optimizer)
+    #: group), "optim" (pycomm's compressed-momentum optimizer), "diloco"
+    #: (:class:`pycomm.optim.DiLoCo`, no gradient communication)
     entry: str
     #: "none", "fp16", "bf16", "powersgd", "onebit", "topk", "int8", "int4"
-    #: or "auto" (for "optim": the momentum's compressor)
+    #: or "auto" (for "optim": the momentum's compressor; for "diloco": the
+    #: pseudo-gradient's, "none" for the exact average)
     compressor: str = "none"
     error_feedback: bool = False
     density: Optional[float] = None
@@ -109,6 +136,11 @@ class Method:
     #: "optim" with AdamW only: OneBitAdam's ``variance_update_every``
     #: (``-v<K>``); None: the optimizer's default
     variance_every: Optional[int] = None
+    #: "diloco" only: H, F and tau of :class:`pycomm.optim.DiLoCo`
+    #: (``sync_every``, ``fragments``, ``delay``)
+    sync_every: Optional[int] = None
+    fragments: Optional[int] = None
+    delay: Optional[int] = None
 
     @property
     def pycomm(self) -> bool:
@@ -170,6 +202,8 @@ def parse_method(name: str, bases: Sequence[str] = ALL_BASES, suffixes: bool = T
     if m is None or base not in bases or (has_suffix and not suffixes):
         raise ValueError(f"unknown method {name!r}: expected {vocabulary(bases, suffixes)}")
     rounding = "stochastic" if m.group("sr") else "nearest"
+    if base == DILOCO:
+        return _diloco(name, m)
     rounds = m.group("optim") if base == OPTIM else base
     if m.group("sr") and rounds not in spec.ROUNDING_METHODS:
         raise ValueError(f"method {name!r}: -sr (stochastic rounding) applies to "
@@ -204,3 +238,44 @@ def parse_method(name: str, bases: Sequence[str] = ALL_BASES, suffixes: bool = T
     if not 0.0 < density <= 1.0:
         raise ValueError(f"method {name!r}: density must be in (0, 1], got {density}")
     return Method(name, entry, SPARSE, ef, density=density)
+
+
+def _diloco(name: str, m: "re.Match[str]") -> Method:
+    """The :class:`Method` of a ``diloco-*`` name matched by ``m``, its
+    settings checked as :class:`pycomm.optim.DiLoCo` checks them (here, at
+    the command line, instead of inside every rank).
+
+    >>> parse_method("diloco-H16-F3")
+    Traceback (most recent call last):
+    ...
+    ValueError: method 'diloco-H16-F3': F=3 must divide H=16 (one fragment every H/F steps)
+    >>> parse_method("diloco-H16-fp16-noef")
+    Traceback (most recent call last):
+    ...
+    ValueError: method 'diloco-H16-fp16-noef': -noef applies to a codec that keeps residuals (onebit, int8 or int4)
+    """
+    codec = m.group("codec") or EXACT
+    if codec != EXACT and codec not in DILOCO_CODECS:
+        raise ValueError(f"method {name!r}: the pseudo-gradient's codec must be one of {_or(DILOCO_CODECS)} "
+                         f"(or none, for the exact average), got {codec!r}")
+    sync, fragments = int(m.group("sync")), int(m.group("fragments") or 1)
+    delay = int(m.group("delay") or 0)
+    if sync < 1 or fragments < 1:
+        raise ValueError(f"method {name!r}: H and F must be >= 1")
+    if sync % fragments:
+        raise ValueError(f"method {name!r}: F={fragments} must divide H={sync} (one fragment every H/F steps)")
+    if delay >= sync // fragments:
+        raise ValueError(f"method {name!r}: d={delay} must be less than H/F = {sync // fragments} "
+                         f"(one sync in flight at a time)")
+    if m.group("backend"):
+        raise ValueError(f"method {name!r}: -backend does not apply to diloco (DiLoCo runs its own engine group)")
+    if m.group("sr") and codec not in spec.ROUNDING_METHODS:
+        raise ValueError(f"method {name!r}: -sr (stochastic rounding) applies to "
+                         f"{' and '.join(spec.ROUNDING_METHODS)} only")
+    keeps = codec in spec.EF_METHODS
+    if m.group("noef") and not keeps:
+        raise ValueError(f"method {name!r}: -noef applies to a codec that keeps residuals "
+                         f"({_or([c for c in DILOCO_CODECS if c in spec.EF_METHODS])})")
+    return Method(name, DILOCO, codec, keeps and not m.group("noef"),
+                  rounding="stochastic" if m.group("sr") else "nearest",
+                  sync_every=sync, fragments=fragments, delay=delay)
