@@ -27,6 +27,16 @@ def dataset(rows: int = 256):
     return torch.utils.data.TensorDataset(x, torch.tanh(x @ w))
 
 
+def add_run_options(parser) -> None:
+    """The options every example takes: the batch, a checkpoint to save
+    (``--checkpoint`` at ``--save-at``) or resume from, the reports' folder."""
+    parser.add_argument("--batch", type=int, default=16, help="rows per rank per step")
+    parser.add_argument("--checkpoint", help="folder to save a checkpoint in (at --save-at)")
+    parser.add_argument("--save-at", type=int, default=0, help="save after this many steps")
+    parser.add_argument("--resume", help="checkpoint folder to resume from")
+    parser.add_argument("--out", help="folder for each rank's JSON report")
+
+
 def train(args, rank, net, opt, start, checkpoint):
     """Steps ``start`` to ``args.steps`` of the regression on ``net`` (the
     DDP model or the module), rank ``rank``'s rows of each step's batch, the

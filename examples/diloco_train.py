@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from pycomm.optim import DiLoCo
 
-from _common import make_model, report, train
+from _common import add_run_options, make_model, report, train
 
 
 def main():
@@ -34,11 +34,7 @@ def main():
     parser.add_argument("--delay", type=int, default=0, help="inner steps a sync stays in flight")
     parser.add_argument("--compressor", default="int8", help="method of the pseudo-gradient's all-reduce")
     parser.add_argument("--error-feedback", action="store_true", help="keep the compression error")
-    parser.add_argument("--batch", type=int, default=16, help="rows per rank per step")
-    parser.add_argument("--checkpoint", help="folder to save a checkpoint in (at --save-at)")
-    parser.add_argument("--save-at", type=int, default=0, help="save after this many steps")
-    parser.add_argument("--resume", help="checkpoint folder to resume from")
-    parser.add_argument("--out", help="folder for each rank's JSON report")
+    add_run_options(parser)
     args = parser.parse_args()
     torch.set_num_threads(1)  # the ranks share the machine's cores
 

@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import pycomm.distributed as pd
 from pycomm.ddp import CompressionState, compressed_hook
 
-from _common import make_model, report, train
+from _common import add_run_options, make_model, report, train
 
 # Exact all-reduce for 5 iterations, then int8 with error feedback: the
 # setup for momentum SGD (onebit on gradients costs final loss under
@@ -35,11 +35,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", choices=["gloo", "pycomm"], default="gloo")
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--batch", type=int, default=16, help="rows per rank per step")
-    parser.add_argument("--checkpoint", help="folder to save a checkpoint in (at --save-at)")
-    parser.add_argument("--save-at", type=int, default=0, help="save after this many steps")
-    parser.add_argument("--resume", help="checkpoint folder to resume from")
-    parser.add_argument("--out", help="folder for each rank's JSON report")
+    add_run_options(parser)
     args = parser.parse_args()
     torch.set_num_threads(1)  # the ranks share the machine's cores
 

@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from pycomm.optim import OneBitAdam
 
-from _common import make_model, report, train
+from _common import add_run_options, make_model, report, train
 
 
 def main():
@@ -31,11 +31,7 @@ def main():
     parser.add_argument("--warmup", type=int, default=5, help="steps of exact averaging first")
     parser.add_argument("--no-overlap", dest="overlap", action="store_false",
                         help="send the momenta in step(), after backward")
-    parser.add_argument("--batch", type=int, default=16, help="rows per rank per step")
-    parser.add_argument("--checkpoint", help="folder to save a checkpoint in (at --save-at)")
-    parser.add_argument("--save-at", type=int, default=0, help="save after this many steps")
-    parser.add_argument("--resume", help="checkpoint folder to resume from")
-    parser.add_argument("--out", help="folder for each rank's JSON report")
+    add_run_options(parser)
     args = parser.parse_args()
     torch.set_num_threads(1)  # the ranks share the machine's cores
 

@@ -152,5 +152,5 @@ def test_arguments_are_checked():
         pd.reduce_scatter(torch.empty(2), torch.empty(4), op="max")
     with pytest.raises(TypeError, match=r"output must be a torch.Tensor"):
         pd.reduce_scatter([0.0], torch.empty(4))
-    with pytest.raises(ValueError, match=r"key must be a non-negative int"):
+    with pytest.raises(ValueError, match=r"key must be an int in \[0, 2\*\*63\)"):
         pd.reduce_scatter(torch.empty(2), torch.empty(4), key=-2)
