@@ -258,7 +258,7 @@ def _ef_state(rank, world, tmpdir):
 def test_error_feedback_state_roundtrip_and_refusals(tmp_path):
     for errors in run_ranks(_ef_state, 2, str(tmp_path), timeout=TIMEOUT, init_process_group=False):
         assert len(errors) == 2
-        assert "error-feedback key 7 holds residuals of a 1000-element tensor" in errors[0]
+        assert "error-feedback key 7 was first used for an all_reduce of 1000 float32" in errors[0]
         assert "saved with world size 3" in errors[1]
 
 

@@ -191,3 +191,100 @@ def test_get_compressor_names_the_argument():
         pycomm.get_compressor("topk", block_size=64)
     with pytest.raises(TypeError, match=r"approx must be a bool"):
         pycomm.get_compressor("topk", approx=1)
+
+
+# ------------------------------------------- a key's later calls change ----
+def _rank_key_changes(rank, world):
+    """Ranks agree on a key's first call; later, one rank changes it (or
+    refuses it). The call check compares first calls only: the rank that
+    changed takes part in the call it replaces, so every rank raises at the
+    same point, nothing changes, and the group goes on."""
+    out = {}
+    ok = torch.full((N,), float(rank + 1))
+    cases = {
+        # name: (group settings, collective, the call every rank made first)
+        "onebit": dict(compressor="onebit"),
+        "topk": dict(compressor="topk", density=0.1),
+        "int8": dict(compressor="int8"),
+    }
+    for name, settings in cases.items():
+        pg = pd.wrap(min_compress_numel=1, **settings)
+        rs_out, ag_out = torch.empty(N // world), torch.empty(N * world)
+        calls = {
+            "all_reduce": lambda t, k: pd.all_reduce(t, key=k, group=pg),
+            "reduce_scatter": lambda t, k: pd.reduce_scatter(rs_out[: t.numel() // world], t, key=k, group=pg),
+            "all_gather": lambda t, k: pd.all_gather(ag_out[: t.numel() * world], t, key=k, group=pg),
+        }
+        for c, (collective, call) in enumerate(calls.items()):
+            key = 100 * c
+            call(torch.randn(N), key)
+            before = pd.error_feedback_state(group=pg)
+            changed = {
+                "resized": lambda: torch.randn(N - 8 * rank),
+                "dtype": lambda: torch.randn(N).to((torch.float32, torch.bfloat16)[rank]),
+                "refused": lambda: torch.randn(N) if rank == 0 else torch.ones(N, dtype=torch.int32),
+            }
+            for what, make in changed.items():
+                out[(name, collective, what)] = _attempt(lambda: call(make(), key))
+            # Both ranks change it alike: refused on both, naming the first call.
+            out[(name, collective, "both")] = _attempt(lambda: call(torch.randn(N // 2), key))
+            after = pd.error_feedback_state(group=pg)
+            out[(name, collective, "kept")] = all(
+                torch.equal(before[key][f], after[key][f]) for f in ("worker",)
+            ) and all(torch.equal(a, b) for a, b in zip(before[key]["server"], after[key]["server"]))
+            # The group is still in step, and the key still runs its first call.
+            call(torch.randn(N), key)
+            # Reset on every rank: the key is free for another size.
+            pd.reset_error_feedback(key, group=pg)
+            call(torch.randn(N // 2), key)
+        x = ok.clone()
+        pd.all_reduce(x, key=999, group=pg)
+        out[(name, "after")] = x
+    return out
+
+
+@pytest.fixture(scope="module")
+def key_change_results():
+    return run_ranks(_rank_key_changes, 2, timeout=240)
+
+
+def test_a_key_changed_on_one_rank_raises_on_every_rank(key_change_results):
+    import re
+
+    changed = [k for k in key_change_results[0] if len(k) == 3 and k[2] not in ("kept", "both")]
+    assert len(changed) == 3 * 3 * 3
+    for name, collective, what in changed:
+        for rank, results in enumerate(key_change_results):
+            msg = results[(name, collective, what)]
+            assert msg is not None, f"rank {rank}, {name} {collective} {what}: no error"
+            assert f"pycomm rank {rank} of 2" in msg, msg
+            if rank == 0:  # ran the key's call: its peer's payloads are not that call's
+                assert "a rank refused its call" in msg, msg
+                continue
+            key = 100 * ("all_reduce", "reduce_scatter", "all_gather").index(collective)
+            if what == "resized" or (what, collective) == ("dtype", "all_reduce"):
+                # A call it could run: the first call and this one, named.
+                assert re.search(rf"error-feedback key {key} was first used for an? {collective} of 1000 "
+                                 r"float32 elements .* this call is .* of (992 float32|1000 bfloat16)", msg), msg
+                assert f"reset_error_feedback({key})" in msg, msg
+            else:  # a call it refuses (an int tensor; input and output dtypes differ)
+                assert re.search(r"needs (a )?float32|input is BFloat16|output is Float", msg), msg
+                assert f"every rank raises (the call of key {key} was stopped on each)" in msg, msg
+
+
+def test_a_key_changed_on_every_rank_names_its_first_call(key_change_results):
+    for rank, results in enumerate(key_change_results):
+        for key, msg in results.items():
+            if len(key) == 3 and key[2] == "both":
+                assert msg is not None and f"of 1000 float32 elements" in msg and "this call is" in msg, (key, msg)
+
+
+def test_a_refused_change_leaves_the_residuals_and_the_group(key_change_results):
+    for results in key_change_results:
+        for key, value in results.items():
+            if len(key) == 3 and key[2] == "kept":
+                assert value is True, key
+            if len(key) == 2 and key[1] == "after":  # the same on every rank; exact for a constant
+                assert torch.equal(value, key_change_results[0][key]), key
+                if key[0] != "topk":
+                    assert torch.equal(value, torch.full((N,), 3.0)), key

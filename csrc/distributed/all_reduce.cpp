@@ -70,7 +70,7 @@ void CompressedBackend::run_compressed(const at::Tensor& tensor, std::optional<i
     // accelerator its checks follow its kernels to the host, and the call is
     // finished (residuals kept or discarded, Work completed) once the device
     // has passed them (settle). The other paths read them here.
-    if (!intra_ && views.direct && is_block_method(m) && y.numel() > 0 &&
+    if (!intra_ && !standing_in_ && views.direct && is_block_method(m) && y.numel() > 0 &&
         (!ef || residuals.double_buffered())) {
       std::vector<at::Tensor> checks;
       run_blocks(y, ef, average, node.g, m, &checks);

@@ -114,12 +114,13 @@ WorkPtr CompressedBackend::refuse(const at::Tensor& tensor, std::optional<int64_
                                   std::string why) {
   return submit(c10d::OpType::UNKNOWN, {}, [this, tensor, key, average, m, collective, why] {
     const RunningCollective running(collective_, collective);
+    const std::string context = failure_context(tensor, key, average, m);
     try {
       check_call(tensor, key, average, m, /*refused=*/true);
     } catch (const c10::Error& e) {
-      TORCH_CHECK(false, why, "; ", e.what_without_backtrace());
+      TORCH_CHECK(false, context, why, "; ", e.what_without_backtrace());
     }
-    TORCH_CHECK(false, why);
+    TORCH_CHECK(false, context, why);
   });
 }
 

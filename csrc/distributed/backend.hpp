@@ -47,6 +47,20 @@ namespace dist {
 
 struct Float32Views;
 
+// What a call the ranks compared was: its key's later calls must repeat it.
+struct CallRecord {
+  int collective;
+  int64_t numel;
+  at::ScalarType dtype;
+  bool average;
+  std::string method;
+  c10::Device device;
+  bool operator==(const CallRecord& o) const {
+    return collective == o.collective && numel == o.numel && dtype == o.dtype &&
+           average == o.average && method == o.method && device == o.device;
+  }
+};
+
 class CompressedBackend : public c10d::Backend {
  public:
   // `intra` (the ranks of this node) and `inter` (this rank's peers, one per
@@ -227,6 +241,18 @@ class CompressedBackend : public c10d::Backend {
                   const std::string& method, bool refused = false);
   std::string describe_call(const at::Tensor& tensor, std::optional<int64_t> key, bool average,
                             const std::string& method) const;
+  // A call of a checked key that this rank refuses, or that differs from
+  // the key's first call, when the ranks compare first calls only: the
+  // peers run the key's first call and would wait for this rank's part.
+  // This rank runs that call instead on zeros and on a copy of the
+  // residuals, with a tag no rank's call has, so every rank's tag check
+  // fails at the same point, the group stays in step, and nothing changes.
+  void stand_in(int64_t key, const CallRecord& first);
+  // "a <collective> of <numel> <dtype> elements on <device> (<method>, <op>)".
+  std::string describe_record(const CallRecord& r) const;
+  // Set while stand_in runs: no call check, the stand-in tag, copied residuals.
+  bool standing_in_ = false;
+  ErrorFeedback stand_in_residuals_;
   // "pycomm rank R of W [(peer: rank P)]: <call> failed: " for errors.
   std::string failure_context(const at::Tensor& tensor, std::optional<int64_t> key,
                               bool average, const std::string& method) const;
@@ -333,8 +359,11 @@ class CompressedBackend : public c10d::Backend {
   // Only the worker thread touches these while collectives run; the state
   // accessors go through the queue too.
   std::map<int64_t, ErrorFeedback> error_feedback_;
-  // Keys and keyless (numel, dtype, op) signatures already checked.
-  std::set<int64_t> checked_keys_;
+  // Keys already checked, with the call they were checked on (every later
+  // call of a key must repeat it), and keyless (numel, dtype, op)
+  // signatures already checked. A key's record goes with its residuals
+  // (reset, load): its next call is checked again.
+  std::map<int64_t, CallRecord> checked_keys_;
   std::set<std::tuple<int64_t, int, bool>> checked_signatures_;
   // The collective the worker is running (index into kCollectives), for the
   // call check and error messages.

@@ -87,13 +87,28 @@ std::string CompressedBackend::describe_call(const at::Tensor& tensor, std::opti
 
 void CompressedBackend::check_call(const at::Tensor& tensor, std::optional<int64_t> key,
                                    bool average, const std::string& method, bool refused) {
-  if (config_.check_calls == 0) return;
+  if (config_.check_calls == 0 || standing_in_) return;
   Span span(profile_.check_s);
   const int64_t numel = tensor.numel();
   const int dtype = static_cast<int>(tensor.scalar_type());
   const auto signature = std::make_tuple(numel, dtype + 256 * collective_, average);
+  const CallRecord call{collective_, numel, tensor.scalar_type(), average, method,
+                        tensor.device()};
   if (config_.check_calls == 1) {
-    if (key ? checked_keys_.count(*key) > 0 : checked_signatures_.count(signature) > 0) return;
+    if (!key) {
+      if (checked_signatures_.count(signature) > 0) return;
+    } else if (auto it = checked_keys_.find(*key); it != checked_keys_.end()) {
+      const CallRecord first = it->second;
+      if (!refused && first == call) return;
+      stand_in(*key, first);
+      TORCH_CHECK(refused, "error-feedback key ", *key, " was first used for ",
+                  describe_record(first), " on every rank, and this call is ",
+                  describe_record(call),
+                  ": a key's calls must keep its collective, size, dtype, op and compressor. "
+                  "Use another key, or reset_error_feedback(", *key,
+                  ") on every rank first. Every rank raises.");
+      TORCH_CHECK(false, "every rank raises (the call of key ", *key, " was stopped on each)");
+    }
   }
   int64_t density_bits;
   memcpy(&density_bits, &config_.density, sizeof(density_bits));
@@ -139,11 +154,45 @@ void CompressedBackend::check_call(const at::Tensor& tensor, std::optional<int64
               ". Every rank must make the same compressed calls in the same order with the same "
               "settings (checked at the first use of each key and of each keyless "
               "(numel, dtype, op); PYCOMM_DEBUG=detail checks every call)");
+  if (refused) return;  // every rank refused alike: nothing to remember
   if (key) {
-    checked_keys_.insert(*key);
+    checked_keys_.insert_or_assign(*key, call);
   } else {
     checked_signatures_.insert(signature);
   }
+}
+
+std::string CompressedBackend::describe_record(const CallRecord& r) const {
+  std::ostringstream o;
+  const char* name = kCollectives[r.collective];
+  o << (name[0] == 'a' ? "an " : "a ") << name << " of " << r.numel << " " << dtype_name(r.dtype)
+    << " elements on " << r.device.type() << " (" << r.method << ", "
+    << (r.average ? "avg" : "sum") << ")";
+  return o.str();
+}
+
+void CompressedBackend::stand_in(int64_t key, const CallRecord& first) {
+  const int world = getSize();
+  const at::Tensor zeros = at::zeros({first.numel}, at::TensorOptions(first.dtype).device(first.device));
+  standing_in_ = true;
+  try {
+    switch (first.collective) {
+      case 0:
+        run_compressed(zeros, key, first.average, first.method);
+        break;
+      case 1:
+        run_reduce_scatter(at::empty({first.numel / world}, zeros.options()), zeros, key,
+                           first.average, first.method);
+        break;
+      default:
+        run_all_gather(at::empty({first.numel * world}, zeros.options()), zeros, key,
+                       first.method);
+    }
+  } catch (...) {
+    // Expected: its tags match no rank's. The caller raises the reason.
+  }
+  standing_in_ = false;
+  stand_in_residuals_ = ErrorFeedback();
 }
 
 std::string CompressedBackend::failure_context(const at::Tensor& tensor,
@@ -160,7 +209,9 @@ std::string CompressedBackend::failure_context(const at::Tensor& tensor,
 
 void CompressedBackend::set_tag(const at::Tensor& tensor, std::optional<int64_t> key,
                                 bool average) {
-  const uint64_t h = call_tag(collective_, key ? *key : -1, tensor.numel(),
+  // A stand-in's tag: each rank's differs from every call's, its own too.
+  const int64_t numel = standing_in_ ? kRefusedNumel - getRank() : tensor.numel();
+  const uint64_t h = call_tag(collective_, key ? *key : -1, numel,
                               static_cast<int>(tensor.scalar_type()), average);
   int32_t words[kTagWords];
   static_assert(sizeof(words) == sizeof(h), "a tag is 64 bits");
@@ -197,8 +248,9 @@ at::Tensor CompressedBackend::tags_ok(const std::vector<at::Tensor>& words) cons
 void CompressedBackend::require_tags(bool ok) const {
   TORCH_CHECK(ok,
               "the ranks ran different compressed calls at the same position (another key, "
-              "size, dtype or op: the payloads' call tags differ), so their results were "
-              "discarded and the residuals kept. The engine runs each rank's calls in the order "
+              "size, dtype or op: the payloads' call tags differ; or a rank refused its call, "
+              "and its error says why), so their results were discarded and the residuals "
+              "kept. The engine runs each rank's calls in the order "
               "they were submitted: calls submitted from several threads must reach it in the "
               "same order on every rank (issue the compressed calls of a group from one thread; "
               "check_calls=\"every\" names the difference)");

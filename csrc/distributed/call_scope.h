@@ -12,13 +12,16 @@ namespace dist {
 // sets it back to the all-reduce's after.
 class RunningCollective {
  public:
-  RunningCollective(int& running, int collective) : running_(running) { running_ = collective; }
-  ~RunningCollective() { running_ = 0; }
+  RunningCollective(int& running, int collective) : running_(running), outer_(running) {
+    running_ = collective;
+  }
+  ~RunningCollective() { running_ = outer_; }  // a stand-in runs inside a call
   RunningCollective(const RunningCollective&) = delete;
   RunningCollective& operator=(const RunningCollective&) = delete;
 
  private:
   int& running_;
+  const int outer_;
 };
 
 // A call's input and output as flat, contiguous float32 tensors: views of

@@ -56,6 +56,14 @@ CallResiduals CompressedBackend::residuals_for(std::optional<int64_t> key, const
   ErrorFeedback* ef = key && x.numel() > 0
                           ? error_feedback_for(*key, x, method + suffix[collective_], g)
                           : nullptr;
+  if (ef && standing_in_) {  // a copy: a stand-in never changes the residuals
+    stand_in_residuals_ = *ef;
+    stand_in_residuals_.worker = ef->worker.clone();
+    for (auto& s : stand_in_residuals_.server) s = s.clone();
+    stand_in_residuals_.worker_backup = at::Tensor();
+    stand_in_residuals_.server_backup.clear();
+    ef = &stand_in_residuals_;
+  }
   begin_seeds(key, ef);
   return CallResiduals(ef, collective_ == 0 && double_buffered(x, method));
 }
@@ -196,9 +204,13 @@ void CompressedBackend::load_error_feedback_state(std::map<int64_t, ErrorFeedbac
     ef.server_backup.clear();
   }
   submit(c10d::OpType::UNKNOWN, {}, [this, replace, state = std::move(state)]() mutable {
+    // The loaded keys' next calls are compared across ranks again (every
+    // rank loads).
     if (replace) {
+      checked_keys_.clear();
       error_feedback_ = std::move(state);
     } else {
+      for (const auto& kv : state) checked_keys_.erase(kv.first);
       for (auto& [key, ef] : state) error_feedback_.insert_or_assign(key, std::move(ef));
     }
   })->wait();
@@ -234,10 +246,13 @@ void CompressedBackend::undo_error_feedback(const std::vector<int64_t>& keys) {
 
 void CompressedBackend::reset_error_feedback(std::optional<int64_t> key) {
   submit(c10d::OpType::UNKNOWN, {}, [this, key] {
+    // The key's next call is compared across ranks again (every rank resets).
     if (key.has_value()) {
       error_feedback_.erase(*key);
+      checked_keys_.erase(*key);
     } else {
       error_feedback_.clear();
+      checked_keys_.clear();
     }
   })->wait();
 }
