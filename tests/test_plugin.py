@@ -6,6 +6,8 @@ simulation's bit for bit (it runs the same Python), on every rank."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -128,3 +130,58 @@ def test_registration_errors_name_the_problem():
         pd.PycommOptions(compressor="onebit", compressor_options={"levels": 3})
     with pytest.raises(ValueError, match="or a registered compressor"):
         pd.PycommOptions(compressor="int9")
+
+
+# ------------------------------------- a payload that depends on the data ----
+class AboveThreshold:
+    """Sends the entries above a threshold: a payload whose length depends
+    on the data, which the contract forbids."""
+
+    def __init__(self, same_bytes: bool = False):
+        self.same_bytes = same_bytes  # as many bytes on every rank, split otherwise
+
+    def compress(self, grad, residual):
+        keep = grad.abs() > 1
+        idx = keep.nonzero().reshape(-1).to(torch.int32)
+        if self.same_bytes:  # [values, zeros]: grad.numel() words in all, in other shapes
+            return [grad[keep], torch.zeros(grad.numel() - idx.numel(), dtype=torch.int32)]
+        return [idx, grad[keep]]
+
+    def decompress(self, payload, out, accumulate):
+        if not accumulate:
+            out.zero_()
+        if not self.same_bytes:
+            out.index_add_(0, payload[0].long(), payload[1])
+
+
+def _rank_data_dependent(rank, world):
+    pycomm.register_compressor("above-threshold", AboveThreshold)
+    out = {}
+    for same_bytes in (False, True):
+        pg = pd.wrap(compressor="above-threshold", min_compress_numel=1,
+                     compressor_options={"same_bytes": same_bytes})
+        x = torch.randn(1000, generator=torch.Generator().manual_seed(rank))
+        try:
+            pd.all_reduce(x, key=1, group=pg)
+            out[same_bytes] = None
+        except RuntimeError as exc:
+            out[same_bytes] = str(exc)
+        # Every rank raised at the same point: the group is still in step.
+        y = torch.full((1000,), float(rank + 2))
+        pd.all_reduce(y, key=2, group=pg)
+        out[("after", same_bytes)] = y
+    return out
+
+
+def test_a_payload_that_depends_on_the_data_is_refused_on_every_rank():
+    for rank, out in enumerate(run_ranks(_rank_data_dependent, 2, timeout=120)):
+        for same_bytes in (False, True):
+            msg = out[same_bytes]
+            assert msg is not None and "compressor 'above-threshold' made payloads of other sizes, shapes or dtypes" in msg, msg
+            assert f"pycomm rank {rank} of 2" in msg and "depend on the element count alone" in msg, msg
+            # Every element is above the threshold on both ranks: equal payloads, an exact sum.
+            assert torch.equal(out[("after", same_bytes)], torch.full((1000,), 5.0 if not same_bytes else 0.0))
+        sizes = re.search(r"rank 0: (\d+) bytes, rank 1: (\d+) bytes", out[False])
+        assert sizes and sizes.group(1) != sizes.group(2), out[False]
+        sizes = re.search(r"rank 0: (\d+) bytes, rank 1: (\d+) bytes", out[True])
+        assert sizes and sizes.group(1) == sizes.group(2), out[True]  # the shapes differ

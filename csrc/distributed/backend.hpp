@@ -305,6 +305,12 @@ class CompressedBackend : public c10d::Backend {
       ErrorFeedback* ef, const Group& g,
       const std::function<void(const PayloadCodec&, const PayloadChunk&)>& received);
 
+  // Raises on every rank unless every rank's payload of chunk `ch` of a
+  // registered compressor has the same size and tensor shapes (one small
+  // all-gather of both over `g`).
+  void check_payload_layout(const std::string& method, const PayloadChunk& ch, const Group& g,
+                            const c10::Device& device);
+
   // ---- all_reduce.cpp ----
   void run_compressed(const at::Tensor& tensor, std::optional<int64_t> key, bool average,
                       const std::string& method);

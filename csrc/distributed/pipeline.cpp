@@ -2,6 +2,8 @@
 // reduce-scatter and the all-gather: one exchange per chunk, pipelined.
 #include "pipeline.h"
 
+#include <sstream>
+
 #include "backend.hpp"
 
 namespace pycomm {
@@ -36,6 +38,7 @@ std::vector<at::Tensor> CompressedBackend::exchange_payloads(
       TORCH_CHECK(p.numel() == ch.slot, "compressor '", codec.method, "' made payloads of ",
                   ch.slot - kTagBytes, " and ", p.numel() - kTagBytes, " bytes for segments of ",
                   ch.len, " elements: payload sizes must depend on the element count alone");
+    if (is_plugin(method)) check_payload_layout(codec.method, ch, g, in.device());
     at::Tensor buf = segments == 1 ? payloads[0] : at::cat(payloads);
     ch.recv = at::empty({world * ch.slot}, buf.options());
     if (all_to_all) {
@@ -58,6 +61,41 @@ std::vector<at::Tensor> CompressedBackend::exchange_payloads(
 
   run_pipeline(chunks, send, receive);
   return tags;
+}
+
+// A registered compressor is Python code: nothing but this exchange keeps
+// a payload whose length depends on the data from reaching the inner
+// collective with another length on each rank (Gloo aborts the process,
+// NCCL reads past the buffer). Its cost, one small all-gather per chunk,
+// is small next to the compressor itself.
+void CompressedBackend::check_payload_layout(const std::string& method, const PayloadChunk& ch,
+                                             const Group& g, const c10::Device& device) {
+  uint64_t layout = 1469598103934665603ull;  // FNV-1a over the tensors' dtypes and shapes
+  auto mix = [&layout](int64_t v) {
+    for (int b = 0; b < 8; ++b) layout = (layout ^ ((uint64_t(v) >> (8 * b)) & 0xff)) * 1099511628211ull;
+  };
+  for (const auto& p : ch.layout) {
+    mix(static_cast<int64_t>(p.scalar_type()));
+    for (int64_t d : p.sizes()) mix(d);
+    mix(-1);
+  }
+  const std::vector<int64_t> mine{ch.slot - kTagBytes, static_cast<int64_t>(layout)};
+  at::Tensor in = at::tensor(mine, at::kLong).to(device);
+  at::Tensor out = at::empty({g.world * 2}, in.options());
+  wait_wire(g.pg->_allgather_base(out, in, c10d::AllgatherOptions()));
+  const at::Tensor all = out.cpu();
+  const int64_t* a = all.const_data_ptr<int64_t>();
+  bool same = true;
+  std::ostringstream sizes;
+  for (int r = 0; r < g.world; ++r) {
+    same = same && a[2 * r] == a[0] && a[2 * r + 1] == a[1];
+    sizes << (r ? ", " : "") << "rank " << r << ": " << a[2 * r] << " bytes";
+  }
+  TORCH_CHECK(same, "compressor '", method, "' made payloads of other sizes, shapes or dtypes on "
+              "the ranks for ", ch.len, " elements (", sizes.str(), "): a registered "
+              "compressor's payload tensors must have shapes and dtypes that depend on the "
+              "element count alone (pycomm.compressors.plugin), e.g. a top-k that keeps a "
+              "fixed number of entries, not the entries above a threshold");
 }
 
 }  // namespace dist

@@ -11,7 +11,8 @@ its own kernels:
 - ``compress(grad, residual) -> list of tensors``: the payload of ``grad``
   (a 1-D float32 tensor); its tensors' shapes and dtypes depend only on
   ``grad.numel()`` (every rank must be able to split every other rank's
-  bytes like its own). With error feedback ``residual`` is a float32 tensor
+  bytes like its own; the engine compares them across ranks per chunk and
+  raises on every rank when they differ). With error feedback ``residual`` is a float32 tensor
   of the same size, to be used and updated in place (``c = grad + residual;
   residual <- c - decompress(payload)``); without, it is None;
 - ``decompress(payload, out, accumulate)``: writes (``accumulate=False``) or
