@@ -177,3 +177,40 @@ def test_overlap_refuses_a_micro_batch_after_the_send():
     for out in run_ranks(_accumulate_in_the_wrong_order, WORLD, timeout=120):
         step, msg, unchanged = out["error"]
         assert step == 3 and "LAST backward outside it" in msg and unchanged
+
+
+def _block_size_changed_at_load(rank, world):
+    from pycomm.optim import OneBitAdam
+
+    out = {}
+    for compressor in ("onebit", "int8", "int4"):
+        params = [torch.nn.Parameter(torch.ones(300))]
+        opt = OneBitAdam(params, lr=1e-2, warmup_steps=1, block_size=32, compressor=compressor)
+        _steps(opt, params, 3)
+        saved = opt.state_dict()
+        # A new optimizer, before its first step (no engine yet): the saved
+        # residuals are checked against the block size it runs, at the load
+        # (300 elements over 2 ranks: segments of 160 at block_size=32, 192 at 64).
+        fresh_params = [torch.nn.Parameter(torch.ones(300))]
+        other = OneBitAdam(fresh_params, lr=1e-2, warmup_steps=1, block_size=64, compressor=compressor)
+        try:
+            other.load_state_dict(saved)
+            out[compressor] = None
+        except ValueError as exc:
+            out[compressor] = str(exc)
+        out[(compressor, "untouched")] = other.step_count == 0 and not other.state
+        same = OneBitAdam(fresh_params, lr=1e-2, warmup_steps=1, block_size=32, compressor=compressor)
+        same.load_state_dict(saved)  # the saved block size: loads, and steps
+        _steps(same, fresh_params, 1)
+        out[(compressor, "resumed")] = same.step_count
+    return out
+
+
+def test_a_block_size_change_in_a_loaded_state_is_refused_at_the_load():
+    for rank, out in enumerate(run_ranks(_block_size_changed_at_load, WORLD, timeout=120)):
+        for compressor in ("onebit", "int8", "int4"):
+            msg = out[compressor]
+            assert msg is not None and "the residuals were saved with another block_size" in msg, msg
+            assert f"rank {rank}'s segment" in msg and "block_size=64" in msg, msg
+            assert out[(compressor, "untouched")], compressor
+            assert out[(compressor, "resumed")] == 4, compressor

@@ -104,13 +104,18 @@ def _tensor_problem(t: Any, numel_at_most: int, exact: bool) -> Optional[str]:
     return None
 
 
-def check_residual(label: str, ef: Any, methods: Sequence[str]) -> Dict[str, Any]:
+def check_residual(label: str, ef: Any, methods: Sequence[str], rank: Optional[Tuple[int, int]] = None,
+                   block_size: Optional[int] = None) -> Dict[str, Any]:
     """One key's residuals checked against the engine's layout rules and
     copied; ``methods``: the methods they may belong to. Raises, naming
     ``label`` and the field, for anything the engine would refuse or train
     on wrongly: a missing or unknown field, a size, a tensor of another
     shape, dtype or device, a non-finite value (it would spread to every
-    rank at the next call)."""
+    rank at the next call). With ``rank`` (``(rank, world size)`` of the
+    saved state) and residuals of that world size, a block codec's server
+    residuals must be that rank's segments at ``block_size`` (None: the
+    method's default), as the engine will run them (residuals of another
+    world size are the engine's to refuse)."""
     if not isinstance(ef, dict):
         raise TypeError(f"{label} must be a dict of residuals, got {type(ef).__name__}")
     missing = [f for f in RESIDUAL_FIELDS if f not in ef]
@@ -150,6 +155,15 @@ def check_residual(label: str, ef: Any, methods: Sequence[str]) -> Dict[str, Any
         if got:
             raise ValueError(f"{label}['server'][{i}] must be a 1-D float32 tensor of at most {hi - lo} "
                              f"elements (its chunk's length), got {got}")
+        if rank is not None and rank[1] == ef["world_size"]:
+            block = spec.block_size_for(base, block_size)
+            start, end = spec.block_segments(hi - lo, ef["world_size"], block)[1][rank[0]]
+            if s.numel() != end - start:
+                raise ValueError(
+                    f"{label}['server'][{i}] holds {s.numel()} elements, but rank {rank[0]}'s segment of its "
+                    f"{hi - lo}-element chunk at block_size={block} over {ef['world_size']} ranks has "
+                    f"{end - start}: the residuals were saved with another block_size. Run the saved "
+                    f"block_size, or start the residuals over (reset_error_feedback=True)")
         if s.device != worker.device:
             raise ValueError(f"{label}['server'][{i}] is on {s.device}, the worker residual on {worker.device}")
     for name, t in [("['worker']", worker), *((f"['server'][{i}]", s) for i, s in enumerate(server))]:
@@ -160,11 +174,13 @@ def check_residual(label: str, ef: Any, methods: Sequence[str]) -> Dict[str, Any
     return copy_residual(ef)
 
 
-def check_residuals(label: str, residuals: Any, methods: Sequence[str], span: Optional[int] = None
+def check_residuals(label: str, residuals: Any, methods: Sequence[str], span: Optional[int] = None,
+                    rank: Optional[Tuple[int, int]] = None, block_size: Optional[int] = None
                     ) -> Dict[int, Dict[str, Any]]:
     """A dict ``{key: residuals}`` checked whole (:func:`check_residual`
-    for each) and copied: keys non-negative ints, below ``span`` when given.
-    Nothing is changed anywhere when it raises."""
+    for each, with ``rank`` and ``block_size``) and copied: keys
+    non-negative ints, below ``span`` when given. Nothing is changed
+    anywhere when it raises."""
     if not isinstance(residuals, dict):
         raise TypeError(f"{label} must be the dict of residuals state_dict() saved, "
                         f"got {type(residuals).__name__}")
@@ -174,7 +190,7 @@ def check_residuals(label: str, residuals: Any, methods: Sequence[str], span: Op
         if not _is_int(key) or key < 0 or (span is not None and key >= span):
             rng = "a non-negative int" if span is None else f"an int in [0, {span})"
             raise ValueError(f"{where}: a key must be {rng}")
-        out[key] = check_residual(where, ef, methods)
+        out[key] = check_residual(where, ef, methods, rank=rank, block_size=block_size)
     return out
 
 

@@ -768,8 +768,13 @@ class _CompressedMomentum(DDPAttach, Optimizer):
             if reset_error_feedback:
                 ef, saved_world = {}, None
             else:
+                # Checked here against the block size this optimizer runs,
+                # also when its engine is not made yet (then it is loaded
+                # at the first compressed step, too late to refuse cleanly).
                 ef = check_residuals("state_dict['pycomm']['error_feedback']", ef,
-                                     residual_methods(self.compressor), span=KEY_SPAN)
+                                     residual_methods(self.compressor), span=KEY_SPAN,
+                                     rank=None if saved_world is None else saved_world[::-1],
+                                     block_size=self.compressor_settings.get("block_size"))
         elif reset_error_feedback:
             saved_world = None
         # The engine first (it refuses residuals of another world size or
