@@ -162,6 +162,11 @@ def _ranks(group: dist.ProcessGroup) -> tuple[int, ...]:
     return tuple(dist.get_process_group_ranks(group))
 
 
+def _state_key() -> str:
+    """This rank's entry in :meth:`FSDPCompression.state_dict`."""
+    return f"rank{dist.get_rank()}_of_{dist.get_world_size()}"
+
+
 class CompressedReduceScatter(_ReduceScatterBase):
     """FSDP2 ReduceScatter running the engine's compressed reduce-scatter
     for one module, under its own error-feedback key.
@@ -292,11 +297,13 @@ class FSDPCompression:
 
     # -- state -----------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """This rank's residuals, as one ``bytes`` value under ``rank<r>``:
-        a ``torch.distributed.checkpoint`` save then writes every rank's
-        (a plain tensor would be taken as replicated and written once), and
-        a load gives each rank its own, whatever residuals it holds yet.
-        Empty without error feedback."""
+        """This rank's residuals, as one ``bytes`` value under
+        ``rank<r>_of_<world size>``: a ``torch.distributed.checkpoint`` save
+        then writes every rank's (a plain tensor would be taken as replicated
+        and written once), and a load gives each rank its own, whatever
+        residuals it holds yet. DCP refuses a checkpoint of another world
+        size before this object sees it; the missing key it names then says
+        both world sizes apart. Empty without error feedback."""
         if not self.error_feedback:
             return {}
         pg = self._grad_group()
@@ -304,16 +311,17 @@ class FSDPCompression:
         buf = io.BytesIO()
         torch.save({"world_size": dist.get_world_size(), "keys": dict(self.keys),
                     "residuals": {k: dict(v) for k, v in state.items()}}, buf)
-        return {f"rank{dist.get_rank()}": buf.getvalue()}
+        return {_state_key(): buf.getvalue()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore this rank's residuals from :meth:`state_dict`'s value
         (refused whole, naming the key and field, when it does not fit)."""
         if not self.error_feedback:
             return
-        name = f"rank{dist.get_rank()}"
+        name = _state_key()
         if name not in state:
-            raise ValueError(f"pycomm.fsdp: the state holds no residuals for {name}")
+            raise ValueError(f"pycomm.fsdp: the state holds no residuals for {name} (it holds {sorted(state)}): "
+                             f"residuals are per rank, and resume at the world size they were saved at")
         data = state[name]
         saved = torch.load(io.BytesIO(data), weights_only=False) if isinstance(data, (bytes, bytearray)) else data
         if saved["world_size"] != dist.get_world_size():

@@ -124,6 +124,8 @@ def _rank(rank, world, names, ckpt):
         _step(m, opt, s, rank)
     msd, osd = get_state_dict(m, opt)
     dcp.save({"model": msd, "optim": osd, "pycomm": comp}, checkpoint_id=ckpt)
+    out["dcp_keys"] = sorted(k for k in dcp.FileSystemReader(ckpt).read_metadata().state_dict_metadata
+                             if k.startswith("pycomm."))
     for s in range(2, 4):
         _step(m, opt, s, rank)
     out["resume/first"] = _shards(m)
@@ -254,6 +256,9 @@ def test_resume_is_bit_exact(results):
         assert all(torch.equal(a, b) for a, b in zip(first, second)), r
         # one float32 residual per element of each module's padded unsharded gradient
         assert results[2][r]["resume/residual_bytes"] == 4 * (66 * 37 + 66 + 4 * 65 + 4)
+        # Each rank's entry names the world size: a load at another one is
+        # refused by DCP naming a key that says so.
+        assert results[2][r]["dcp_keys"] == ["pycomm.rank0_of_2", "pycomm.rank1_of_2"]
 
 
 def test_nonfinite_step_leaves_residuals(results):
