@@ -734,7 +734,7 @@ def format_plan(p: Mapping) -> str:
         f"ring all-reduce: 2(W-1)/W = {2 * (W - 1) / W:.3g} x the bytes each way + 2(W-1) latencies per bucket "
         f"= {fmt_s(p['methods'][0]['total_s'])} (flat ring over {t['flat_ring_link']} links)",
         f"({t['buckets']} DDP bucket(s) of {i['bucket_mb']:g} MB"
-        + (f"; {i['compressor']}: {t['compressed_chunks']} chunk(s) of ~{fmt_count(i['chunk_numel'])} elements, "
+        + (f"; {i['compressor']}: {t['compressed_chunks']} chunk(s) of ~{fmt_count(p['gradient_elements'] / t['compressed_chunks'])} elements, "
            "each its own collectives)" if i["compressor"] != spec.EXACT_METHOD and i["chunk_numel"] else ")"),
         "",
         require("tabulate").tabulate(rows, headers=["method", "sent/rank (all links)", "latency", "transfer", "compressor compute",

@@ -505,6 +505,16 @@ def all_reduce(
     return None
 
 
+def _check_pair(output: Any, input: Any, key: Any, async_op: Any) -> None:
+    """The arguments a reduce-scatter and an all-gather share, checked."""
+    check_key(key)
+    for name, t in (("output", output), ("input", input)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if not isinstance(async_op, bool):
+        raise TypeError(f"async_op must be a bool, got {async_op!r}")
+
+
 def reduce_scatter(
     output: torch.Tensor,
     input: torch.Tensor,
@@ -530,12 +540,7 @@ def reduce_scatter(
     """
     if op not in ("sum", "avg"):
         raise ValueError(f"op must be 'sum' or 'avg', got {op!r}")
-    check_key(key)
-    for name, t in (("output", output), ("input", input)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if not isinstance(async_op, bool):
-        raise TypeError(f"async_op must be a bool, got {async_op!r}")
+    _check_pair(output, input, key, async_op)
     _check_outside(output, input, _own_shard(input, output.numel(), group))
     work = _pycomm_backend(group, input.device).reduce_scatter_keyed(output, input, key, op == "avg")
     if async_op:
@@ -567,12 +572,7 @@ def all_gather(
         full = torch.empty(dist.get_world_size() * shard.numel())
         pd.all_gather(full, shard, group=pg)
     """
-    check_key(key)
-    for name, t in (("output", output), ("input", input)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if not isinstance(async_op, bool):
-        raise TypeError(f"async_op must be a bool, got {async_op!r}")
+    _check_pair(output, input, key, async_op)
     _check_outside(output, input, _own_shard(output, input.numel(), group))
     work = _pycomm_backend(group, input.device).all_gather_keyed(output, input, key)
     if async_op:

@@ -553,6 +553,21 @@ def simulate_hierarchical_allreduce(
     return [out.view(shape).to(dtype).clone() for _ in range(world)]
 
 
+def _bind_collective(efs: Optional[List[ErrorFeedback]], xs: List[torch.Tensor], comp: Any, method: str,
+                     numel: int, chunk_numel: int) -> None:
+    """Binds each rank's residuals (``efs``, or none) to a reduce-scatter's
+    or all-gather's layout under ``method`` (with the collective's suffix),
+    and keeps them to roll back to."""
+    if efs is None:
+        return
+    if len(efs) != len(xs):
+        raise ValueError(f"efs must hold one ErrorFeedback per rank ({len(xs)}), got {len(efs)}")
+    for r, ef in enumerate(efs):
+        ef.bind(method=method, numel=numel, world_size=len(xs), rank=r, chunk_numel=chunk_numel,
+                block_size=getattr(comp, "block_size", None), device=xs[r].device)
+        ef.snapshot()
+
+
 def simulate_reduce_scatter(
     inputs: Sequence[torch.Tensor],
     method: str,
@@ -610,13 +625,7 @@ def simulate_reduce_scatter(
         return [o.to(dtype) for o in outs]
 
     comp, encode, decode = _payload_codec(method, compressor_kwargs)
-    if efs is not None:
-        if len(efs) != world:
-            raise ValueError(f"efs must hold one ErrorFeedback per rank ({world}), got {len(efs)}")
-        for r, ef in enumerate(efs):
-            ef.bind(method=method + REDUCE_SCATTER_SUFFIX, numel=n, world_size=world, rank=r,
-                    chunk_numel=chunk_numel, block_size=getattr(comp, "block_size", None), device=xs[r].device)
-            ef.snapshot()
+    _bind_collective(efs, xs, comp, method + REDUCE_SCATTER_SUFFIX, n, chunk_numel)
     seeds = _Seeds(comp, "reduce_scatter", key, call, efs, range(world))
     seeds.advance()
     for ci, (c0, c1) in enumerate(chunk_bounds(shard, chunk_numel)):
@@ -701,13 +710,7 @@ def simulate_all_gather(
         out = torch.cat([x.to(_wire_dtype(method)).to(torch.float32) for x in xs])
         return [out.to(dtype) for _ in range(world)]
     comp, encode, decode = _payload_codec(method, compressor_kwargs)
-    if efs is not None:
-        if len(efs) != world:
-            raise ValueError(f"efs must hold one ErrorFeedback per rank ({world}), got {len(efs)}")
-        for r, ef in enumerate(efs):
-            ef.bind(method=method + ALL_GATHER_SUFFIX, numel=n, world_size=world, rank=r,
-                    chunk_numel=chunk_numel, block_size=getattr(comp, "block_size", None), device=xs[r].device)
-            ef.snapshot()
+    _bind_collective(efs, xs, comp, method + ALL_GATHER_SUFFIX, n, chunk_numel)
     seeds = _Seeds(comp, "all_gather", key, call, efs, range(world))
     seeds.advance()
     out = torch.empty(world * n, dtype=torch.float32, device=xs[0].device)
