@@ -214,3 +214,38 @@ def test_a_block_size_change_in_a_loaded_state_is_refused_at_the_load():
             assert f"rank {rank}'s segment" in msg and "block_size=64" in msg, msg
             assert out[(compressor, "untouched")], compressor
             assert out[(compressor, "resumed")] == 4, compressor
+
+
+def _sharded_or_sparse(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from pycomm.optim import OneBitAdam, OneBitSGD
+
+    out = {}
+    mesh = init_device_mesh("cpu", (world,))
+    sharded = torch.nn.Parameter(distribute_tensor(torch.ones(8, 4), mesh, [Shard(0)]))
+    try:
+        OneBitAdam([sharded], lr=1e-2)
+        out["dtensor"] = None
+    except ValueError as exc:
+        out["dtensor"] = str(exc)
+    emb = torch.nn.Embedding(50, 8, sparse=True)
+    opt = OneBitSGD(emb.parameters(), lr=0.1, momentum=0.9, warmup_steps=1)
+    emb(torch.tensor([1, 2, 3])).sum().backward()
+    before = emb.weight.detach().clone()
+    try:
+        opt.step()
+        out["sparse"] = None
+    except ValueError as exc:
+        out["sparse"] = str(exc)
+    out["sparse unchanged"] = torch.equal(before, emb.weight) and opt.step_count == 0
+    return out
+
+
+def test_sharded_parameters_and_sparse_gradients_are_refused_naming_the_fix():
+    for out in run_ranks(_sharded_or_sparse, WORLD, timeout=120):
+        assert out["dtensor"] is not None and "DTensor parameter" in out["dtensor"], out["dtensor"]
+        assert "pycomm.fsdp.compress" in out["dtensor"], out["dtensor"]
+        assert out["sparse"] is not None and "takes dense gradients" in out["sparse"], out["sparse"]
+        assert "nn.Embedding(sparse=True)" in out["sparse"] and out["sparse unchanged"]
