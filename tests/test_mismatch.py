@@ -276,7 +276,7 @@ def test_a_key_changed_on_every_rank_names_its_first_call(key_change_results):
     for rank, results in enumerate(key_change_results):
         for key, msg in results.items():
             if len(key) == 3 and key[2] == "both":
-                assert msg is not None and f"of 1000 float32 elements" in msg and "this call is" in msg, (key, msg)
+                assert msg is not None and "of 1000 float32 elements" in msg and "this call is" in msg, (key, msg)
 
 
 def test_a_refused_change_leaves_the_residuals_and_the_group(key_change_results):
