@@ -195,10 +195,10 @@ def test_get_compressor_names_the_argument():
 
 # ------------------------------------------- a key's later calls change ----
 def _rank_key_changes(rank, world):
-    """Ranks agree on a key's first call; later, one rank changes it (or
-    refuses it). The call check compares first calls only: the rank that
-    changed takes part in the call it replaces, so every rank raises at the
-    same point, nothing changes, and the group goes on."""
+    """Ranks agree on a key's first call; later, every rank but rank 0
+    changes it (or refuses it). The call check compares first calls only:
+    a rank that changed takes part in the call it replaces, so every rank
+    raises at the same point, nothing changes, and the group goes on."""
     out = {}
     ok = torch.full((N,), float(rank + 1))
     cases = {
@@ -221,7 +221,7 @@ def _rank_key_changes(rank, world):
             before = pd.error_feedback_state(group=pg)
             changed = {
                 "resized": lambda: torch.randn(N - 8 * rank),
-                "dtype": lambda: torch.randn(N).to((torch.float32, torch.bfloat16)[rank]),
+                "dtype": lambda: torch.randn(N).to(torch.bfloat16 if rank else torch.float32),
                 "refused": lambda: torch.randn(N) if rank == 0 else torch.ones(N, dtype=torch.int32),
             }
             for what, make in changed.items():
@@ -243,9 +243,9 @@ def _rank_key_changes(rank, world):
     return out
 
 
-@pytest.fixture(scope="module")
-def key_change_results():
-    return run_ranks(_rank_key_changes, 2, timeout=240)
+@pytest.fixture(scope="module", params=[2, 4])
+def key_change_results(request):
+    return run_ranks(_rank_key_changes, request.param, timeout=240)
 
 
 def test_a_key_changed_on_one_rank_raises_on_every_rank(key_change_results):
@@ -257,15 +257,15 @@ def test_a_key_changed_on_one_rank_raises_on_every_rank(key_change_results):
         for rank, results in enumerate(key_change_results):
             msg = results[(name, collective, what)]
             assert msg is not None, f"rank {rank}, {name} {collective} {what}: no error"
-            assert f"pycomm rank {rank} of 2" in msg, msg
-            if rank == 0:  # ran the key's call: its peer's payloads are not that call's
+            assert f"pycomm rank {rank} of {len(key_change_results)}" in msg, msg
+            if rank == 0:  # ran the key's call: its peers' payloads are not that call's
                 assert "a rank refused its call" in msg, msg
                 continue
             key = 100 * ("all_reduce", "reduce_scatter", "all_gather").index(collective)
             if what == "resized" or (what, collective) == ("dtype", "all_reduce"):
                 # A call it could run: the first call and this one, named.
                 assert re.search(rf"error-feedback key {key} was first used for an? {collective} of 1000 "
-                                 r"float32 elements .* this call is .* of (992 float32|1000 bfloat16)", msg), msg
+                                 rf"float32 elements .* this call is .* of ({N - 8 * rank} float32|1000 bfloat16)", msg), msg
                 assert f"reset_error_feedback({key})" in msg, msg
             else:  # a call it refuses (an int tensor; input and output dtypes differ)
                 assert re.search(r"needs (a )?float32|input is BFloat16|output is Float", msg), msg
@@ -286,5 +286,6 @@ def test_a_refused_change_leaves_the_residuals_and_the_group(key_change_results)
                 assert value is True, key
             if len(key) == 2 and key[1] == "after":  # the same on every rank; exact for a constant
                 assert torch.equal(value, key_change_results[0][key]), key
-                if key[0] != "topk":
-                    assert torch.equal(value, torch.full((N,), 3.0)), key
+                world = len(key_change_results)
+                if key[0] != "topk":  # rank r sends r + 1
+                    assert torch.equal(value, torch.full((N,), world * (world + 1) / 2)), key
