@@ -249,8 +249,9 @@ void CompressedBackend::require_tags(bool ok) const {
   TORCH_CHECK(ok,
               "the ranks ran different compressed calls at the same position (another key, "
               "size, dtype or op: the payloads' call tags differ; or a rank refused its call, "
-              "and its error says why), so their results were discarded and the residuals "
-              "kept. The engine runs each rank's calls in the order "
+              "and its error says why): the output holds no valid result (it may have been "
+              "written) and the residuals are as before the call. The engine runs each rank's "
+              "calls in the order "
               "they were submitted: calls submitted from several threads must reach it in the "
               "same order on every rank (issue the compressed calls of a group from one thread; "
               "check_calls=\"every\" names the difference)");
