@@ -143,3 +143,33 @@ def test_auto_reads_local_world_size(contiguous):
         want = simulate_allreduce(_inputs(0, 4, 999), "onebit", impl="cpu", block_size=2048)
     for local, x in res:
         assert local == (2 if contiguous else 1) and torch.equal(x, want[0])
+
+
+def _changed_key(rank, world, method, local):
+    import pycomm.distributed as pd
+
+    pd.init_process_group(compressor=method, backend="gloo", init_method="env://", min_compress_numel=1,
+                          hierarchy=local, timeout=timedelta(seconds=float(os.environ["PYCOMM_TEST_TIMEOUT"])))
+    n = 4000
+    pd.all_reduce(torch.randn(n), key=0)
+    try:  # rank 1 changes the key's size: its shard group fails, and its node tells the others
+        pd.all_reduce(torch.randn(n - 8 if rank == 1 else n), key=0)
+        error = None
+    except RuntimeError as exc:
+        error = str(exc)
+    x = torch.full((n,), float(rank + 1))
+    pd.all_reduce(x, key=0)  # the group is still in step
+    return error, x
+
+
+@pytest.mark.parametrize("method", ["onebit", "topk"])
+def test_a_changed_key_raises_on_every_rank_of_every_node(method):
+    world, local = 4, 2
+    res = run_ranks(_changed_key, world, method, local, timeout=TIMEOUT, init_process_group=False)
+    for rank, (error, x) in enumerate(res):
+        assert error is not None, rank
+        if rank == 1:
+            assert "error-feedback key 0 was first used for an all_reduce of 4000 float32" in error, error
+        else:  # its shard group's tags, or its node, say so
+            assert "a rank refused its call" in error, error
+        assert torch.equal(x, res[0][1]), rank

@@ -88,11 +88,22 @@ void CompressedBackend::run_compressed(const at::Tensor& tensor, std::optional<i
       return;
     }
     bool finite = true;
-    if (y.numel() > 0) {
-      finite = is_block_method(m) ? run_blocks(y, ef, average, node.g, m)
-                                  : run_gathered(y, ef, average, node.g, m);
+    std::exception_ptr failed;
+    try {
+      if (y.numel() > 0) {
+        finite = is_block_method(m) ? run_blocks(y, ef, average, node.g, m)
+                                    : run_gathered(y, ef, average, node.g, m);
+      }
+    } catch (...) {
+      if (!intra_) throw;
+      failed = std::current_exception();
     }
     if (intra_) {
+      // A shard group whose step failed (its tags differ: a rank stood in,
+      // or calls ran in another order) tells its node before the node's
+      // exchange, which the node's other ranks would otherwise wait in: one
+      // rank of every node is in that shard group, so every rank raises.
+      agree_in_node(x, failed);
       gather_in_node(x, node, average);
       // Each node's shard group saw only its shard; the whole result is the
       // same on every rank, so every rank takes the rollback decision alike.

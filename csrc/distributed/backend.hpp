@@ -22,6 +22,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <deque>
+#include <exception>
 #include <functional>
 #include <map>
 #include <mutex>
@@ -337,6 +338,10 @@ class CompressedBackend : public c10d::Backend {
   };
   // Flat: y is the whole of `x` and g every rank.
   NodeShard reduce_in_node(const at::Tensor& x);
+  // Raises on every rank of the node when the compressed step failed on
+  // any (`failed`: this rank's failure, rethrown), before the node's
+  // exchange: one small all-reduce inside the node.
+  void agree_in_node(const at::Tensor& x, std::exception_ptr failed);
   // Puts the node's shards back together into `x`.
   void gather_in_node(const at::Tensor& x, NodeShard& s, bool average);
   // Over Gloo the node's exact steps are all-reduces (see reduce_in_node).

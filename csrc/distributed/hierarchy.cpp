@@ -34,6 +34,20 @@ CompressedBackend::NodeShard CompressedBackend::reduce_in_node(const at::Tensor&
   return s;
 }
 
+void CompressedBackend::agree_in_node(const at::Tensor& x, std::exception_ptr failed) {
+  at::Tensor flag = at::full({1}, failed ? 1 : 0, x.options().dtype(at::kInt));
+  std::vector<at::Tensor> ts{flag};
+  c10d::AllreduceOptions mx;
+  mx.reduceOp = c10d::ReduceOp::MAX;
+  wait_wire(intra_->allreduce(ts, mx));
+  if (failed) std::rethrow_exception(failed);
+  TORCH_CHECK(flag.item<int32_t>() == 0,
+              "another rank of this node failed its shard group's compressed step (the ranks ran "
+              "different compressed calls at the same position, or a rank refused its call, "
+              "and its error says why): the output holds no valid result and the residuals are "
+              "as before the call");
+}
+
 void CompressedBackend::gather_in_node(const at::Tensor& x, NodeShard& s, bool average) {
   const int64_t n = x.numel();
   if (average) s.y.div_(intra_->getSize());  // the inter step averaged over nodes
