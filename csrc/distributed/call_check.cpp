@@ -92,13 +92,14 @@ void CompressedBackend::check_call(const at::Tensor& tensor, std::optional<int64
   const int64_t numel = tensor.numel();
   const int dtype = static_cast<int>(tensor.scalar_type());
   const auto signature = std::make_tuple(numel, dtype + 256 * collective_, average);
-  const CallRecord call{collective_, numel, tensor.scalar_type(), average, method,
-                        tensor.device()};
+  auto this_call = [&] {
+    return CallRecord{collective_, numel, tensor.scalar_type(), average, method, tensor.device()};
+  };
   if (config_.check_calls == 1) {
     if (!key) {
       if (checked_signatures_.count(signature) > 0) return;
     } else if (auto it = checked_keys_.find(*key); it != checked_keys_.end()) {
-      const CallRecord first = it->second;
+      const CallRecord first = it->second, call = this_call();
       if (!refused && first == call) return;
       stand_in(*key, first);
       TORCH_CHECK(refused, "error-feedback key ", *key, " was first used for ",
@@ -156,7 +157,7 @@ void CompressedBackend::check_call(const at::Tensor& tensor, std::optional<int64
               "(numel, dtype, op); PYCOMM_DEBUG=detail checks every call)");
   if (refused) return;  // every rank refused alike: nothing to remember
   if (key) {
-    checked_keys_.insert_or_assign(*key, call);
+    checked_keys_.insert_or_assign(*key, this_call());
   } else {
     checked_signatures_.insert(signature);
   }

@@ -70,14 +70,10 @@ std::vector<at::Tensor> CompressedBackend::exchange_payloads(
 // is small next to the compressor itself.
 void CompressedBackend::check_payload_layout(const std::string& method, const PayloadChunk& ch,
                                              const Group& g, const c10::Device& device) {
-  uint64_t layout = 1469598103934665603ull;  // FNV-1a over the tensors' dtypes and shapes
-  auto mix = [&layout](int64_t v) {
-    for (int b = 0; b < 8; ++b) layout = (layout ^ ((uint64_t(v) >> (8 * b)) & 0xff)) * 1099511628211ull;
-  };
+  uint64_t layout = kFnvOffset;  // a hash of the tensors' dtypes and shapes
   for (const auto& p : ch.layout) {
-    mix(static_cast<int64_t>(p.scalar_type()));
-    for (int64_t d : p.sizes()) mix(d);
-    mix(-1);
+    layout = hash_fields({static_cast<int64_t>(p.scalar_type()), p.dim()}, layout);
+    for (int64_t d : p.sizes()) layout = hash_fields({d}, layout);
   }
   const std::vector<int64_t> mine{ch.slot - kTagBytes, static_cast<int64_t>(layout)};
   at::Tensor in = at::tensor(mine, at::kLong).to(device);

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 #include <utility>
 #include <vector>
@@ -90,12 +91,22 @@ inline bool method_residuals(const std::string& m) {
   return r != nullptr && r->residuals;
 }
 
+// FNV-1a: bytes hashed into `h` (start from kFnvOffset), and the bytes of
+// int64 fields, little end first (as spec.py hashes them).
+inline constexpr uint64_t kFnvOffset = 1469598103934665603ull;
+inline uint64_t fnv1a_byte(uint64_t h, unsigned char c) { return (h ^ c) * 1099511628211ull; }
+inline uint64_t hash_fields(std::initializer_list<int64_t> fields, uint64_t h = kFnvOffset) {
+  for (int64_t v : fields)
+    for (int b = 0; b < 8; ++b) h = fnv1a_byte(h, (uint64_t(v) >> (8 * b)) & 0xff);
+  return h;
+}
+
 // The code of a registered compressor: kPluginCode plus a hash of
 // its name and options, so that ranks running different ones disagree.
 inline constexpr int64_t kPluginCode = 1000;
 inline int64_t plugin_code(const std::string& name, const std::string& options) {
-  uint64_t h = 1469598103934665603ull;  // FNV-1a
-  for (unsigned char c : name + "|" + options) h = (h ^ c) * 1099511628211ull;
+  uint64_t h = kFnvOffset;
+  for (unsigned char c : name + "|" + options) h = fnv1a_byte(h, c);
   return kPluginCode + int64_t(h >> 34);
 }
 
@@ -130,10 +141,7 @@ inline constexpr const char* kAllGatherSuffix = "/all_gather";
 inline constexpr int64_t kTagWords = 2;
 inline constexpr int64_t kTagBytes = 4 * kTagWords;
 inline uint64_t call_tag(int collective, int64_t key, int64_t numel, int dtype, bool average) {
-  uint64_t h = 1469598103934665603ull;  // FNV-1a over the fields' bytes
-  for (int64_t v : {int64_t(collective), key, numel, int64_t(dtype), int64_t(average)})
-    for (int b = 0; b < 8; ++b) h = (h ^ ((uint64_t(v) >> (8 * b)) & 0xff)) * 1099511628211ull;
-  return h;
+  return hash_fields({int64_t(collective), key, numel, int64_t(dtype), int64_t(average)});
 }
 
 // Stochastic rounding (spec.rounding_seed): the kernel seed of one compress
@@ -145,9 +153,7 @@ inline uint64_t call_tag(int collective, int64_t key, int64_t numel, int dtype, 
 // or resumed with its saved call counts.
 inline uint32_t rounding_seed(int64_t seed, int64_t stream, int64_t call, int collective,
                               int64_t rank, int64_t chunk, int64_t part) {
-  uint64_t h = 1469598103934665603ull;  // FNV-1a over the fields' bytes
-  for (int64_t v : {seed, stream, call, int64_t(collective), rank, chunk, part})
-    for (int b = 0; b < 8; ++b) h = (h ^ ((uint64_t(v) >> (8 * b)) & 0xff)) * 1099511628211ull;
+  const uint64_t h = hash_fields({seed, stream, call, int64_t(collective), rank, chunk, part});
   return uint32_t(h ^ (h >> 32));
 }
 
