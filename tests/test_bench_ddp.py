@@ -82,9 +82,12 @@ def test_parse_method(name, want):
     ("onebit-v40", "unknown method"), ("optim-onebit-v", "unknown method"),
     ("diloco", "unknown method"), ("diloco-16", "unknown method"), ("diloco-H0", "H and F must be >= 1"),
     ("diloco-H16-F3", "F=3 must divide H=16"), ("diloco-H16-F4-d4", "d=4 must be less than H/F = 4"),
-    ("diloco-H16-topk", "must be one of onebit, int8, int4, fp16 or bf16 (or none, for the exact average), got 'topk'"),
+    ("diloco-H16-lz4", "must be one of onebit, int8, int4, topk-<density>, fp16 or bf16 (or none, for the exact "
+                       "average), got 'lz4'"),
+    ("diloco-H16-topk", "topk needs a density: topk-<density>"), ("diloco-H16-int4-0.1", "only topk takes a density"),
+    ("diloco-H16-topk-0", "density must be in (0, 1]"),
     ("diloco-H16-int2", "got 'int2'"), ("diloco-H16-noef", "-noef applies to a codec that keeps residuals"),
-    ("diloco-H16-bf16-noef", "onebit, int8 or int4"), ("diloco-H16-onebit-sr", "int8 and int4 only"),
+    ("diloco-H16-bf16-noef", "onebit, int8, int4 or topk"), ("diloco-H16-onebit-sr", "int8 and int4 only"),
     ("diloco-H16-int4-backend", "-backend does not apply to diloco"),
 ])
 def test_parse_method_refuses(name, words):
@@ -118,7 +121,6 @@ def test_defaults_cover_the_comparison():
     (["--train-bandwidth", "10mbit"], "--train-bandwidth"),
     (["--steps", "5", "--start-iter", "4"], "--steps"),
     (["--start-iter", "1"], "--start-iter"),
-    (["--ranks", "1"], "--ranks"),
     (["--no-netns", "--bandwidth", "1gbit,none"], "--no-netns"),
     (["--repeats", "3"], "--repeats"),
     (["--optim-warmup", "1"], "--optim-warmup"),
@@ -393,14 +395,14 @@ def test_quick_runs_say_their_loss_is_no_verdict(tmp_path, capsys):
 
 def test_diloco_end_to_end(tmp_path):
     out = tmp_path / "d.json"
-    methods = "fp16,diloco-H4-int4,diloco-H4-F2-d1"
+    methods = "fp16,diloco-H4-int4,diloco-H4-F2-d1,diloco-H4-topk-0.05"
     proc = _run_bench(tmp_path, "--methods", methods, "--steps", "12", "--start-iter", "3", "--eval-every", "4",
                       "--eval-batches", "4", "--outer-lr", "0.5", "--json", str(out))
     recs = {r["method"]: r for r in json.loads(out.read_text())}
     plain, fp16 = recs["allreduce"], recs["fp16"]
     # fp16 trains plainly through the same warm-up: the same losses until its first compressed step counts.
     assert fp16["loss_per_step"][:4] == plain["loss_per_step"][:4]
-    for name in ("diloco-H4-int4", "diloco-H4-F2-d1"):
+    for name in ("diloco-H4-int4", "diloco-H4-F2-d1", "diloco-H4-topk-0.05"):
         r = recs[name]
         for k in RECORD_KEYS + SEED_KEYS:
             assert k in r, (name, k)
@@ -416,7 +418,19 @@ def test_diloco_end_to_end(tmp_path):
     # int4 sends about an eighth of the exact average's bytes per sync (float32 -> 4 bits and scales).
     exact_sync = recs["diloco-H4-F2-d1"]["diloco_bytes_per_sync"]
     assert recs["diloco-H4-int4"]["diloco_bytes_per_sync"] < exact_sync / 6
+    # top-k at 5%: int32 index + float32 value per kept entry, gathered from both ranks.
+    assert recs["diloco-H4-topk-0.05"]["diloco_bytes_per_sync"] < exact_sync / 4
+    assert recs["diloco-H4-topk-0.05"]["per_seed"][0]["diloco_syncs"] == 2
     assert "MB/step by DiLoCo.bytes_per_step" in proc.stdout and "no verdict" not in proc.stdout
+
+
+def test_time_only_trains_nothing(tmp_path):
+    out = tmp_path / "t.json"
+    _run_bench(tmp_path, "--methods", "int8", "--time-only", "--time-steps", "3", "--json", str(out))
+    recs = json.loads(out.read_text())
+    assert [r["method"] for r in recs] == ["allreduce", "int8"]
+    assert all(not r["training_run"] and r["steps"] == 2 + 3 and "loss_per_step" not in r for r in recs)
+    assert all(r["step_time_mean_s"] > 0 for r in recs)
 
 
 def test_small_tensor_workload_runs(tmp_path):

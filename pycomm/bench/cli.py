@@ -37,6 +37,7 @@ SUBCOMMANDS = {
     "kernels": "pycomm.bench.kernels",
     "allreduce": "pycomm.bench.allreduce",
     "ddp": "pycomm.bench.ddp",
+    "quality": "pycomm.bench.quality",
     "fsdp": "pycomm.bench.fsdp",
     "hierarchy": "pycomm.bench.hierarchy",
     "all": "pycomm.bench.all",

@@ -101,8 +101,8 @@ from ..distributed import spec
 from .methods import ALLREDUCE, AUTO, DDP_BASES, Method, parse_method as _parse_method, vocabulary
 from .report import finish, fmt_number, machine_info, progress_bar, table
 from .sweep import (DEFAULT_LR, EVAL_BATCHES, EVAL_RANK, FINAL_LOSS_WINDOW,
-                    add_sweep_options, cluster_for, effective_bw, error_feedback_suffix, json_key, lr_at, mean,
-                    parse_bandwidths, per_rank_bytes, plot, step_progress, workload)
+                    add_sweep_options, cluster_for, effective_bw, error_feedback_suffix, eval_batch_fn, json_key, mean,
+                    parse_bandwidths, per_rank_bytes, plot, set_lr, step_progress, workload)
 from .sweep import combine_seeds as combine_seed_records
 from .timing import median, summarize
 
@@ -433,6 +433,8 @@ class _RankTrainer:
         kw: Dict[str, Any] = {}
         if m.kind == "block":
             kw = {"block_size": self.cfg["block_size"], "rounding": m.rounding}
+        elif m.kind == "sparse":
+            kw = {"density": m.density}
         return DiLoCo(model, inner, sync_every=m.sync_every, fragments=m.fragments, delay=m.delay,
                       compressor=m.compressor, error_feedback=m.error_feedback,
                       outer_lr=self.cfg.get("outer_lr", DILOCO_OUTER_LR),
@@ -475,6 +477,7 @@ class _RankTrainer:
         import pycomm.distributed as pd
 
         ddp, opt, loss_fn, batch_fn, state = self._setup(m, start_iter, seed)
+        heldout = eval_batch_fn(self.cfg, seed, batch_fn)
         diloco = m.entry == "diloco"
         module = ddp if diloco else ddp.module
         eval_tx = 0  # bytes of DiLoCo's evaluation averages, not training's
@@ -491,7 +494,7 @@ class _RankTrainer:
                 # Untimed, on rank 0 only (the ranks hold the same parameters);
                 # the others wait at the barrier, not in a timed step.
                 tx_eval = self.me.tx_bytes()
-                held_out = self._eval(self._consensus(module) if diloco else module, batch_fn, loss_fn)
+                held_out = self._eval(self._consensus(module) if diloco else module, heldout, loss_fn)
                 if self.rank == 0:
                     curve.append([step, held_out])
                 self.dist.barrier()
@@ -504,9 +507,7 @@ class _RankTrainer:
                 engine = self._engine_of(m, state, opt)
                 if engine is not None:
                     pd.profile(engine, reset=True)
-            if self.cfg.get("lr_schedule", "constant") != "constant":
-                for group in opt.param_groups:
-                    group["lr"] = lr_at(self.cfg["lr"], step, steps, self.cfg["lr_schedule"])
+            set_lr(opt, self.cfg, step, steps)
             t0 = time.perf_counter()
             loss = loss_fn(ddp, batch_fn(self.rank, step))
             loss.backward()
@@ -535,10 +536,10 @@ class _RankTrainer:
         # Rank 0 speaks for the group (its record is the one sent), and every
         # rank holds the same parameters (checked below): one evaluation.
         if diloco:
-            final = self._eval(self._consensus(module), batch_fn, loss_fn)
+            final = self._eval(self._consensus(module), heldout, loss_fn)
             final = final if self.rank == 0 else math.nan
         else:
-            final = self._eval(module, batch_fn, loss_fn) if self.rank == 0 else math.nan
+            final = self._eval(module, heldout, loss_fn) if self.rank == 0 else math.nan
         if eval_every:
             curve.append([steps, final])
         rec = {
@@ -625,8 +626,8 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
         raise ValueError("--repeats: not used by ddp; use --steps (training) and --time-steps (timing)")
     if args.warmup is not None:
         raise ValueError("--warmup: not used by ddp; use --start-iter")
-    if args.ranks < 2:
-        raise ValueError(f"--ranks must be >= 2, got {args.ranks}")
+    if args.ranks < 1:  # 1: one process, e.g. DiLoCo with one replica against plain AdamW
+        raise ValueError(f"--ranks must be >= 1, got {args.ranks}")
     bws, rates = parse_bandwidths(args.bandwidth, QUICK_BANDWIDTHS if args.quick else DEFAULT_BANDWIDTHS,
                                   getattr(args, "netns", True))
     args.bandwidth = bws
@@ -683,6 +684,12 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
         raise ValueError(f"--outer-momentum must be in [0, 1), got {args.outer_momentum}")
     if args.lr is None:
         args.lr = DEFAULT_LR[args.optimizer]
+    if not 0.0 <= args.heldout < 1.0:
+        raise ValueError(f"--heldout must be in [0, 1), got {args.heldout}")
+    if args.heldout and args.workload != "lm":
+        raise ValueError("--heldout: only the language model (--workload lm) has text to hold out")
+    if args.lr_warmup >= args.steps:
+        raise ValueError(f"--lr-warmup ({args.lr_warmup}) must be below --steps ({args.steps})")
     if args.block_size % 32:
         raise ValueError(f"--block-size must be a multiple of 32, got {args.block_size}")
     if args.batch_size is None:
@@ -743,6 +750,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--train-all", action="store_true",
                    help="train every method --steps steps at the training bandwidth, -backend ones too "
                         "(by default those are only timed there: their training is their hook twin's, bit for bit)")
+    g.add_argument("--time-only", action="store_true",
+                   help="train nothing: every method is only timed (--time-steps) at every --bandwidth, e.g. "
+                        "to put a quality study's loss curves on a link's clock (pycomm-bench quality --links)")
     g.add_argument("--no-baseline", dest="baseline", action="store_false",
                    help="do not train allreduce unless --methods names it (for a run to be --merge'd with "
                         "files of the same settings and seeds that hold it: training is deterministic, and "
@@ -755,7 +765,7 @@ def run_ddp(args: argparse.Namespace, out=sys.stdout) -> List[Dict[str, Any]]:
     from .links import link_report
 
     order = [args.train_rate] + [r for r in args.rates if r != args.train_rate]
-    plans = {r: run_plan(args, r == args.train_rate) for r in order}
+    plans = {r: run_plan(args, r == args.train_rate and not getattr(args, "time_only", False)) for r in order}
     seeds = list(range(args.seed, args.seed + args.seeds))
     total = len(seeds) * sum(run["steps"] for plan in plans.values() for run in plan)
     bar = progress_bar(total, "step", args.progress)
@@ -769,7 +779,9 @@ def run_ddp(args: argparse.Namespace, out=sys.stdout) -> List[Dict[str, Any]]:
                 "workload": args.workload, "batch_size": args.batch_size, "seed": seeds[0], "seeds": seeds,
                 "seq_len": args.seq_len, "model": args.model, "optimizer": args.optimizer,
                 "block_size": args.block_size, "eval_every": args.eval_every, "eval_batches": args.eval_batches,
-                "lr": args.lr, "lr_schedule": args.lr_schedule, "bucket_cap_mb": args.bucket_cap_mb, "plan": plan,
+                "lr": args.lr, "lr_schedule": args.lr_schedule, "lr_warmup": args.lr_warmup,
+                "heldout": args.heldout, "text_files": getattr(args, "text_files", 64),
+                "text_bytes": getattr(args, "text_bytes", 2_000_000), "bucket_cap_mb": args.bucket_cap_mb, "plan": plan,
                 "outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum,
             }
             with cluster_for(args, rate, cfg) as cluster:
@@ -799,6 +811,8 @@ def run_ddp(args: argparse.Namespace, out=sys.stdout) -> List[Dict[str, Any]]:
                     "optimizer_class": rec.pop("optimizer"),
                     "lr": args.lr,
                     "lr_schedule": args.lr_schedule,
+                    "lr_warmup": args.lr_warmup,
+                    "heldout": args.heldout,
                     "eval_batches": args.eval_batches,
                     "batch_size": args.batch_size,
                     "seq_len": _seq_len(args),
@@ -832,6 +846,7 @@ PER_SEED_FIELDS = ("seed", "final_loss", "train_loss_last", "bytes_sent_per_rank
                    "eval_loss_curve", "optim_bytes_per_step", "engine_profile_ms_per_step", "diloco_syncs")
 #: Settings that must agree between runs whose seeds are combined (--merge).
 SAME_FOR_EVERY_SEED = ("method", "bandwidth", "ranks", "workload", "model", "optimizer", "lr", "lr_schedule",
+                       "lr_warmup", "heldout",
                        "batch_size", "eval_batches",
                        "seq_len", "block_size", "steps", "start_iter", "training_run", "emulated",
                        "diloco_outer_lr", "diloco_outer_momentum")

@@ -64,7 +64,7 @@ from .launch import Rank, RanksFailed, run_ranks, threads_per_rank
 from .methods import PLAIN
 from .report import finish, fmt_number, machine_info, progress_bar, table
 from .sweep import (DEFAULT_LR, EVAL_RANK, FINAL_LOSS_WINDOW, add_sweep_options, cluster_for, error_feedback_suffix,
-                    lr_at, mean, parse_bandwidths, per_rank_bytes, plot, step_progress, workload)
+                    eval_batch_fn, mean, parse_bandwidths, per_rank_bytes, plot, set_lr, step_progress, workload)
 from .sweep import combine_seeds as combine_seed_records
 from .timing import summarize
 
@@ -213,9 +213,7 @@ def _train(rank: Rank, method: str, seed: int) -> Dict[str, Any]:
         if step == timed_from:
             tx0 = rank.tx_bytes()
         t0 = time.perf_counter()
-        if cfg["lr_schedule"] != "constant":
-            for group in opt.param_groups:
-                group["lr"] = lr_at(cfg["lr"], step, steps, cfg["lr_schedule"])
+        set_lr(opt, cfg, step, steps)
         loss = loss_fn(model, batch_fn(rank.rank, step))
         loss.backward()
         opt.step()
@@ -237,7 +235,8 @@ def _train(rank: Rank, method: str, seed: int) -> Dict[str, Any]:
     final = math.nan
     if rank.rank == 0:
         with torch.no_grad():
-            evals = [float(loss_fn(full, batch_fn(EVAL_RANK + i, 0))) for i in range(cfg["eval_batches"])]
+            held_out = eval_batch_fn(cfg, seed, batch_fn)
+            evals = [float(loss_fn(full, held_out(EVAL_RANK + i, 0))) for i in range(cfg["eval_batches"])]
         final = sum(evals) / len(evals)
     window = losses[-min(FINAL_LOSS_WINDOW, len(losses)):]
     compressor, weights, reduce_dtype = METHODS[method]
@@ -422,7 +421,7 @@ def run_fsdp(args: argparse.Namespace, out=sys.stdout) -> List[Dict[str, Any]]:
             cfg = {"workload": "lm", "model": args.model, "batch_size": args.batch_size, "seq_len": args.seq_len,
                    "seed": seeds[0], "seeds": seeds, "methods": args.methods, "steps": args.steps,
                    "warmup": args.warmup, "lr": args.lr, "lr_schedule": args.lr_schedule,
-                   "eval_batches": args.eval_batches,
+                   "lr_warmup": args.lr_warmup, "heldout": args.heldout, "eval_batches": args.eval_batches,
                    "min_compress_numel": args.min_compress_numel}
             with cluster_for(args, rate, cfg) as cluster:
                 busbw, line = link_report(cluster)

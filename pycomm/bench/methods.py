@@ -94,19 +94,20 @@ SUFFIX_BASES = (*spec.EF_METHODS, AUTO)
 #: What ``optim-<compressor>`` may name: the momentum's compressor, a block codec.
 OPTIM_COMPRESSORS = spec.BLOCK_METHODS
 #: What a ``diloco-*`` name may end in (without one: the exact average):
-#: a block codec or a cast (the sparse method would need a density too).
-DILOCO_CODECS = (*spec.BLOCK_METHODS, *spec.CAST_METHODS)
+#: a block codec, the sparse method with its density, or a cast.
+DILOCO_CODECS = (*spec.BLOCK_METHODS, SPARSE, *spec.CAST_METHODS)
 
+_PARAM_CODEC = {SPARSE: f"{SPARSE}-<density>"}
 _PARAM = {POWERSGD: f"{POWERSGD}-<rank>", SPARSE: f"{SPARSE}-<density>",
           OPTIM: f"{OPTIM}-<{'|'.join(OPTIM_COMPRESSORS)}>[-overlap][-v<K>]",
-          DILOCO: f"{DILOCO}-H<H>[-F<F>][-d<tau>][-<{'|'.join(DILOCO_CODECS)}>]"}
+          DILOCO: f"{DILOCO}-H<H>[-F<F>][-d<tau>][-<{'|'.join(_PARAM_CODEC.get(c, c) for c in DILOCO_CODECS)}>]"}
 _BARE = "|".join(b for b in ALL_BASES if b not in _PARAM)
 _METHOD_RE = re.compile(
     rf"^(?P<base>{_BARE}|{POWERSGD}-(?P<rank>[0-9]+)"
     rf"|{SPARSE}-(?P<density>[0-9.eE+-]+?)|{OPTIM}-(?P<optim>[a-z0-9]+?)(?P<overlap>-overlap)?(?:-v(?P<variance>[0-9]+))?"
     # The codec is any word but a suffix, so that a wrong one gets its own error.
     rf"|{DILOCO}-H(?P<sync>[0-9]+)(?:-F(?P<fragments>[0-9]+))?(?:-d(?P<delay>[0-9]+))?"
-    r"(?:-(?!(?:sr|noef|backend)(?:-|$))(?P<codec>[a-z0-9]+))?)"
+    r"(?:-(?!(?:sr|noef|backend)(?:-|$))(?P<codec>[a-z0-9]+)(?:-(?P<cdensity>[0-9][0-9.eE+-]*?))?)?)"
     r"(?P<sr>-sr)?(?P<noef>-noef)?(?P<backend>-backend)?$"
 )
 
@@ -231,13 +232,25 @@ def parse_method(name: str, bases: Sequence[str] = ALL_BASES, suffixes: bool = T
     ef = not m.group("noef")
     if base != SPARSE:
         return Method(name, entry, base, ef, rounding=rounding)
+    return Method(name, entry, SPARSE, ef, density=_density(name, m.group("density")))
+
+
+def _density(name: str, text: Optional[str]) -> float:
+    """The top-k density of method ``name``, written ``text``; ValueError
+    naming the method when it is missing, not a number or not in (0, 1].
+
+    >>> _density("topk-0.01", "0.01"), parse_method("diloco-H16-topk-0.02").density
+    (0.01, 0.02)
+    """
+    if text is None:
+        raise ValueError(f"method {name!r}: {SPARSE} needs a density: {SPARSE}-<density>, e.g. {SPARSE}-0.01")
     try:
-        density = float(m.group("density"))
-    except ValueError:
-        raise ValueError(f"method {name!r}: bad density {m.group('density')!r}") from None
+        density = float(text)
+    except (TypeError, ValueError):
+        raise ValueError(f"method {name!r}: bad density {text!r}") from None
     if not 0.0 < density <= 1.0:
         raise ValueError(f"method {name!r}: density must be in (0, 1], got {density}")
-    return Method(name, entry, SPARSE, ef, density=density)
+    return density
 
 
 def _diloco(name: str, m: "re.Match[str]") -> Method:
@@ -252,12 +265,16 @@ def _diloco(name: str, m: "re.Match[str]") -> Method:
     >>> parse_method("diloco-H16-fp16-noef")
     Traceback (most recent call last):
     ...
-    ValueError: method 'diloco-H16-fp16-noef': -noef applies to a codec that keeps residuals (onebit, int8 or int4)
+    ValueError: method 'diloco-H16-fp16-noef': -noef applies to a codec that keeps residuals (onebit, int8, int4 or topk)
     """
     codec = m.group("codec") or EXACT
     if codec != EXACT and codec not in DILOCO_CODECS:
-        raise ValueError(f"method {name!r}: the pseudo-gradient's codec must be one of {_or(DILOCO_CODECS)} "
+        raise ValueError(f"method {name!r}: the pseudo-gradient's codec must be one of "
+                         f"{_or([_PARAM_CODEC.get(c, c) for c in DILOCO_CODECS])} "
                          f"(or none, for the exact average), got {codec!r}")
+    density = _density(name, m.group("cdensity")) if codec == SPARSE else None
+    if m.group("cdensity") is not None and codec != SPARSE:
+        raise ValueError(f"method {name!r}: only {SPARSE} takes a density")
     sync, fragments = int(m.group("sync")), int(m.group("fragments") or 1)
     delay = int(m.group("delay") or 0)
     if sync < 1 or fragments < 1:
@@ -276,6 +293,6 @@ def _diloco(name: str, m: "re.Match[str]") -> Method:
     if m.group("noef") and not keeps:
         raise ValueError(f"method {name!r}: -noef applies to a codec that keeps residuals "
                          f"({_or([c for c in DILOCO_CODECS if c in spec.EF_METHODS])})")
-    return Method(name, DILOCO, codec, keeps and not m.group("noef"),
+    return Method(name, DILOCO, codec, keeps and not m.group("noef"), density=density,
                   rounding="stochastic" if m.group("sr") else "nearest",
                   sync_every=sync, fragments=fragments, delay=delay)

@@ -36,7 +36,7 @@ import functools
 import math
 import os
 from dataclasses import dataclass, replace
-from typing import Callable, NamedTuple, Tuple, Union
+from typing import Callable, NamedTuple, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -47,6 +47,7 @@ __all__ = [
     "GPTConfig",
     "GPT_DEFAULT",
     "GPT_TINY",
+    "GPT_SMALL",
     "MLPConfig",
     "MLP_DEFAULT",
     "MLP_TINY",
@@ -129,14 +130,24 @@ def _text_tokens(n_files: int, max_bytes: int) -> torch.Tensor:
     return torch.frombuffer(bytearray(stdlib_text(n_files, max_bytes)), dtype=torch.uint8).long()
 
 
+#: What :func:`text_batch_fn` draws from: the whole text, or its two parts
+#: when ``heldout > 0`` (training text first, held-out text after it).
+SPLITS = ("train", "heldout")
+
+
 def text_batch_fn(
-    batch_size: int, seq_len: int, seed: int = 0, n_files: int = 64, max_bytes: int = 2_000_000
+    batch_size: int, seq_len: int, seed: int = 0, n_files: int = 64, max_bytes: int = 2_000_000,
+    heldout: float = 0.0, split: str = "train",
 ) -> Callable[[int, int], Batch]:
     """``batch_fn(rank, step) -> (inputs, targets)`` of shape (batch_size, seq_len).
 
     Each row is a window of the :func:`stdlib_text` bytes at an offset drawn
     from a generator seeded by (seed, rank, step); targets are the inputs
-    shifted by one byte (next-byte prediction).
+    shifted by one byte (next-byte prediction). With ``heldout`` in (0, 1)
+    the text's last ``heldout`` fraction (other source files: the text is
+    whole files in name order) is kept out of training: ``split="train"``
+    windows lie wholly before it, ``split="heldout"`` windows wholly in it,
+    so a held-out loss is measured on text no rank ever trained on.
 
     Example::
 
@@ -144,11 +155,22 @@ def text_batch_fn(
         >>> x, y = fn(0, 0)
         >>> x.shape, bool((x[:, 1:] == y[:, :-1]).all())
         (torch.Size([2, 8]), True)
+        >>> ev = text_batch_fn(2, 8, n_files=4, max_bytes=10_000, heldout=0.1, split="heldout")
+        >>> ev(0, 0)[0].shape
+        torch.Size([2, 8])
     """
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    if not 0.0 <= heldout < 1.0:
+        raise ValueError(f"heldout must be in [0, 1), got {heldout}")
+    if split == "heldout" and heldout == 0.0:
+        raise ValueError("split='heldout' needs heldout > 0")
     tokens = _text_tokens(n_files, max_bytes)
+    cut = tokens.numel() - int(heldout * tokens.numel())
+    tokens = tokens[:cut] if split == "train" else tokens[cut:]
     n_windows = tokens.numel() - seq_len - 1
     if n_windows < 1:
-        raise ValueError(f"text of {tokens.numel()} bytes is too short for seq_len={seq_len}")
+        raise ValueError(f"{split} text of {tokens.numel()} bytes is too short for seq_len={seq_len}")
     cols = torch.arange(seq_len + 1)
 
     def batch_fn(rank: int, step: int) -> Batch:
@@ -189,6 +211,13 @@ class GPTConfig:
 GPT_DEFAULT = GPTConfig()
 #: 42,880 parameters: 2 blocks of d_model 32, 2 heads, context 32, untied head (tests).
 GPT_TINY = GPTConfig(seq_len=32, d_model=32, n_layers=2, n_heads=2)
+#: 508,992 parameters: 4 blocks of d_model 96, 4 heads, context 128, untied
+#: head. The quality study's model (``pycomm-bench quality``): small enough
+#: that 4 ranks train it 1000 steps of 512 tokens each in about a minute on
+#: these 2 cores, so every method gets the same lr grid and several seeds
+#: (a bigger model on fewer tokens would leave the comparison at a handful
+#: of runs, or at batch sizes where compression noise dominates).
+GPT_SMALL = GPTConfig(seq_len=128, d_model=96, n_layers=4, n_heads=4)
 
 
 class _Block(nn.Module):
@@ -274,16 +303,24 @@ def _seeded(seed: int, build: Callable[[], nn.Module]) -> nn.Module:
         return build()
 
 
+#: :func:`char_lm`'s configs by name.
+GPT_CONFIGS = {"default": GPT_DEFAULT, "tiny": GPT_TINY, "small": GPT_SMALL}
+
+
 def char_lm(
-    config: Union[str, GPTConfig] = "default", batch_size: int = 8, seed: int = 0, **overrides
+    config: Union[str, GPTConfig] = "default", batch_size: int = 8, seed: int = 0, text: Optional[dict] = None,
+    **overrides
 ) -> Workload:
     """The byte-level GPT on standard-library text: ``(model, batch_fn, loss_fn)``.
 
-    ``config``: "default" (:data:`GPT_DEFAULT`, 4,902,912 parameters),
-    "tiny" (:data:`GPT_TINY`, 42,880) or a :class:`GPTConfig`;
+    ``config``: a name of :data:`GPT_CONFIGS` ("default":
+    :data:`GPT_DEFAULT`, 4,902,912 parameters; "tiny": :data:`GPT_TINY`,
+    42,880; "small": :data:`GPT_SMALL`, 508,992) or a :class:`GPTConfig`;
     ``overrides`` replace fields (e.g. ``n_layers=2``). Batches are
     ``batch_size`` windows of ``seq_len`` bytes; ``seed`` fixes the initial
-    weights (identical for all ranks) and, with (rank, step), the batches.
+    weights (identical for all ranks) and, with (rank, step), the batches;
+    ``text``: :func:`text_batch_fn`'s text options (``n_files``,
+    ``max_bytes``, ``heldout``: training then draws from the training part).
 
     Example::
 
@@ -292,10 +329,10 @@ def char_lm(
         42880
         >>> loss = loss_fn(model, batch_fn(0, 0)); loss.backward()
     """
-    cfg = {"default": GPT_DEFAULT, "tiny": GPT_TINY}[config] if isinstance(config, str) else config
+    cfg = GPT_CONFIGS[config] if isinstance(config, str) else config
     cfg = replace(cfg, **overrides)
     model = _seeded(seed, lambda: CharGPT(cfg))
-    return Workload(model, text_batch_fn(batch_size, cfg.seq_len, seed), _lm_loss)
+    return Workload(model, text_batch_fn(batch_size, cfg.seq_len, seed, **(text or {})), _lm_loss)
 
 
 # ---------------------------------------------------------------- narrow MLP

@@ -25,7 +25,11 @@ from .timing import summarize
 #: as on GPUs, which are ~1000x faster than these CPU cores).
 DEFAULT_SEQ_LEN = 64
 DEFAULT_LR = {"adamw": 1e-3, "sgd": 0.05}
-LR_SCHEDULES = ("constant", "cosine")
+#: "warmup-cosine": linear warm-up over ``--lr-warmup`` steps, then cosine
+#: decay to :data:`LR_FLOOR` of the peak at the last step (how LLMs are
+#: trained, and what DiLoCo's studies use: a floor of 5-10%).
+LR_SCHEDULES = ("constant", "cosine", "warmup-cosine")
+LR_FLOOR = 0.1
 #: "train_loss_last": mean over ranks and over the last this many steps.
 FINAL_LOSS_WINDOW = 20
 #: "final_loss": the loss of the trained model on this many batches that no
@@ -53,23 +57,67 @@ def workload(cfg: Dict[str, Any], seed: Optional[int] = None):
     seed = cfg["seed"] if seed is None else seed
     if cfg["workload"] == "lm":
         return models.char_lm(cfg["model"], batch_size=cfg["batch_size"], seed=seed,
-                              seq_len=cfg["seq_len"])
+                              seq_len=cfg["seq_len"], text=text_options(cfg))
     return models.narrow_mlp(batch_size=cfg["batch_size"], seed=seed)
 
 
-def lr_at(lr: float, step: int, steps: int, schedule: str) -> float:
+def text_options(cfg: Dict[str, Any]) -> Dict[str, Any]:
+    """The language model's text (:func:`pycomm.bench.models.text_batch_fn`):
+    ``cfg["text_files"]`` / ``cfg["text_bytes"]`` of the standard library and
+    the ``cfg["heldout"]`` fraction kept out of training (defaults: 64 files,
+    2 MB, none held out).
+
+    >>> text_options({"heldout": 0.1})
+    {'n_files': 64, 'max_bytes': 2000000, 'heldout': 0.1}
+    """
+    return {"n_files": cfg.get("text_files", 64), "max_bytes": cfg.get("text_bytes", 2_000_000),
+            "heldout": cfg.get("heldout", 0.0)}
+
+
+def eval_batch_fn(cfg: Dict[str, Any], seed: int, batch_fn: Callable) -> Callable:
+    """Where the held-out loss's batches come from: the held-out text
+    (``cfg["heldout"] > 0``, the language model), else ``batch_fn`` at
+    ranks no process trains as (:data:`EVAL_RANK` on), as before."""
+    from . import models
+
+    if cfg["workload"] == "lm" and cfg.get("heldout", 0.0) > 0:
+        return models.text_batch_fn(cfg["batch_size"], cfg["seq_len"], seed, split="heldout", **text_options(cfg))
+    return batch_fn
+
+
+def lr_at(lr: float, step: int, steps: int, schedule: str, warmup: int = 0) -> float:
     """The learning rate of ``step`` (0-based) of ``steps``: ``lr`` throughout
-    ("constant"), or cosine-decayed from ``lr`` at step 0 to 0 after the last
-    ("cosine": ``lr * (1 + cos(pi * step / steps)) / 2``).
+    ("constant"), cosine-decayed from ``lr`` at step 0 to 0 after the last
+    ("cosine": ``lr * (1 + cos(pi * step / steps)) / 2``), or
+    "warmup-cosine": ``lr * (step + 1) / warmup`` for the first ``warmup``
+    steps, then cosine from ``lr`` to ``LR_FLOOR * lr`` at the last step.
 
     >>> [round(lr_at(1.0, s, 4, "cosine"), 3) for s in range(4)], lr_at(0.1, 3, 4, "constant")
     ([1.0, 0.854, 0.5, 0.146], 0.1)
+    >>> [round(lr_at(1.0, s, 6, "warmup-cosine", warmup=2), 3) for s in range(6)]
+    [0.5, 1.0, 1.0, 0.775, 0.325, 0.1]
     """
     if schedule == "constant":
         return lr
     if schedule == "cosine":
         return lr * 0.5 * (1.0 + math.cos(math.pi * step / steps))
+    if schedule == "warmup-cosine":
+        if step < warmup:
+            return lr * (step + 1) / warmup
+        done = (step - warmup) / max(1, steps - 1 - warmup)
+        return lr * (LR_FLOOR + (1.0 - LR_FLOOR) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, done))))
     raise ValueError(f"unknown learning-rate schedule {schedule!r}")
+
+
+def set_lr(opt: Any, cfg: Dict[str, Any], step: int, steps: int) -> None:
+    """Set every parameter group of ``opt`` to the learning rate of ``step``
+    under ``cfg``'s ``lr``, ``lr_schedule`` and ``lr_warmup``; nothing for a
+    constant schedule (the optimizer keeps the lr it was built with)."""
+    if cfg.get("lr_schedule", "constant") == "constant":
+        return
+    lr = lr_at(cfg["lr"], step, steps, cfg["lr_schedule"], cfg.get("lr_warmup", 0))
+    for group in opt.param_groups:
+        group["lr"] = lr
 
 
 def mean(xs: Sequence[float]) -> float:
@@ -197,17 +245,25 @@ def add_sweep_options(g: Any, *, bandwidth_help: str, netns_prefix: str, baselin
     >>> a = p.parse_args(["--no-netns", "--seeds", "2"]); (a.netns, a.seeds, a.netns_prefix, a.ranks)
     (False, 2, 'x', 4)
     """
-    from .cli import positive_int
+    from .cli import nonnegative_int, positive_int
 
     g.add_argument("--ranks", type=positive_int, default=4, help="processes, one per emulated host (default: 4)")
     g.add_argument("--bandwidth", nargs="+", metavar="RATE", default=None, help=bandwidth_help)
-    g.add_argument("--model", choices=("default", "tiny"), default="default",
-                   help="the GPT's size: default (4.9M parameters) or tiny (43K, for smoke tests)")
+    g.add_argument("--model", choices=("default", "small", "tiny"), default="default",
+                   help="the GPT's size: default (4.9M parameters), small (509K, the quality study's) or tiny "
+                        "(43K, for smoke tests)")
     g.add_argument("--seq-len", type=positive_int, default=DEFAULT_SEQ_LEN,
                    help=f"bytes per sequence of the GPT (default: {DEFAULT_SEQ_LEN})")
     g.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="constant",
-                   help="constant, or cosine: decayed from --lr to 0 over the --steps of the run, as real "
-                        "training runs end (the held-out loss then flattens by the end; default: constant)")
+                   help="constant; cosine: decayed from --lr to 0 over the --steps of the run; warmup-cosine: "
+                        f"linear warm-up over --lr-warmup steps, then cosine to {LR_FLOOR:g} of --lr at the "
+                        "last step, as LLMs are trained (default: constant)")
+    g.add_argument("--lr-warmup", type=nonnegative_int, default=0, metavar="STEPS",
+                   help="warm-up steps of --lr-schedule warmup-cosine (default: 0)")
+    g.add_argument("--heldout", type=float, default=0.0, metavar="FRACTION",
+                   help="keep this last fraction of the language model's text out of training and measure "
+                        "the held-out loss on it (default: 0, the held-out batches are other windows of the "
+                        "same text)")
     g.add_argument("--seed", type=int, default=0, help="the first seed (default: 0)")
     g.add_argument("--seeds", type=positive_int, default=1,
                    help="train every method once per seed, seeds --seed ... --seed+N-1 (model init and data "

@@ -1,0 +1,599 @@
+"""The quality study: does a method keep the model, in a regime users train in?
+
+Every method trains the same small GPT (:data:`pycomm.bench.models.GPT_SMALL`,
+509K parameters, byte-level) on standard-library text with its last 10% held
+out, in the regime of :data:`REGIME`: 512 tokens per rank per step (4
+sequences of 128 bytes), 1000 steps, AdamW, a linear lr warm-up over 6% of
+the steps and a cosine floored at 10% of the peak, the same 60 exact steps
+before any method compresses, the held-out loss on 32 fixed batches every
+100 steps and at the end. Each run is one ``pycomm-bench ddp`` training run
+(:func:`pycomm.bench.ddp.run_ddp`) on plain loopback: loss does not depend
+on the link.
+
+The same tuning budget for every method (:data:`ARMS`): three settings on
+seed 0, then the best of them (lowest final held-out loss) on the other
+seeds. The per-step methods sweep the inner lr (:data:`LR_GRID`); DiLoCo
+keeps plain all-reduce's best inner lr (at the same ranks) and sweeps its
+outer Nesterov step (:data:`OUTER_GRID`: lr and momentum). Every finished
+run is written at once to ``<out>/<run id>.json``; a run whose file exists
+is not run again, so the study resumes where it stopped (``--max-runs``
+and ``--arms`` bound a sitting). The report (``--report-only`` makes just
+it) combines the files: per method the grid and its winner, the final
+held-out loss's mean and spread over seeds, its ratio to plain all-reduce
+of the same seed and ranks (``final_loss_vs_allreduce_mean``), the bytes
+sent per rank per step and the held-out curve (mean over seeds), written to
+``<out>-<date>.json`` with a plot of the curves.
+
+Example::
+
+    $ pycomm-bench quality                          # the whole study, resumable
+    $ pycomm-bench quality --arms allreduce diloco-H16 --max-runs 4
+    $ pycomm-bench quality --report-only
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import glob
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from .methods import ALLREDUCE
+from .report import fmt_number, table, write_json
+from .sweep import mean, stdev
+
+HELP = "the quality study: held-out loss of every method against plain all-reduce, tuned alike, over seeds"
+
+#: The regime every run trains in (``pycomm-bench ddp`` options).
+REGIME: Dict[str, Any] = {
+    "model": "small", "seq_len": 128, "batch_size": 4, "steps": 1000, "lr_schedule": "warmup-cosine",
+    "lr_warmup": 60, "start_iter": 60, "heldout": 0.1, "eval_every": 100, "eval_batches": 32,
+    "text_files": 1000, "text_bytes": 8_000_000,
+}
+#: ``--quick``: the same study in miniature (a smoke test of the driver).
+QUICK_REGIME: Dict[str, Any] = {
+    "model": "tiny", "seq_len": 32, "batch_size": 2, "steps": 24, "lr_schedule": "warmup-cosine",
+    "lr_warmup": 2, "start_iter": 4, "heldout": 0.1, "eval_every": 8, "eval_batches": 2,
+    "text_files": 8, "text_bytes": 200_000,
+}
+#: The inner learning rates every per-step method is tried with (AdamW).
+LR_GRID = (2e-3, 4e-3, 8e-3)
+#: DiLoCo's outer Nesterov SGD settings (lr, momentum), tried at plain's
+#: best inner lr: as many as the lr grid, so every method gets three runs.
+OUTER_GRID = ((0.5, 0.9), (0.8, 0.9), (1.0, 0.7))
+DEFAULT_SEEDS = 3
+#: Timed steps per method and link (--links): two syncs of DiLoCo-H16.
+DEFAULT_TIME_STEPS = 32
+DEFAULT_OUT = os.path.join("benchmarks", "results", "quality")
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One method of the study at one number of ranks (replicas for DiLoCo)."""
+
+    method: str
+    ranks: int = 4
+
+    @property
+    def diloco(self) -> bool:
+        return self.method.startswith("diloco-")
+
+    @property
+    def name(self) -> str:
+        return f"{self.ranks}r-{self.method}"
+
+
+#: The study, in the order it runs (what the targets need first): the
+#: baseline; DiLoCo exact, then with int4 (error feedback on, and off as
+#: DiLoCo's own default has it); OneBitAdam; the int8/int4 hooks; DiLoCo
+#: with onebit and top-k pseudo-gradients; DiLoCo at 2 and 1 replicas
+#: against plain at the same ranks; the other per-step methods.
+ARMS: Tuple[Arm, ...] = (
+    Arm(ALLREDUCE), Arm("diloco-H16"), Arm("diloco-H16-int4"), Arm("optim-onebit"), Arm("int8"), Arm("int4"),
+    Arm("diloco-H16-int4-noef"), Arm("diloco-H16-onebit"), Arm("diloco-H16-topk-0.02"),
+    Arm(ALLREDUCE, 2), Arm("diloco-H16-int4", 2), Arm(ALLREDUCE, 1), Arm("diloco-H16", 1),
+    Arm("onebit"), Arm("topk-0.01"), Arm("fp16"), Arm("powersgd-4"), Arm("diloco-H16", 2),
+)
+
+
+def setting_tag(setting: Dict[str, float]) -> str:
+    """A run's tuned setting as text (in its file name).
+
+    >>> setting_tag({"lr": 0.002}), setting_tag({"lr": 0.002, "outer_lr": 0.8, "outer_momentum": 0.9})
+    ('lr0.002', 'lr0.002-outer0.8m0.9')
+    """
+    tag = f"lr{setting['lr']:g}"
+    if "outer_lr" in setting:
+        tag += f"-outer{setting['outer_lr']:g}m{setting['outer_momentum']:g}"
+    return tag
+
+
+def run_id(arm: Arm, setting: Dict[str, float], seed: int) -> str:
+    """``<ranks>r-<method>-<setting>-s<seed>``, the file name of one run.
+
+    >>> run_id(Arm("int8"), {"lr": 0.001}, 2)
+    '4r-int8-lr0.001-s2'
+    """
+    return f"{arm.name}-{setting_tag(setting)}-s{seed}"
+
+
+def load_runs(out: str) -> Dict[str, Dict[str, Any]]:
+    """Every finished run under ``out``, by run id."""
+    runs = {}
+    for path in sorted(glob.glob(os.path.join(out, "*.json"))):
+        with open(path, encoding="utf-8") as fh:
+            runs[os.path.splitext(os.path.basename(path))[0]] = json.load(fh)
+    return runs
+
+
+def winner(arm: Arm, runs: Dict[str, Dict[str, Any]], grid: Sequence[Dict[str, float]],
+           seed: int) -> Optional[Dict[str, float]]:
+    """The setting of ``grid`` with the lowest final held-out loss on
+    ``seed``; None while any of them has not run.
+
+    >>> runs = {"4r-int8-lr0.001-s0": {"final_loss": 2.0}, "4r-int8-lr0.002-s0": {"final_loss": 1.9}}
+    >>> winner(Arm("int8"), runs, [{"lr": 0.001}, {"lr": 0.002}], 0)
+    {'lr': 0.002}
+    """
+    losses = []
+    for s in grid:
+        rec = runs.get(run_id(arm, s, seed))
+        if rec is None:
+            return None
+        losses.append((rec["final_loss"], s))
+    return min(losses, key=lambda p: p[0])[1]
+
+
+def grid_of(arm: Arm, runs: Dict[str, Dict[str, Any]], lrs: Sequence[float],
+            outer: Sequence[Tuple[float, float]], seed: int) -> Optional[List[Dict[str, float]]]:
+    """The settings ``arm`` is tuned over: the lr grid, or for DiLoCo the
+    outer grid at plain all-reduce's best lr at the same ranks (None until
+    that is known)."""
+    if not arm.diloco:
+        return [{"lr": lr} for lr in lrs]
+    plain = Arm(ALLREDUCE, arm.ranks)
+    best = winner(plain, runs, [{"lr": lr} for lr in lrs], seed)
+    if best is None:
+        return None
+    return [{"lr": best["lr"], "outer_lr": a, "outer_momentum": m} for a, m in outer]
+
+
+def pending(arms: Sequence[Arm], runs: Dict[str, Dict[str, Any]], seeds: Sequence[int], lrs: Sequence[float],
+            outer: Sequence[Tuple[float, float]]) -> List[Tuple[Arm, Dict[str, float], int]]:
+    """The runs still to make, in order: per arm its grid on the first seed,
+    then its winner on the other seeds. An arm whose grid waits on another
+    arm's winner (DiLoCo on plain's lr) is skipped until that is known.
+
+    >>> pending([Arm("int8")], {}, [0, 1], [0.001, 0.002], [])
+    [(Arm(method='int8', ranks=4), {'lr': 0.001}, 0), (Arm(method='int8', ranks=4), {'lr': 0.002}, 0)]
+    """
+    todo = []
+    for arm in arms:
+        grid = grid_of(arm, runs, lrs, outer, seeds[0])
+        if grid is None:
+            continue
+        missing = [(arm, s, seeds[0]) for s in grid if run_id(arm, s, seeds[0]) not in runs]
+        if missing:
+            todo += missing
+            continue
+        best = winner(arm, runs, grid, seeds[0])
+        todo += [(arm, best, seed) for seed in seeds[1:] if run_id(arm, best, seed) not in runs]
+    return todo
+
+
+def ddp_argv(arm: Arm, setting: Dict[str, float], seed: int, regime: Dict[str, Any]) -> List[str]:
+    """The ``pycomm-bench ddp`` command line of one run.
+
+    >>> " ".join(ddp_argv(Arm("int8"), {"lr": 0.002}, 1, {"steps": 10, "model": "tiny"}))
+    'ddp --no-netns --bandwidth none --no-baseline --no-plots --no-progress --ranks 4 --methods int8 --seed 1 --seeds 1 --lr 0.002 --steps 10 --model tiny'
+    """
+    argv = ["ddp", "--no-netns", "--bandwidth", "none", "--no-baseline", "--no-plots", "--no-progress",
+            "--ranks", str(arm.ranks), "--methods", arm.method, "--seed", str(seed), "--seeds", "1",
+            "--lr", f"{setting['lr']:g}"]
+    if "outer_lr" in setting:
+        argv += ["--outer-lr", f"{setting['outer_lr']:g}", "--outer-momentum", f"{setting['outer_momentum']:g}"]
+    for k, v in regime.items():
+        if k not in ("text_files", "text_bytes"):  # no options of their own (the study's text)
+            argv += [f"--{k.replace('_', '-')}", str(v)]
+    return argv
+
+
+def run_one(arm: Arm, setting: Dict[str, float], seed: int, regime: Dict[str, Any], out: str) -> Dict[str, Any]:
+    """Train one run and write its record to ``<out>/<run id>.json``."""
+    from . import ddp
+    from .cli import build_parser
+
+    args = build_parser().parse_args(ddp_argv(arm, setting, seed, regime))
+    args.text_files, args.text_bytes = regime["text_files"], regime["text_bytes"]
+    args = ddp.resolve_args(args)
+    t0 = time.monotonic()
+    (rec,) = ddp.run_ddp(args, out=sys.stderr)
+    rec.update(seed=seed, setting={k: float(v) for k, v in setting.items()}, arm=arm.name,
+               run_wall_s=time.monotonic() - t0,
+               text_files=regime["text_files"], text_bytes=regime["text_bytes"],
+               tokens_per_rank_per_step=regime["batch_size"] * regime["seq_len"])
+    write_json(os.path.join(out, run_id(arm, setting, seed) + ".json"), rec)
+    return rec
+
+
+# --------------------------------------------------------------------------- report
+
+
+def summarize(arms: Sequence[Arm], runs: Dict[str, Dict[str, Any]], seeds: Sequence[int], lrs: Sequence[float],
+              outer: Sequence[Tuple[float, float]]) -> List[Dict[str, Any]]:
+    """One record per arm whose grid has run: its grid (seed 0's final
+    loss per setting), the winner, and over the seeds run at the winner the
+    final held-out loss (mean, sample std, per seed), its per-seed ratio to
+    plain all-reduce's winner at the same ranks (mean, min, max), bytes
+    sent per rank per step, held-out curve (mean over seeds) and step time
+    (loopback; informative only)."""
+    out = []
+    plain_best: Dict[int, Dict[int, float]] = {}
+    for arm in arms:
+        grid = grid_of(arm, runs, lrs, outer, seeds[0])
+        best = None if grid is None else winner(arm, runs, grid, seeds[0])
+        if best is None:
+            continue
+        recs = [runs[run_id(arm, best, s)] for s in seeds if run_id(arm, best, s) in runs]
+        losses = [r["final_loss"] for r in recs]
+        if arm.method == ALLREDUCE:
+            plain_best[arm.ranks] = {r["seed"]: r["final_loss"] for r in recs}
+        base = plain_best.get(arm.ranks, {})
+        ratios = [r["final_loss"] / base[r["seed"]] for r in recs if r["seed"] in base]
+        curves = [dict(map(tuple, r["eval_loss_curve"])) for r in recs if r.get("eval_loss_curve")]
+        steps = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
+        first = recs[0]
+        sent = [r["bytes_sent_per_rank_per_step_all_steps"] for r in recs
+                if r.get("bytes_sent_per_rank_per_step_all_steps") is not None]
+        out.append({
+            "arm": arm.name, "method": arm.method, "ranks": arm.ranks, "optimizer": first["optimizer"],
+            "steps": first["steps"], "tokens_per_step": first["tokens_per_step"],
+            "tokens_per_rank_per_step": first["tokens_per_rank_per_step"], "model": first["model"],
+            "gradient_numel": first["gradient_numel"],
+            "grid": [{"setting": s, "final_loss_seed0": runs[run_id(arm, s, seeds[0])]["final_loss"]} for s in grid],
+            "winner": best, "winner_at_grid_edge": _at_edge(arm, best, lrs, outer),
+            "seeds": [r["seed"] for r in recs], "final_loss_per_seed": losses,
+            "final_loss_mean": mean(losses), "final_loss_std": stdev(losses),
+            "final_loss_vs_allreduce_per_seed": ratios or None,
+            "final_loss_vs_allreduce_mean": mean(ratios) if ratios else None,
+            "final_loss_vs_allreduce_min": min(ratios) if ratios else None,
+            "final_loss_vs_allreduce_max": max(ratios) if ratios else None,
+            # Every step counted, warm-up included (DiLoCo sends nothing between syncs).
+            "bytes_sent_per_rank_per_step": mean(sent) if sent else None,
+            "diloco_bytes_per_step": first.get("diloco_bytes_per_step"),
+            "eval_loss_curve": [[s, mean([c[s] for c in curves])] for s in steps],
+            "step_time_mean_s_loopback": mean([r["step_time_mean_s"] for r in recs]),
+            # Steps of plain all-reduce before the method starts (its warm-up; OneBitAdam's is longer).
+            "exact_steps": first["start_iter"],
+        })
+    plain = {r["ranks"]: r for r in out if r["method"] == ALLREDUCE}
+    for r in out:
+        p = plain.get(r["ranks"])
+        sent, psent = r["bytes_sent_per_rank_per_step"], p and p["bytes_sent_per_rank_per_step"]
+        r["bytes_vs_allreduce"] = psent / sent if sent and psent else None
+        curve = r["eval_loss_curve"]
+        if len(curve) >= 2:  # does the loss still fall over the last quarter? (a saturated task proves nothing)
+            s, v = min(curve[:-1], key=lambda q: abs(q[0] - 0.75 * curve[-1][0]))
+            r["eval_loss_change_last_quarter"] = curve[-1][1] / v - 1
+    return out
+
+
+def crossing(curve: Sequence[Sequence[float]], target: float) -> Optional[float]:
+    """The first step at which a held-out ``curve`` ([step, loss] points)
+    reaches ``target``, interpolated linearly between evaluations; None if
+    it never does.
+
+    >>> crossing([[0, 5.0], [100, 3.0], [200, 2.0]], 2.5), crossing([[0, 5.0], [100, 3.0]], 2.0)
+    (150.0, None)
+    """
+    for (s0, v0), (s1, v1) in zip(curve, curve[1:]):
+        if v1 <= target:
+            return s1 if v0 <= target else s0 + (v0 - target) / (v0 - v1) * (s1 - s0)
+    return None
+
+
+def link_times(out: str, link: str) -> Dict[str, float]:
+    """``{method: mean step time}`` of the 4-rank methods timed at ``link``
+    (``<out>/links/<link>.json``, written by :func:`time_links`); {} if not yet."""
+    path = os.path.join(out, "links", f"{link}.json")
+    if not os.path.exists(path):
+        return {}
+    with open(path, encoding="utf-8") as fh:
+        return {r["method"]: r["step_time_mean_s"] for r in json.load(fh)}
+
+
+def time_links(summary: List[Dict[str, Any]], links: Sequence[str], out: str, regime: Dict[str, Any],
+               time_steps: int) -> int:
+    """Time every 4-rank method of ``summary`` on each emulated link not yet
+    timed (``pycomm-bench ddp --time-only``, written to ``<out>/links/<link>.json``)."""
+    from .cli import main
+
+    methods = [r["method"] for r in summary if r["ranks"] == 4]
+    for link in links:
+        path = os.path.join(out, "links", f"{link}.json")
+        if os.path.exists(path) and set(methods) <= set(link_times(out, link)):
+            continue
+        argv = ["ddp", "--time-only", "--bandwidth", link, "--no-plots", "--no-progress", "--ranks", "4",
+                "--methods", *methods, "--time-steps", str(time_steps), "--json", path,
+                "--netns-prefix", "pycomm-quality"]
+        for k in ("model", "seq_len", "batch_size"):
+            argv += [f"--{k.replace('_', '-')}", str(regime[k])]
+        print(f"[quality] timing {len(methods)} methods at {link}: pycomm-bench {' '.join(argv)}", file=sys.stderr)
+        rc = main(argv)
+        if rc:
+            return rc
+    return 0
+
+
+def add_time_to_loss(summary: List[Dict[str, Any]], times: Dict[str, Dict[str, float]]) -> None:
+    """Per 4-rank arm and timed link: the wall-clock to reach plain
+    all-reduce's final held-out loss (its exact warm-up steps at plain's
+    step time, the rest at its own), against plain's whole run; where a
+    method never reaches it, the reverse: the time plain needs to reach the
+    method's final loss, against the method's whole run."""
+    plain = next((r for r in summary if r["method"] == ALLREDUCE and r["ranks"] == 4), None)
+    if plain is None:
+        return
+    target = plain["final_loss_mean"]
+    for r in summary:
+        if r["ranks"] != 4:
+            continue
+        r["links"] = {}
+        for link, t in times.items():
+            if r["method"] not in t or ALLREDUCE not in t:
+                continue
+            tp, tm = t[ALLREDUCE], t[r["method"]]
+
+            def clock(step: float) -> float:
+                return min(step, r["exact_steps"]) * tp + max(0.0, step - r["exact_steps"]) * tm
+
+            steps = crossing(r["eval_loss_curve"], target)
+            total = clock(r["steps"])
+            rec = {"step_time_mean_s": tm, "run_s": total, "allreduce_run_s": plain["steps"] * tp}
+            if steps is not None:
+                rec["time_to_allreduce_final_s"] = clock(steps)
+                rec["allreduce_time_over_method_time"] = rec["allreduce_run_s"] / clock(steps)
+            else:  # the reverse: how long plain takes to get where the method ends
+                back = crossing(plain["eval_loss_curve"], r["final_loss_mean"])
+                rec["allreduce_time_to_method_final_s"] = back * tp if back is not None else None
+                rec["allreduce_time_over_method_time"] = back * tp / total if back is not None else None
+            r["links"][link] = rec
+
+
+def _at_edge(arm: Arm, best: Dict[str, float], lrs: Sequence[float], outer: Sequence[Tuple[float, float]]) -> bool:
+    """Whether the winner is the grid's first or last setting (the optimum may lie outside it)."""
+    if arm.diloco:
+        pts = [tuple(p) for p in outer]
+        return len(pts) > 1 and (best["outer_lr"], best["outer_momentum"]) in (pts[0], pts[-1])
+    return len(lrs) > 1 and best["lr"] in (min(lrs), max(lrs))
+
+
+def format_summary(summary: List[Dict[str, Any]], n_seeds: int) -> str:
+    """The study's table: one row per arm."""
+    rows = []
+    for r in summary:
+        ratio = r["final_loss_vs_allreduce_mean"]
+        rows.append([
+            r["arm"], setting_tag(r["winner"]) + (" (edge)" if r["winner_at_grid_edge"] else ""),
+            f"{len(r['seeds'])}/{n_seeds}", f"{r['final_loss_mean']:.4f} ±{r['final_loss_std']:.4f}",
+            "-" if ratio is None else f"{(ratio - 1) * 100:+.2f}% ({(r['final_loss_vs_allreduce_min'] - 1) * 100:+.2f}"
+                                      f"..{(r['final_loss_vs_allreduce_max'] - 1) * 100:+.2f})",
+            fmt_number((r["bytes_sent_per_rank_per_step"] or 0) / 1e3),
+            "-" if r["bytes_vs_allreduce"] is None else f"{r['bytes_vs_allreduce']:.0f}x",
+        ])
+    head = ["ranks-method", "best setting", "seeds", "held-out loss\nmean ±std",
+            "vs allreduce, same seed\nmean (min..max)", "kB sent\n/rank/step", "fewer bytes\nthan allreduce"]
+    return table(rows, head, tablefmt="github")
+
+
+def format_links(summary: List[Dict[str, Any]]) -> str:
+    """Per 4-rank method and link: mean step time and the wall-clock to
+    plain's final loss (or, where it never gets there, plain's time to the
+    method's final loss), as a ratio to plain."""
+    rows = []
+    for r in summary:
+        for link, x in (r.get("links") or {}).items():
+            ratio = x.get("allreduce_time_over_method_time")
+            if "time_to_allreduce_final_s" in x:
+                verdict = f"reaches it in {x['time_to_allreduce_final_s']:.0f} s: {ratio:.2f}x faster than allreduce"
+            elif ratio is not None:
+                verdict = (f"never reaches it; allreduce reaches this method's final loss in "
+                           f"{x['allreduce_time_to_method_final_s']:.0f} s = {ratio:.2f}x its run")
+            else:
+                verdict = "never reaches it; allreduce never gets as high"
+            rows.append([r["method"], link, f"{x['step_time_mean_s'] * 1e3:.0f}", f"{x['run_s']:.0f}", verdict])
+    return table(rows, ["method", "link", "mean step ms", "run s", "to allreduce's final held-out loss"],
+                 tablefmt="github")
+
+
+def plot_seconds(summary: List[Dict[str, Any]], times: Dict[str, Dict[str, float]], path: str) -> str:
+    """Held-out loss (mean over seeds) against wall-clock seconds on each
+    timed link, 4 ranks: where each method's curve crosses plain's final loss."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(times), figsize=(7 * len(times), 5), squeeze=False)
+    for ax, (link, t) in zip(axes[0], times.items()):
+        for r in summary:
+            if r["ranks"] != 4 or r["method"] not in t or len(r["eval_loss_curve"]) < 2:
+                continue
+            tp, tm, e = t[ALLREDUCE], t[r["method"]], r["exact_steps"]
+            xs = [min(s, e) * tp + max(0, s - e) * tm for s, _ in r["eval_loss_curve"][1:]]
+            ax.plot(xs, [v for _, v in r["eval_loss_curve"][1:]], label=r["method"],
+                    linewidth=2.5 if r["method"] == ALLREDUCE else 1.2)
+        ax.set_xscale("log")
+        ax.set_xlabel(f"seconds at {link} (measured step times, 4 ranks)")
+        ax.set_ylabel("held-out loss (mean over seeds)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_curves(summary: List[Dict[str, Any]], path: str) -> str:
+    """Held-out loss (mean over seeds) against steps, one panel per number of ranks."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ranks = sorted({r["ranks"] for r in summary}, reverse=True)
+    fig, axes = plt.subplots(1, len(ranks), figsize=(7 * len(ranks), 5), squeeze=False)
+    for ax, w in zip(axes[0], ranks):
+        for r in summary:
+            if r["ranks"] != w or len(r["eval_loss_curve"]) < 2:
+                continue
+            xs, ys = zip(*r["eval_loss_curve"][1:])  # from the first evaluation after step 0's
+            ax.plot(xs, ys, label=f"{r['method']} ({setting_tag(r['winner'])})",
+                    linewidth=2.5 if r["method"] == ALLREDUCE else 1.2)
+        ax.set_xlabel("step")
+        ax.set_ylabel("held-out loss (mean over seeds)")
+        ax.set_title(f"{w} rank(s)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from .cli import positive_int
+
+    g = parser.add_argument_group("quality options")
+    g.add_argument("--arms", nargs="+", metavar="ARM", default=None,
+                   help="the arms to run, as <method> (4 ranks) or <ranks>r-<method> (default: all of "
+                        f"{', '.join(a.name for a in ARMS)})")
+    g.add_argument("--seeds", type=positive_int, default=DEFAULT_SEEDS,
+                   help=f"seeds per method: the grid runs on the first, its winner on all (default: {DEFAULT_SEEDS})")
+    g.add_argument("--lrs", nargs="+", type=float, default=None, metavar="LR",
+                   help=f"the inner lr grid (default: {' '.join(f'{x:g}' for x in LR_GRID)})")
+    g.add_argument("--outer", nargs="+", default=None, metavar="LR:MOMENTUM",
+                   help="DiLoCo's outer grid (default: " + " ".join(f"{a:g}:{m:g}" for a, m in OUTER_GRID) + ")")
+    g.add_argument("--out", default=None, help=f"folder of the per-run files (default: {DEFAULT_OUT})")
+    g.add_argument("--max-runs", type=positive_int, default=None, help="stop after this many runs")
+    g.add_argument("--report-only", action="store_true", help="run nothing: report the runs made so far")
+    g.add_argument("--links", nargs="+", metavar="RATE", default=None,
+                   help="after the runs, time each 4-rank method on these emulated links (e.g. 100mbit 1gbit; "
+                        "network namespaces, root) and report its wall-clock to plain all-reduce's final loss")
+    g.add_argument("--time-steps", type=positive_int, default=DEFAULT_TIME_STEPS,
+                   help=f"timed steps per method and link with --links (default: {DEFAULT_TIME_STEPS})")
+
+
+def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
+    if args.device.type != "cpu":
+        raise ValueError("--device: the quality study trains on CPU ranks over Gloo")
+    for opt in ("repeats", "warmup"):
+        if getattr(args, opt) is not None:
+            raise ValueError(f"--{opt}: not used by quality (the regime is fixed: see --help)")
+    names = {a.name: a for a in ARMS}
+    if args.arms is None:
+        args.arm_list = list(ARMS)
+    else:
+        from .cli import split_list
+
+        args.arm_list = []
+        for text in split_list(args.arms):
+            name = text if text.split("-")[0].endswith("r") and text[0].isdigit() else f"4r-{text}"
+            if name not in names:
+                raise ValueError(f"--arms: unknown arm {text!r}; the study's arms are {', '.join(names)}")
+            args.arm_list.append(names[name])
+    args.lr_grid = tuple(args.lrs or LR_GRID)
+    if any(not lr > 0 for lr in args.lr_grid):
+        raise ValueError(f"--lrs: every lr must be > 0, got {list(args.lr_grid)}")
+    try:
+        args.outer_grid = tuple(tuple(float(x) for x in p.split(":")) for p in args.outer) if args.outer else OUTER_GRID
+        if any(len(p) != 2 or not p[0] > 0 or not 0 <= p[1] < 1 for p in args.outer_grid):
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"--outer: expected LR:MOMENTUM pairs with LR > 0 and 0 <= MOMENTUM < 1, got {args.outer}") \
+            from None
+    if args.links is not None:
+        from .cli import split_list
+        from .netem import parse_rate
+
+        args.links = split_list(args.links)
+        for link in args.links:
+            try:
+                if parse_rate(link) is None:
+                    raise ValueError("an emulated link needs a rate")
+            except ValueError as exc:
+                raise ValueError(f"--links {link}: {exc}") from None
+    args.regime = QUICK_REGIME if args.quick else REGIME
+    if args.out is None:
+        args.out = DEFAULT_OUT + ("-quick" if args.quick else "")
+    if args.json is None:
+        args.json = f"{args.out}-{_dt.date.today().isoformat()}.json"
+    return args
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the pending runs (each written at once), then report."""
+    seeds = list(range(args.seeds))
+    done = 0
+    while not args.report_only and (args.max_runs is None or done < args.max_runs):
+        runs = load_runs(args.out)
+        todo = pending(args.arm_list, runs, seeds, args.lr_grid, args.outer_grid)
+        if not todo:
+            break
+        arm, setting, seed = todo[0]
+        print(f"[quality] {run_id(arm, setting, seed)} ({len(todo)} known to run, {done} done this sitting)",
+              file=sys.stderr, flush=True)
+        try:
+            rec = run_one(arm, setting, seed, args.regime, args.out)
+        except Exception as exc:  # noqa: BLE001 - a run that fails is reported, the study stops
+            print(f"pycomm-bench quality: {run_id(arm, setting, seed)} failed: {exc}", file=sys.stderr)
+            return 1
+        print(f"[quality] {run_id(arm, setting, seed)}: held-out loss {rec['final_loss']:.4f} "
+              f"in {rec['run_wall_s']:.0f} s", file=sys.stderr, flush=True)
+        done += 1
+    runs = load_runs(args.out)
+    summary = summarize(args.arm_list, runs, seeds, args.lr_grid, args.outer_grid)
+    if not summary:
+        print("pycomm-bench quality: no arm has finished its grid yet", file=sys.stderr)
+        return 0
+    if args.links and not args.report_only:
+        rc = time_links(summary, args.links, args.out, args.regime, args.time_steps)
+        if rc:
+            return rc
+    links = sorted(os.path.splitext(os.path.basename(p))[0] for p in glob.glob(os.path.join(args.out, "links", "*.json")))
+    times = {link: link_times(args.out, link) for link in links}
+    add_time_to_loss(summary, times)
+    left = pending(args.arm_list, runs, seeds, args.lr_grid, args.outer_grid)
+    doc = {"regime": args.regime, "lr_grid": list(args.lr_grid), "outer_grid": [list(p) for p in args.outer_grid],
+           "seeds": seeds, "runs_done": len(runs), "runs_known_left": len(left), "arms": summary}
+    write_json(args.json, doc)
+    print(format_summary(summary, len(seeds)))
+    if times:
+        print(format_links(summary))
+    plain = [r for r in summary if r["method"] == ALLREDUCE and "eval_loss_change_last_quarter" in r]
+    for r in plain:
+        print(f"{r['arm']}: held-out loss change over the last quarter {r['eval_loss_change_last_quarter'] * 100:+.2f}%")
+    print(f"wrote {args.json} ({len(runs)} runs; {len(left)} known to be left)")
+    if not getattr(args, "plots", True):
+        return 0
+    try:
+        print(f"wrote {plot_curves(summary, os.path.splitext(args.json)[0] + '-curves.png')}")
+        if times:
+            print(f"wrote {plot_seconds(summary, times, os.path.splitext(args.json)[0] + '-seconds.png')}")
+    except ImportError:
+        print("matplotlib is not installed: no plot", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    from .cli import main
+
+    sys.exit(main(["quality", *sys.argv[1:]]))

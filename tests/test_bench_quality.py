@@ -1,0 +1,148 @@
+"""``pycomm-bench quality``: the study's plan (grid first, DiLoCo after
+plain's winner, seeds at the winner), its report, the held-out text split
+and the warm-up cosine, and a miniature study end to end that resumes
+without rerunning what it has."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from _dist import subprocess_env
+
+from pycomm.bench import models, quality
+from pycomm.bench.quality import Arm, pending, run_id, summarize
+from pycomm.bench.sweep import LR_FLOOR, lr_at
+
+LRS = (1e-3, 2e-3)
+OUTER = ((0.7, 0.9), (1.0, 0.5))
+
+
+def _run(arm, setting, seed, loss, sent=1000.0, curve=None):
+    return run_id(arm, setting, seed), {
+        "seed": seed, "final_loss": loss, "optimizer": "adamw", "steps": 10, "tokens_per_step": 64,
+        "tokens_per_rank_per_step": 16, "model": "tiny", "gradient_numel": 5,
+        "bytes_sent_per_rank_per_step_all_steps": sent, "step_time_mean_s": 0.1, "start_iter": 2,
+        "eval_loss_curve": curve or [[0, 5.0], [8, 4.0], [10, loss]]}
+
+
+def test_plan_runs_the_grid_then_the_winner_on_every_seed():
+    plain, dil = Arm("allreduce"), Arm("diloco-H16")
+    # Nothing yet: plain's grid; DiLoCo waits for plain's best lr.
+    assert pending([plain, dil], {}, [0, 1, 2], LRS, OUTER) == [(plain, {"lr": lr}, 0) for lr in LRS]
+    runs = dict([_run(plain, {"lr": 1e-3}, 0, 2.0), _run(plain, {"lr": 2e-3}, 0, 1.9)])
+    todo = pending([plain, dil], runs, [0, 1, 2], LRS, OUTER)
+    # plain's winner (lr 2e-3) on seeds 1 and 2; DiLoCo's outer grid at that inner lr.
+    assert todo == ([(plain, {"lr": 2e-3}, s) for s in (1, 2)] +
+                    [(dil, {"lr": 2e-3, "outer_lr": a, "outer_momentum": m}, 0) for a, m in OUTER])
+
+
+def test_report_compares_each_seed_with_plain_of_the_same_seed_and_ranks():
+    plain, int8, one = Arm("allreduce"), Arm("int8"), Arm("allreduce", 1)
+    runs = {}
+    for arm, losses in ((plain, (2.0, 1.9, 2.0, 2.2)), (int8, (2.1, 2.2, 2.1, 2.2)), (one, (3.0, 3.0, 3.0, 3.0))):
+        for lr, loss in zip(LRS, losses[:2]):
+            runs.update([_run(arm, {"lr": lr}, 0, loss, sent=100.0 if arm == int8 else 400.0)])
+        best = {"lr": LRS[0]} if losses[0] < losses[1] else {"lr": LRS[1]}
+        for seed, loss in zip((1, 2), losses[2:]):
+            runs.update([_run(arm, best, seed, loss, sent=100.0 if arm == int8 else 400.0)])
+    recs = {r["arm"]: r for r in summarize([plain, int8, one], runs, [0, 1, 2], LRS, OUTER)}
+    p, q = recs["4r-allreduce"], recs["4r-int8"]
+    assert p["winner"] == {"lr": 2e-3} and q["winner"] == {"lr": 1e-3}
+    assert p["final_loss_per_seed"] == [1.9, 2.0, 2.2] and p["final_loss_vs_allreduce_mean"] == 1.0
+    # int8's seed 0 (2.1) against plain's seed 0 (1.9), and so on: not against plain's mean.
+    assert q["final_loss_vs_allreduce_per_seed"] == pytest.approx([2.1 / 1.9, 2.1 / 2.0, 2.2 / 2.2])
+    assert q["bytes_vs_allreduce"] == pytest.approx(4.0) and q["winner_at_grid_edge"]
+    assert recs["1r-allreduce"]["final_loss_vs_allreduce_mean"] == 1.0  # its own ranks' plain
+    assert p["eval_loss_change_last_quarter"] == pytest.approx((1.9 + 2.0 + 2.2) / 3 / 4.0 - 1)  # step 8 -> 10
+    assert "+5.18%" in quality.format_summary(list(recs.values()), 3)  # int8: mean of the per-seed ratios
+
+
+def test_time_to_plain_loss_on_a_link():
+    # plain: 1.0 s per step at this link; a method twice as fast per step after 10 exact steps.
+    plain = {"method": "allreduce", "ranks": 4, "steps": 100, "exact_steps": 10, "final_loss_mean": 2.0,
+             "eval_loss_curve": [[0, 5.0], [50, 3.0], [100, 2.0]]}
+    fast = dict(plain, method="int8", final_loss_mean=1.9, eval_loss_curve=[[0, 5.0], [50, 2.5], [100, 1.9]])
+    slow = dict(plain, method="diloco-H16", final_loss_mean=2.5, eval_loss_curve=[[0, 5.0], [50, 3.5], [100, 2.5]])
+    other = dict(plain, ranks=2)
+    quality.add_time_to_loss([plain, fast, slow, other], {"100mbit": {"allreduce": 1.0, "int8": 0.5,
+                                                                       "diloco-H16": 0.1}})
+    assert plain["links"]["100mbit"]["time_to_allreduce_final_s"] == pytest.approx(100.0)
+    # int8 reaches 2.0 at step 50 + 0.5/0.6 * 50 = 91.67: 10 s of exact steps, 81.67 steps at 0.5 s.
+    f = fast["links"]["100mbit"]
+    assert f["time_to_allreduce_final_s"] == pytest.approx(10 + 81.666667 * 0.5)
+    assert f["allreduce_time_over_method_time"] == pytest.approx(100 / (10 + 81.666667 * 0.5))
+    # DiLoCo never gets to 2.0: plain reaches DiLoCo's 2.5 at step 75, 75 s, against DiLoCo's 19 s run.
+    s = slow["links"]["100mbit"]
+    assert "time_to_allreduce_final_s" not in s and s["allreduce_time_to_method_final_s"] == pytest.approx(75.0)
+    assert s["allreduce_time_over_method_time"] == pytest.approx(75.0 / 19.0) and "links" not in other
+    assert "never reaches it" in quality.format_links([slow]) and "faster than allreduce" in quality.format_links([fast])
+
+
+def test_heldout_text_is_never_trained_on():
+    text = models.stdlib_text(8, 200_000)
+    cut = len(text) - int(0.1 * len(text))
+    train = models.text_batch_fn(8, 64, 0, n_files=8, max_bytes=200_000, heldout=0.1)
+    held = models.text_batch_fn(8, 64, 0, n_files=8, max_bytes=200_000, heldout=0.1, split="heldout")
+    for rank in range(4):
+        for x, _ in (train(rank, 3), ):
+            assert all(bytes(row.tolist()) in text[:cut] for row in x)
+        x, y = held(rank, 0)
+        assert all(bytes(row.tolist()) in text[cut:] for row in x)
+        assert all(bytes(row.tolist()) in text[cut:] for row in y)
+    with pytest.raises(ValueError, match="split='heldout' needs heldout > 0"):
+        models.text_batch_fn(2, 8, split="heldout")
+    with pytest.raises(ValueError, match="heldout must be in"):
+        models.text_batch_fn(2, 8, heldout=1.0)
+
+
+def test_warmup_cosine_rises_then_falls_to_its_floor():
+    lrs = [lr_at(2.0, s, 100, "warmup-cosine", warmup=10) for s in range(100)]
+    assert lrs[0] == pytest.approx(0.2) and lrs[9] == pytest.approx(2.0)
+    assert lrs[10] == pytest.approx(2.0) and all(a > b for a, b in zip(lrs[10:], lrs[11:]))
+    assert lrs[-1] == pytest.approx(2.0 * LR_FLOOR)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--arms", "nope"], "--arms: unknown arm 'nope'"),
+    (["--lrs", "0"], "--lrs"),
+    (["--outer", "0.7"], "--outer"),
+    (["--outer", "0.7:1"], "--outer"),
+    (["--repeats", "2"], "--repeats"),
+    (["--links", "none"], "--links none"),
+    (["--links", "fast"], "--links fast"),
+])
+def test_bad_arguments_are_named(argv, words):
+    from pycomm.bench.cli import build_parser
+
+    with pytest.raises(ValueError) as e:
+        quality.resolve_args(build_parser().parse_args(["quality", *argv]))
+    assert words in str(e.value)
+
+
+def test_miniature_study_end_to_end_and_resumes(tmp_path):
+    out, doc = tmp_path / "q", tmp_path / "q.json"
+    cmd = [sys.executable, "-m", "pycomm.bench", "quality", "--quick", "--arms", "1r-allreduce", "1r-diloco-H16",
+           "--lrs", "1e-3", "2e-3", "--outer", "0.7:0.9", "--seeds", "2", "--out", str(out), "--json", str(doc),
+           "--no-progress"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    files = sorted(p.name for p in out.iterdir())
+    # plain: 2 lrs on seed 0, its winner on seed 1; DiLoCo: 1 outer setting on seed 0, then seed 1.
+    assert len(files) == 5 and sum(f.startswith("1r-diloco-H16-") for f in files) == 2, files
+    summary = json.loads(doc.read_text())
+    assert summary["runs_known_left"] == 0 and summary["regime"] == quality.QUICK_REGIME
+    arms = {r["arm"]: r for r in summary["arms"]}
+    d = arms["1r-diloco-H16"]
+    for k in ("ranks", "steps", "tokens_per_step", "seeds", "bytes_sent_per_rank_per_step",
+              "final_loss_vs_allreduce_mean", "grid", "winner", "eval_loss_curve"):
+        assert d[k] is not None, k
+    assert d["ranks"] == 1 and d["seeds"] == [0, 1] and d["winner"]["lr"] == arms["1r-allreduce"]["winner"]["lr"]
+    assert d["tokens_per_step"] == quality.QUICK_REGIME["batch_size"] * quality.QUICK_REGIME["seq_len"]
+    rec = json.loads((out / files[0]).read_text())
+    assert rec["heldout"] == 0.1 and rec["lr_schedule"] == "warmup-cosine" and rec["lr_warmup"] == 2
+    # A second sitting finds every run done: nothing is trained again.
+    mtimes = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "[quality] 1r-" not in proc.stderr
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == mtimes
