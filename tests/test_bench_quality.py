@@ -15,6 +15,7 @@ from pycomm.bench.quality import Arm, pending, run_id, summarize
 from pycomm.bench.sweep import LR_FLOOR, lr_at
 
 LRS = (1e-3, 2e-3)
+GRID = {"adamw": LRS}
 OUTER = ((0.7, 0.9), (1.0, 0.5))
 
 
@@ -22,16 +23,17 @@ def _run(arm, setting, seed, loss, sent=1000.0, curve=None):
     return run_id(arm, setting, seed), {
         "seed": seed, "final_loss": loss, "optimizer": "adamw", "steps": 10, "tokens_per_step": 64,
         "tokens_per_rank_per_step": 16, "model": "tiny", "gradient_numel": 5,
-        "bytes_sent_per_rank_per_step_all_steps": sent, "step_time_mean_s": 0.1, "start_iter": 2,
+        "bytes_sent_per_rank_per_step_all_steps": sent + 300.0, "bytes_sent_per_rank_per_step": sent,
+        "step_time_mean_s": 0.1, "start_iter": 2,
         "eval_loss_curve": curve or [[0, 5.0], [8, 4.0], [10, loss]]}
 
 
 def test_plan_runs_the_grid_then_the_winner_on_every_seed():
     plain, dil = Arm("allreduce"), Arm("diloco-H16")
     # Nothing yet: plain's grid; DiLoCo waits for plain's best lr.
-    assert pending([plain, dil], {}, [0, 1, 2], LRS, OUTER) == [(plain, {"lr": lr}, 0) for lr in LRS]
+    assert pending([plain, dil], {}, [0, 1, 2], GRID, OUTER) == [(plain, {"lr": lr}, 0) for lr in LRS]
     runs = dict([_run(plain, {"lr": 1e-3}, 0, 2.0), _run(plain, {"lr": 2e-3}, 0, 1.9)])
-    todo = pending([plain, dil], runs, [0, 1, 2], LRS, OUTER)
+    todo = pending([plain, dil], runs, [0, 1, 2], GRID, OUTER)
     # plain's winner (lr 2e-3) on seeds 1 and 2; DiLoCo's outer grid at that inner lr.
     assert todo == ([(plain, {"lr": 2e-3}, s) for s in (1, 2)] +
                     [(dil, {"lr": 2e-3, "outer_lr": a, "outer_momentum": m}, 0) for a, m in OUTER])
@@ -39,33 +41,39 @@ def test_plan_runs_the_grid_then_the_winner_on_every_seed():
 
 def test_report_compares_each_seed_with_plain_of_the_same_seed_and_ranks():
     plain, int8, one = Arm("allreduce"), Arm("int8"), Arm("allreduce", 1)
+    sgd, sgd_int8 = Arm("allreduce", 4, "sgd"), Arm("int8", 4, "sgd")
     runs = {}
-    for arm, losses in ((plain, (2.0, 1.9, 2.0, 2.2)), (int8, (2.1, 2.2, 2.1, 2.2)), (one, (3.0, 3.0, 3.0, 3.0))):
+    for arm, losses in ((plain, (2.0, 1.9, 2.0, 2.2)), (int8, (2.1, 2.2, 2.1, 2.2)), (one, (3.0, 3.0, 3.0, 3.0)),
+                        (sgd, (4.0, 4.0, 4.0, 4.0)), (sgd_int8, (4.4, 5.0, 4.4, 4.4))):
         for lr, loss in zip(LRS, losses[:2]):
             runs.update([_run(arm, {"lr": lr}, 0, loss, sent=100.0 if arm == int8 else 400.0)])
         best = {"lr": LRS[0]} if losses[0] < losses[1] else {"lr": LRS[1]}
         for seed, loss in zip((1, 2), losses[2:]):
             runs.update([_run(arm, best, seed, loss, sent=100.0 if arm == int8 else 400.0)])
-    recs = {r["arm"]: r for r in summarize([plain, int8, one], runs, [0, 1, 2], LRS, OUTER)}
+    recs = {r["arm"]: r for r in summarize([plain, int8, one, sgd, sgd_int8], runs, [0, 1, 2],
+                                           {"adamw": LRS, "sgd": LRS}, OUTER)}
     p, q = recs["4r-allreduce"], recs["4r-int8"]
     assert p["winner"] == {"lr": 2e-3} and q["winner"] == {"lr": 1e-3}
     assert p["final_loss_per_seed"] == [1.9, 2.0, 2.2] and p["final_loss_vs_allreduce_mean"] == 1.0
     # int8's seed 0 (2.1) against plain's seed 0 (1.9), and so on: not against plain's mean.
     assert q["final_loss_vs_allreduce_per_seed"] == pytest.approx([2.1 / 1.9, 2.1 / 2.0, 2.2 / 2.2])
-    assert q["bytes_vs_allreduce"] == pytest.approx(4.0) and q["winner_at_grid_edge"]
+    # After the warm-up int8 sends a quarter; over every step the warm-up (300 each) weighs in.
+    assert q["bytes_vs_allreduce"] == pytest.approx(4.0) and q["bytes_vs_allreduce_all_steps"] == pytest.approx(1.75)
+    assert q["winner_at_grid_edge"]
     assert recs["1r-allreduce"]["final_loss_vs_allreduce_mean"] == 1.0  # its own ranks' plain
+    assert recs["4r-int8-sgd"]["final_loss_vs_allreduce_mean"] == pytest.approx(1.1)  # against SGD's plain
     assert p["eval_loss_change_last_quarter"] == pytest.approx((1.9 + 2.0 + 2.2) / 3 / 4.0 - 1)  # step 8 -> 10
-    assert "+5.18%" in quality.format_summary(list(recs.values()), 3)  # int8: mean of the per-seed ratios
+    assert "+5.18%" in quality.format_summary(list(recs.values())[:3], 3)  # int8: mean of the per-seed ratios
 
 
 def test_time_to_plain_loss_on_a_link():
     # plain: 1.0 s per step at this link; a method twice as fast per step after 10 exact steps.
-    plain = {"method": "allreduce", "ranks": 4, "steps": 100, "exact_steps": 10, "final_loss_mean": 2.0,
+    plain = {"method": "allreduce", "ranks": 4, "optimizer": "adamw", "steps": 100, "exact_steps": 10, "final_loss_mean": 2.0,
              "eval_loss_curve": [[0, 5.0], [50, 3.0], [100, 2.0]]}
     fast = dict(plain, method="int8", final_loss_mean=1.9, eval_loss_curve=[[0, 5.0], [50, 2.5], [100, 1.9]])
     slow = dict(plain, method="diloco-H16", final_loss_mean=2.5, eval_loss_curve=[[0, 5.0], [50, 3.5], [100, 2.5]])
-    other = dict(plain, ranks=2)
-    quality.add_time_to_loss([plain, fast, slow, other], {"100mbit": {"allreduce": 1.0, "int8": 0.5,
+    other, sgd = dict(plain, ranks=2), dict(plain, optimizer="sgd")
+    quality.add_time_to_loss([plain, fast, slow, other, sgd], {"100mbit": {"allreduce": 1.0, "int8": 0.5,
                                                                        "diloco-H16": 0.1}})
     assert plain["links"]["100mbit"]["time_to_allreduce_final_s"] == pytest.approx(100.0)
     # int8 reaches 2.0 at step 50 + 0.5/0.6 * 50 = 91.67: 10 s of exact steps, 81.67 steps at 0.5 s.
@@ -75,7 +83,8 @@ def test_time_to_plain_loss_on_a_link():
     # DiLoCo never gets to 2.0: plain reaches DiLoCo's 2.5 at step 75, 75 s, against DiLoCo's 19 s run.
     s = slow["links"]["100mbit"]
     assert "time_to_allreduce_final_s" not in s and s["allreduce_time_to_method_final_s"] == pytest.approx(75.0)
-    assert s["allreduce_time_over_method_time"] == pytest.approx(75.0 / 19.0) and "links" not in other
+    assert s["allreduce_time_over_method_time"] == pytest.approx(75.0 / 19.0)
+    assert "links" not in other and "links" not in sgd  # only the 4-rank AdamW arms are timed
     assert "never reaches it" in quality.format_links([slow]) and "faster than allreduce" in quality.format_links([fast])
 
 

@@ -61,8 +61,9 @@ QUICK_REGIME: Dict[str, Any] = {
     "lr_warmup": 2, "start_iter": 4, "heldout": 0.1, "eval_every": 8, "eval_batches": 2,
     "text_files": 8, "text_bytes": 200_000,
 }
-#: The inner learning rates every per-step method is tried with (AdamW).
-LR_GRID = (2e-3, 4e-3, 8e-3)
+#: The learning rates every per-step method is tried with, per optimizer
+#: (SGD: momentum 0.9, as ``pycomm-bench ddp --optimizer sgd``).
+LR_GRID: Dict[str, Tuple[float, ...]] = {"adamw": (2e-3, 4e-3, 8e-3), "sgd": (0.05, 0.1, 0.2)}
 #: DiLoCo's outer Nesterov SGD settings (lr, momentum), tried at plain's
 #: best inner lr: as many as the lr grid, so every method gets three runs.
 OUTER_GRID = ((0.5, 0.9), (0.8, 0.9), (1.0, 0.7))
@@ -78,6 +79,7 @@ class Arm:
 
     method: str
     ranks: int = 4
+    optimizer: str = "adamw"
 
     @property
     def diloco(self) -> bool:
@@ -85,19 +87,31 @@ class Arm:
 
     @property
     def name(self) -> str:
-        return f"{self.ranks}r-{self.method}"
+        """``<ranks>r-<method>``, ``-<optimizer>`` after it unless AdamW.
+
+        >>> Arm("int8").name, Arm("onebit", 4, "sgd").name
+        ('4r-int8', '4r-onebit-sgd')
+        """
+        return f"{self.ranks}r-{self.method}" + ("" if self.optimizer == "adamw" else f"-{self.optimizer}")
+
+    @property
+    def baseline(self) -> "Arm":
+        """Plain all-reduce at the same ranks and optimizer."""
+        return Arm(ALLREDUCE, self.ranks, self.optimizer)
 
 
 #: The study, in the order it runs (what the targets need first): the
 #: baseline; DiLoCo exact, then with int4 (error feedback on, and off as
 #: DiLoCo's own default has it); OneBitAdam; the int8/int4 hooks; DiLoCo
 #: with onebit and top-k pseudo-gradients; DiLoCo at 2 and 1 replicas
-#: against plain at the same ranks; the other per-step methods.
+#: against plain at the same ranks; the other per-step methods; momentum
+#: SGD: plain, OneBitSGD and the onebit and int8 hooks.
 ARMS: Tuple[Arm, ...] = (
     Arm(ALLREDUCE), Arm("diloco-H16"), Arm("diloco-H16-int4"), Arm("optim-onebit"), Arm("int8"), Arm("int4"),
     Arm("diloco-H16-int4-noef"), Arm("diloco-H16-onebit"), Arm("diloco-H16-topk-0.02"),
     Arm(ALLREDUCE, 2), Arm("diloco-H16-int4", 2), Arm(ALLREDUCE, 1), Arm("diloco-H16", 1),
     Arm("onebit"), Arm("topk-0.01"), Arm("fp16"), Arm("powersgd-4"), Arm("diloco-H16", 2),
+    Arm(ALLREDUCE, 4, "sgd"), Arm("optim-onebit", 4, "sgd"), Arm("onebit", 4, "sgd"), Arm("int8", 4, "sgd"),
 )
 
 
@@ -149,28 +163,28 @@ def winner(arm: Arm, runs: Dict[str, Dict[str, Any]], grid: Sequence[Dict[str, f
     return min(losses, key=lambda p: p[0])[1]
 
 
-def grid_of(arm: Arm, runs: Dict[str, Dict[str, Any]], lrs: Sequence[float],
+def grid_of(arm: Arm, runs: Dict[str, Dict[str, Any]], lrs: Dict[str, Sequence[float]],
             outer: Sequence[Tuple[float, float]], seed: int) -> Optional[List[Dict[str, float]]]:
     """The settings ``arm`` is tuned over: the lr grid, or for DiLoCo the
     outer grid at plain all-reduce's best lr at the same ranks (None until
     that is known)."""
     if not arm.diloco:
-        return [{"lr": lr} for lr in lrs]
-    plain = Arm(ALLREDUCE, arm.ranks)
-    best = winner(plain, runs, [{"lr": lr} for lr in lrs], seed)
+        return [{"lr": lr} for lr in lrs[arm.optimizer]]
+    best = winner(arm.baseline, runs, [{"lr": lr} for lr in lrs[arm.optimizer]], seed)
     if best is None:
         return None
     return [{"lr": best["lr"], "outer_lr": a, "outer_momentum": m} for a, m in outer]
 
 
-def pending(arms: Sequence[Arm], runs: Dict[str, Dict[str, Any]], seeds: Sequence[int], lrs: Sequence[float],
+def pending(arms: Sequence[Arm], runs: Dict[str, Dict[str, Any]], seeds: Sequence[int],
+            lrs: Dict[str, Sequence[float]],
             outer: Sequence[Tuple[float, float]]) -> List[Tuple[Arm, Dict[str, float], int]]:
     """The runs still to make, in order: per arm its grid on the first seed,
     then its winner on the other seeds. An arm whose grid waits on another
     arm's winner (DiLoCo on plain's lr) is skipped until that is known.
 
-    >>> pending([Arm("int8")], {}, [0, 1], [0.001, 0.002], [])
-    [(Arm(method='int8', ranks=4), {'lr': 0.001}, 0), (Arm(method='int8', ranks=4), {'lr': 0.002}, 0)]
+    >>> pending([Arm("int8")], {}, [0, 1], {"adamw": [0.001, 0.002]}, [])
+    [(Arm(method='int8', ranks=4, optimizer='adamw'), {'lr': 0.001}, 0), (Arm(method='int8', ranks=4, optimizer='adamw'), {'lr': 0.002}, 0)]
     """
     todo = []
     for arm in arms:
@@ -195,6 +209,8 @@ def ddp_argv(arm: Arm, setting: Dict[str, float], seed: int, regime: Dict[str, A
     argv = ["ddp", "--no-netns", "--bandwidth", "none", "--no-baseline", "--no-plots", "--no-progress",
             "--ranks", str(arm.ranks), "--methods", arm.method, "--seed", str(seed), "--seeds", "1",
             "--lr", f"{setting['lr']:g}"]
+    if arm.optimizer != "adamw":
+        argv += ["--optimizer", arm.optimizer]
     if "outer_lr" in setting:
         argv += ["--outer-lr", f"{setting['outer_lr']:g}", "--outer-momentum", f"{setting['outer_momentum']:g}"]
     for k, v in regime.items():
@@ -224,16 +240,17 @@ def run_one(arm: Arm, setting: Dict[str, float], seed: int, regime: Dict[str, An
 # --------------------------------------------------------------------------- report
 
 
-def summarize(arms: Sequence[Arm], runs: Dict[str, Dict[str, Any]], seeds: Sequence[int], lrs: Sequence[float],
+def summarize(arms: Sequence[Arm], runs: Dict[str, Dict[str, Any]], seeds: Sequence[int],
+              lrs: Dict[str, Sequence[float]],
               outer: Sequence[Tuple[float, float]]) -> List[Dict[str, Any]]:
     """One record per arm whose grid has run: its grid (seed 0's final
     loss per setting), the winner, and over the seeds run at the winner the
     final held-out loss (mean, sample std, per seed), its per-seed ratio to
-    plain all-reduce's winner at the same ranks (mean, min, max), bytes
+    plain all-reduce's winner at the same ranks and optimizer (mean, min, max), bytes
     sent per rank per step, held-out curve (mean over seeds) and step time
     (loopback; informative only)."""
     out = []
-    plain_best: Dict[int, Dict[int, float]] = {}
+    plain_best: Dict[Arm, Dict[int, float]] = {}
     for arm in arms:
         grid = grid_of(arm, runs, lrs, outer, seeds[0])
         best = None if grid is None else winner(arm, runs, grid, seeds[0])
@@ -242,45 +259,52 @@ def summarize(arms: Sequence[Arm], runs: Dict[str, Dict[str, Any]], seeds: Seque
         recs = [runs[run_id(arm, best, s)] for s in seeds if run_id(arm, best, s) in runs]
         losses = [r["final_loss"] for r in recs]
         if arm.method == ALLREDUCE:
-            plain_best[arm.ranks] = {r["seed"]: r["final_loss"] for r in recs}
-        base = plain_best.get(arm.ranks, {})
+            plain_best[arm] = {r["seed"]: r["final_loss"] for r in recs}
+        base = plain_best.get(arm.baseline, {})
         ratios = [r["final_loss"] / base[r["seed"]] for r in recs if r["seed"] in base]
         curves = [dict(map(tuple, r["eval_loss_curve"])) for r in recs if r.get("eval_loss_curve")]
         steps = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
         first = recs[0]
-        sent = [r["bytes_sent_per_rank_per_step_all_steps"] for r in recs
-                if r.get("bytes_sent_per_rank_per_step_all_steps") is not None]
         out.append({
-            "arm": arm.name, "method": arm.method, "ranks": arm.ranks, "optimizer": first["optimizer"],
+            "arm": arm.name, "method": arm.method, "ranks": arm.ranks, "optimizer": arm.optimizer,
             "steps": first["steps"], "tokens_per_step": first["tokens_per_step"],
             "tokens_per_rank_per_step": first["tokens_per_rank_per_step"], "model": first["model"],
             "gradient_numel": first["gradient_numel"],
             "grid": [{"setting": s, "final_loss_seed0": runs[run_id(arm, s, seeds[0])]["final_loss"]} for s in grid],
-            "winner": best, "winner_at_grid_edge": _at_edge(arm, best, lrs, outer),
+            "winner": best, "winner_at_grid_edge": _at_edge(arm, best, lrs[arm.optimizer], outer),
             "seeds": [r["seed"] for r in recs], "final_loss_per_seed": losses,
             "final_loss_mean": mean(losses), "final_loss_std": stdev(losses),
             "final_loss_vs_allreduce_per_seed": ratios or None,
             "final_loss_vs_allreduce_mean": mean(ratios) if ratios else None,
             "final_loss_vs_allreduce_min": min(ratios) if ratios else None,
             "final_loss_vs_allreduce_max": max(ratios) if ratios else None,
-            # Every step counted, warm-up included (DiLoCo sends nothing between syncs).
-            "bytes_sent_per_rank_per_step": mean(sent) if sent else None,
+            # After the exact warm-up (the method's own traffic), and over every step.
+            "bytes_sent_per_rank_per_step": _mean_of(recs, "bytes_sent_per_rank_per_step"),
+            "bytes_sent_per_rank_per_step_all_steps": _mean_of(recs, "bytes_sent_per_rank_per_step_all_steps"),
             "diloco_bytes_per_step": first.get("diloco_bytes_per_step"),
             "eval_loss_curve": [[s, mean([c[s] for c in curves])] for s in steps],
             "step_time_mean_s_loopback": mean([r["step_time_mean_s"] for r in recs]),
             # Steps of plain all-reduce before the method starts (its warm-up; OneBitAdam's is longer).
             "exact_steps": first["start_iter"],
         })
-    plain = {r["ranks"]: r for r in out if r["method"] == ALLREDUCE}
+    plain = {(r["ranks"], r["optimizer"]): r for r in out if r["method"] == ALLREDUCE}
     for r in out:
-        p = plain.get(r["ranks"])
-        sent, psent = r["bytes_sent_per_rank_per_step"], p and p["bytes_sent_per_rank_per_step"]
-        r["bytes_vs_allreduce"] = psent / sent if sent and psent else None
+        p = plain.get((r["ranks"], r["optimizer"]))
+        for k, f in (("bytes_vs_allreduce", "bytes_sent_per_rank_per_step"),
+                     ("bytes_vs_allreduce_all_steps", "bytes_sent_per_rank_per_step_all_steps")):
+            sent, psent = r[f], p and p[f]
+            r[k] = psent / sent if sent and psent else None
         curve = r["eval_loss_curve"]
         if len(curve) >= 2:  # does the loss still fall over the last quarter? (a saturated task proves nothing)
             s, v = min(curve[:-1], key=lambda q: abs(q[0] - 0.75 * curve[-1][0]))
             r["eval_loss_change_last_quarter"] = curve[-1][1] / v - 1
     return out
+
+
+def _mean_of(recs: Sequence[Dict[str, Any]], key: str) -> Optional[float]:
+    """The mean of ``key`` over the records that have it; None if none does."""
+    xs = [r[key] for r in recs if r.get(key) is not None]
+    return mean(xs) if xs else None
 
 
 def crossing(curve: Sequence[Sequence[float]], target: float) -> Optional[float]:
@@ -295,6 +319,11 @@ def crossing(curve: Sequence[Sequence[float]], target: float) -> Optional[float]
         if v1 <= target:
             return s1 if v0 <= target else s0 + (v0 - target) / (v0 - v1) * (s1 - s0)
     return None
+
+
+def _on_links(r: Dict[str, Any]) -> bool:
+    """Whether ``--links`` times arm record ``r``: the 4-rank AdamW arms."""
+    return r["ranks"] == 4 and r["optimizer"] == "adamw"
 
 
 def link_times(out: str, link: str) -> Dict[str, float]:
@@ -313,7 +342,7 @@ def time_links(summary: List[Dict[str, Any]], links: Sequence[str], out: str, re
     timed (``pycomm-bench ddp --time-only``, written to ``<out>/links/<link>.json``)."""
     from .cli import main
 
-    methods = [r["method"] for r in summary if r["ranks"] == 4]
+    methods = [r["method"] for r in summary if _on_links(r)]
     for link in links:
         path = os.path.join(out, "links", f"{link}.json")
         if os.path.exists(path) and set(methods) <= set(link_times(out, link)):
@@ -336,12 +365,12 @@ def add_time_to_loss(summary: List[Dict[str, Any]], times: Dict[str, Dict[str, f
     step time, the rest at its own), against plain's whole run; where a
     method never reaches it, the reverse: the time plain needs to reach the
     method's final loss, against the method's whole run."""
-    plain = next((r for r in summary if r["method"] == ALLREDUCE and r["ranks"] == 4), None)
+    plain = next((r for r in summary if r["method"] == ALLREDUCE and _on_links(r)), None)
     if plain is None:
         return
     target = plain["final_loss_mean"]
     for r in summary:
-        if r["ranks"] != 4:
+        if not _on_links(r):
             continue
         r["links"] = {}
         for link, t in times.items():
@@ -384,10 +413,12 @@ def format_summary(summary: List[Dict[str, Any]], n_seeds: int) -> str:
             "-" if ratio is None else f"{(ratio - 1) * 100:+.2f}% ({(r['final_loss_vs_allreduce_min'] - 1) * 100:+.2f}"
                                       f"..{(r['final_loss_vs_allreduce_max'] - 1) * 100:+.2f})",
             fmt_number((r["bytes_sent_per_rank_per_step"] or 0) / 1e3),
-            "-" if r["bytes_vs_allreduce"] is None else f"{r['bytes_vs_allreduce']:.0f}x",
+            " / ".join("-" if r[k] is None else f"{r[k]:.0f}x" for k in ("bytes_vs_allreduce",
+                                                                          "bytes_vs_allreduce_all_steps")),
         ])
     head = ["ranks-method", "best setting", "seeds", "held-out loss\nmean ±std",
-            "vs allreduce, same seed\nmean (min..max)", "kB sent\n/rank/step", "fewer bytes\nthan allreduce"]
+            "vs allreduce, same seed\nmean (min..max)", "kB sent/rank/step\nafter warm-up",
+            "fewer bytes than allreduce:\nafter warm-up / all steps"]
     return table(rows, head, tablefmt="github")
 
 
@@ -422,7 +453,7 @@ def plot_seconds(summary: List[Dict[str, Any]], times: Dict[str, Dict[str, float
     fig, axes = plt.subplots(1, len(times), figsize=(7 * len(times), 5), squeeze=False)
     for ax, (link, t) in zip(axes[0], times.items()):
         for r in summary:
-            if r["ranks"] != 4 or r["method"] not in t or len(r["eval_loss_curve"]) < 2:
+            if not _on_links(r) or r["method"] not in t or len(r["eval_loss_curve"]) < 2:
                 continue
             tp, tm, e = t[ALLREDUCE], t[r["method"]], r["exact_steps"]
             xs = [min(s, e) * tp + max(0, s - e) * tm for s, _ in r["eval_loss_curve"][1:]]
@@ -440,24 +471,24 @@ def plot_seconds(summary: List[Dict[str, Any]], times: Dict[str, Dict[str, float
 
 
 def plot_curves(summary: List[Dict[str, Any]], path: str) -> str:
-    """Held-out loss (mean over seeds) against steps, one panel per number of ranks."""
+    """Held-out loss (mean over seeds) against steps, one panel per number of ranks and optimizer."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ranks = sorted({r["ranks"] for r in summary}, reverse=True)
-    fig, axes = plt.subplots(1, len(ranks), figsize=(7 * len(ranks), 5), squeeze=False)
-    for ax, w in zip(axes[0], ranks):
+    panels = sorted({(r["ranks"], r["optimizer"]) for r in summary}, key=lambda p: (-p[0], p[1]))
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 5), squeeze=False)
+    for ax, (w, optimizer) in zip(axes[0], panels):
         for r in summary:
-            if r["ranks"] != w or len(r["eval_loss_curve"]) < 2:
+            if (r["ranks"], r["optimizer"]) != (w, optimizer) or len(r["eval_loss_curve"]) < 2:
                 continue
             xs, ys = zip(*r["eval_loss_curve"][1:])  # from the first evaluation after step 0's
             ax.plot(xs, ys, label=f"{r['method']} ({setting_tag(r['winner'])})",
                     linewidth=2.5 if r["method"] == ALLREDUCE else 1.2)
         ax.set_xlabel("step")
         ax.set_ylabel("held-out loss (mean over seeds)")
-        ax.set_title(f"{w} rank(s)")
+        ax.set_title(f"{w} rank(s), {optimizer}")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
@@ -474,12 +505,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     g = parser.add_argument_group("quality options")
     g.add_argument("--arms", nargs="+", metavar="ARM", default=None,
-                   help="the arms to run, as <method> (4 ranks) or <ranks>r-<method> (default: all of "
+                   help="the arms to run, as <method>[-sgd] (4 ranks) or <ranks>r-<method>[-sgd] (default: all of "
                         f"{', '.join(a.name for a in ARMS)})")
     g.add_argument("--seeds", type=positive_int, default=DEFAULT_SEEDS,
                    help=f"seeds per method: the grid runs on the first, its winner on all (default: {DEFAULT_SEEDS})")
     g.add_argument("--lrs", nargs="+", type=float, default=None, metavar="LR",
-                   help=f"the inner lr grid (default: {' '.join(f'{x:g}' for x in LR_GRID)})")
+                   help="the lr grid of every optimizer (default: " +
+                        "; ".join(f"{o}: {' '.join(f'{x:g}' for x in g)}" for o, g in LR_GRID.items()) + ")")
     g.add_argument("--outer", nargs="+", default=None, metavar="LR:MOMENTUM",
                    help="DiLoCo's outer grid (default: " + " ".join(f"{a:g}:{m:g}" for a, m in OUTER_GRID) + ")")
     g.add_argument("--out", default=None, help=f"folder of the per-run files (default: {DEFAULT_OUT})")
@@ -510,9 +542,9 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
             if name not in names:
                 raise ValueError(f"--arms: unknown arm {text!r}; the study's arms are {', '.join(names)}")
             args.arm_list.append(names[name])
-    args.lr_grid = tuple(args.lrs or LR_GRID)
-    if any(not lr > 0 for lr in args.lr_grid):
-        raise ValueError(f"--lrs: every lr must be > 0, got {list(args.lr_grid)}")
+    if args.lrs is not None and any(not lr > 0 for lr in args.lrs):
+        raise ValueError(f"--lrs: every lr must be > 0, got {args.lrs}")
+    args.lr_grid = {o: tuple(args.lrs) for o in LR_GRID} if args.lrs else LR_GRID
     try:
         args.outer_grid = tuple(tuple(float(x) for x in p.split(":")) for p in args.outer) if args.outer else OUTER_GRID
         if any(len(p) != 2 or not p[0] > 0 or not 0 <= p[1] < 1 for p in args.outer_grid):
@@ -572,7 +604,7 @@ def run(args: argparse.Namespace) -> int:
     times = {link: link_times(args.out, link) for link in links}
     add_time_to_loss(summary, times)
     left = pending(args.arm_list, runs, seeds, args.lr_grid, args.outer_grid)
-    doc = {"regime": args.regime, "lr_grid": list(args.lr_grid), "outer_grid": [list(p) for p in args.outer_grid],
+    doc = {"regime": args.regime, "lr_grid": {o: list(g) for o, g in args.lr_grid.items()}, "outer_grid": [list(p) for p in args.outer_grid],
            "seeds": seeds, "runs_done": len(runs), "runs_known_left": len(left), "arms": summary}
     write_json(args.json, doc)
     print(format_summary(summary, len(seeds)))
