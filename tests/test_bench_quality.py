@@ -11,6 +11,7 @@ import pytest
 from _dist import subprocess_env
 
 from pycomm.bench import models, quality
+from pycomm.bench.netem import emulation_available
 from pycomm.bench.quality import Arm, pending, run_id, summarize
 from pycomm.bench.sweep import LR_FLOOR, lr_at
 
@@ -155,3 +156,20 @@ def test_miniature_study_end_to_end_and_resumes(tmp_path):
     proc = subprocess.run(cmd, cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and "[quality] 1r-" not in proc.stderr
     assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == mtimes
+
+
+@pytest.mark.skipif(not emulation_available()[0], reason="no network namespaces here (root and iproute2)")
+def test_links_put_the_curves_on_an_emulated_clock(tmp_path):
+    out, doc = tmp_path / "q", tmp_path / "q.json"
+    base = [sys.executable, "-m", "pycomm.bench", "quality", "--quick", "--arms", "allreduce", "int8",
+            "--lrs", "2e-3", "--seeds", "1", "--out", str(out), "--json", str(doc), "--no-progress"]
+    proc = subprocess.run(base + ["--links", "100mbit", "--time-steps", "4"], cwd=tmp_path, env=subprocess_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    timed = json.loads((out / "links" / "100mbit.json").read_text())
+    assert {r["method"] for r in timed} == {"allreduce", "int8"} and all(r["emulated"] for r in timed)
+    arms = {r["method"]: r for r in json.loads(doc.read_text())["arms"]}
+    link = arms["allreduce"]["links"]["100mbit"]
+    assert link["step_time_mean_s"] > 0 and link["time_to_allreduce_final_s"] == pytest.approx(link["run_s"])
+    assert "100mbit" in arms["int8"]["links"] and "to allreduce's final held-out loss" in proc.stdout
+    assert (tmp_path / "q-seconds.png").exists()
