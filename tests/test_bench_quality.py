@@ -35,9 +35,9 @@ def test_plan_runs_the_grid_then_the_winner_on_every_seed():
     assert pending([plain, dil], {}, [0, 1, 2], GRID, OUTER) == [(plain, {"lr": lr}, 0) for lr in LRS]
     runs = dict([_run(plain, {"lr": 1e-3}, 0, 2.0), _run(plain, {"lr": 2e-3}, 0, 1.9)])
     todo = pending([plain, dil], runs, [0, 1, 2], GRID, OUTER)
-    # plain's winner (lr 2e-3) on seeds 1 and 2; DiLoCo's outer grid at that inner lr.
+    # plain's winner (lr 2e-3) on seeds 1 and 2; DiLoCo's outer grid at that lr / sqrt(4 replicas).
     assert todo == ([(plain, {"lr": 2e-3}, s) for s in (1, 2)] +
-                    [(dil, {"lr": 2e-3, "outer_lr": a, "outer_momentum": m}, 0) for a, m in OUTER])
+                    [(dil, {"lr": 1e-3, "outer_lr": a, "outer_momentum": m}, 0) for a, m in OUTER])
 
 
 def test_report_compares_each_seed_with_plain_of_the_same_seed_and_ranks():
