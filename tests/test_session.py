@@ -320,3 +320,29 @@ def test_groups_created_with_different_settings_name_them():
     for out in run_ranks(_groups_that_differ, WORLD, timeout=120):
         assert "min_compress_numel (rank 0: 1000, rank 1: 2000)" in out["min_compress_numel"], out
         assert "compressor_options (rank 0: {'levels': 127}, rank 1: {'levels': 126})" in out["options"], out
+
+
+def _hook_over_plain_gloo_warns_nothing(rank, world):
+    import warnings
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from pycomm.ddp import CompressionState, compressed_hook
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = DDP(torch.nn.Linear(256, 256))
+        model.register_comm_hook(CompressionState(process_group=None, compressor="int8", start_iter=2),
+                                 compressed_hook)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(4):  # the plain warm-up, then the settings check, then compressed steps
+            model(torch.randn(4, 256)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    return [f"{w.category.__name__}: {w.message}" for w in caught]
+
+
+def test_a_hook_over_plain_gloo_prints_no_warning():
+    # torch 2.13 deprecates all_gather_into_tensor with a FutureWarning; the
+    # settings check at the first compressed step must not print it.
+    assert run_ranks(_hook_over_plain_gloo_warns_nothing, WORLD, timeout=120) == [[]] * WORLD

@@ -205,16 +205,19 @@ def agree(owner: str, settings: Dict[str, Any], group: dist.ProcessGroup, device
     """Raise on every rank of ``group`` when the ranks' ``settings`` (a
     dict by the names users know them by) differ, naming each setting that
     differs and every rank's value. One int64 per rank on the wire (a digest
-    of the settings); the settings themselves only when the digests differ.
-    A collective: every rank of ``group`` calls it at the same point."""
+    of the settings, and its negation); the settings themselves only when
+    the digests differ. A collective: every rank of ``group`` calls it at
+    the same point."""
     world = dist.get_world_size(group)
     if world < 2:
         return
-    digest = hashlib.sha1(repr(sorted(settings.items())).encode()).digest()
-    mine = torch.tensor([int.from_bytes(digest[:7], "little")], dtype=torch.int64, device=device)
-    every = torch.empty(world, dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(every, mine, group=group)
-    if bool((every == every[0]).all()):
+    digest = int.from_bytes(hashlib.sha1(repr(sorted(settings.items())).encode()).digest()[:7], "little")
+    # max(d) == -max(-d) = min(d): every rank's digest is the same. One
+    # all-reduce, exact (int64) in every backend; torch 2.13 deprecates
+    # all_gather_into_tensor with a warning, and 2.11 lacks its successor.
+    both = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    if int(both[0]) == -int(both[1]):
         return
     theirs: List[Any] = [None] * world
     dist.all_gather_object(theirs, settings, group=group)
