@@ -68,7 +68,7 @@ QUICK_REGIME: Dict[str, Any] = {
 LR_GRID: Dict[str, Tuple[float, ...]] = {"adamw": (2e-3, 4e-3, 8e-3), "sgd": (0.05, 0.1, 0.2)}
 #: DiLoCo's outer Nesterov SGD settings (lr, momentum), tried at plain's
 #: best inner lr: as many as the lr grid, so every method gets three runs.
-OUTER_GRID = ((0.5, 0.9), (0.8, 0.9), (1.0, 0.7))
+OUTER_GRID = ((0.5, 0.9), (1.0, 0.7), (1.0, 0.5))
 DEFAULT_SEEDS = 3
 #: Timed steps per method and link (--links): two syncs of DiLoCo-H16.
 DEFAULT_TIME_STEPS = 32
