@@ -45,6 +45,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from .ddp import add_flattening
 from .methods import ALLREDUCE
 from .report import fmt_number, table, write_json
 from .sweep import mean, stdev
@@ -311,10 +312,7 @@ def summarize(arms: Sequence[Arm], runs: Dict[str, Dict[str, Any]], seeds: Seque
                      ("bytes_vs_allreduce_all_steps", "bytes_sent_per_rank_per_step_all_steps")):
             sent, psent = r[f], p and p[f]
             r[k] = psent / sent if sent and psent else None
-        curve = r["eval_loss_curve"]
-        if len(curve) >= 2:  # does the loss still fall over the last quarter? (a saturated task proves nothing)
-            s, v = min(curve[:-1], key=lambda q: abs(q[0] - 0.75 * curve[-1][0]))
-            r["eval_loss_change_last_quarter"] = curve[-1][1] / v - 1
+    add_flattening(out)  # does the loss still fall over the last quarter? (a saturated task proves nothing)
     return out
 
 
@@ -627,7 +625,7 @@ def run(args: argparse.Namespace) -> int:
     print(format_summary(summary, len(seeds)))
     if times:
         print(format_links(summary))
-    plain = [r for r in summary if r["method"] == ALLREDUCE and "eval_loss_change_last_quarter" in r]
+    plain = [r for r in summary if r["method"] == ALLREDUCE and r.get("eval_loss_change_last_quarter") is not None]
     for r in plain:
         print(f"{r['arm']}: held-out loss change over the last quarter {r['eval_loss_change_last_quarter'] * 100:+.2f}%")
     print(f"wrote {args.json} ({len(runs)} runs; {len(left)} known to be left)")
