@@ -105,17 +105,17 @@ class Arm:
 
 #: The study, in the order it runs (what a user's choice needs first): the
 #: baseline; DiLoCo exact and with int4; OneBitAdam; the int8/int4 hooks;
-#: PyTorch's fp16 and PowerSGD hooks; OneBitAdam with its variance
-#: refreshed by an exact step every 20 (0/1 Adam's remedy for a frozen
-#: variance); DiLoCo with onebit pseudo-gradients every 16 and every 8 steps
-#: (and exact at 8, its reference); DiLoCo at 2 and 1 replicas against
-#: plain at the same ranks; DiLoCo's int4 without error feedback (its own
-#: default) and with top-k; the onebit and top-k hooks; momentum SGD: plain,
+#: PyTorch's fp16 and PowerSGD hooks; DiLoCo at 2 and 1 replicas against
+#: plain at the same ranks; OneBitAdam with its variance refreshed by an
+#: exact step every 20 (0/1 Adam's remedy for a frozen variance); DiLoCo
+#: with onebit pseudo-gradients every 16 and every 8 steps (and exact at 8,
+#: its reference); DiLoCo's int4 without error feedback (its own default)
+#: and with top-k; the onebit and top-k hooks; momentum SGD: plain,
 #: OneBitSGD and the onebit and int8 hooks.
 ARMS: Tuple[Arm, ...] = (
     Arm(ALLREDUCE), Arm("diloco-H16"), Arm("diloco-H16-int4"), Arm("optim-onebit"), Arm("int8"), Arm("int4"),
-    Arm("fp16"), Arm("powersgd-4"), Arm("optim-onebit-v20"), Arm("diloco-H16-onebit"), Arm("diloco-H8"),
-    Arm("diloco-H8-onebit"), Arm(ALLREDUCE, 2), Arm("diloco-H16-int4", 2), Arm(ALLREDUCE, 1), Arm("diloco-H16", 1),
+    Arm("fp16"), Arm("powersgd-4"), Arm(ALLREDUCE, 2), Arm("diloco-H16-int4", 2), Arm(ALLREDUCE, 1),
+    Arm("diloco-H16", 1), Arm("optim-onebit-v20"), Arm("diloco-H16-onebit"), Arm("diloco-H8"), Arm("diloco-H8-onebit"),
     Arm("diloco-H16-int4-noef"), Arm("diloco-H16-topk-0.02"), Arm("onebit"), Arm("topk-0.01"), Arm("diloco-H16", 2),
     Arm(ALLREDUCE, 4, "sgd"), Arm("optim-onebit", 4, "sgd"), Arm("onebit", 4, "sgd"), Arm("int8", 4, "sgd"),
 )
