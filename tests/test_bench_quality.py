@@ -121,6 +121,7 @@ def test_warmup_cosine_rises_then_falls_to_its_floor():
     (["--repeats", "2"], "--repeats"),
     (["--links", "none"], "--links none"),
     (["--links", "fast"], "--links fast"),
+    (["--quick", "--steps", "100"], "--steps"),
 ])
 def test_bad_arguments_are_named(argv, words):
     from pycomm.bench.cli import build_parser
@@ -128,6 +129,19 @@ def test_bad_arguments_are_named(argv, words):
     with pytest.raises(ValueError) as e:
         quality.resolve_args(build_parser().parse_args(["quality", *argv]))
     assert words in str(e.value)
+
+
+def test_a_longer_study_keeps_the_regime_in_proportion_and_its_own_folder():
+    from pycomm.bench.cli import build_parser
+
+    args = quality.resolve_args(build_parser().parse_args(["quality", "--steps", "3000"]))
+    r = args.regime
+    assert r["steps"] == 3000 and r["lr_warmup"] == r["start_iter"] == 3 * quality.REGIME["lr_warmup"]
+    assert r["eval_every"] == 3 * quality.REGIME["eval_every"]
+    assert {k: v for k, v in r.items() if k not in ("steps", "lr_warmup", "start_iter", "eval_every")} == \
+        {k: v for k, v in quality.REGIME.items() if k not in ("steps", "lr_warmup", "start_iter", "eval_every")}
+    assert args.out.endswith("quality-3000steps")
+    assert quality.resolve_args(build_parser().parse_args(["quality"])).regime == quality.REGIME
 
 
 def test_miniature_study_end_to_end_and_resumes(tmp_path):

@@ -49,7 +49,7 @@ def _disagree(rank, world, case):
 
 @pytest.mark.parametrize("case,named", [
     ("warmup_steps", "warmup_steps (rank 0: 3, rank 1: 2)"),
-    ("variance_update_every", "variance_update_every (rank 0: 0, rank 1: 2)"),
+    ("variance_update_every", "variance_update_every (rank 0: 20, rank 1: 2)"),
     ("add_param_group", "parameter sizes (rank 0: [64], rank 1: [64, 8])"),
 ])
 def test_ranks_that_disagree_raise_on_every_rank_naming_the_setting(case, named):

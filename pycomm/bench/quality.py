@@ -58,6 +58,21 @@ REGIME: Dict[str, Any] = {
     "lr_warmup": 60, "start_iter": 60, "heldout": 0.1, "eval_every": 100, "eval_batches": 32,
     "text_files": 1000, "text_bytes": 8_000_000,
 }
+
+
+def regime_of(steps: int) -> Dict[str, Any]:
+    """:data:`REGIME` over ``steps`` steps: the warm-up, the exact steps and
+    the evaluation interval keep their share of the run.
+
+    >>> r = regime_of(5000); r["steps"], r["lr_warmup"], r["start_iter"], r["eval_every"]
+    (5000, 300, 300, 500)
+    """
+    scale = steps / REGIME["steps"]
+    return dict(REGIME, steps=steps, lr_warmup=max(1, round(REGIME["lr_warmup"] * scale)),
+                start_iter=max(1, round(REGIME["start_iter"] * scale)),
+                eval_every=max(1, round(REGIME["eval_every"] * scale)))
+
+
 #: ``--quick``: the same study in miniature (a smoke test of the driver).
 QUICK_REGIME: Dict[str, Any] = {
     "model": "tiny", "seq_len": 32, "batch_size": 2, "steps": 24, "lr_schedule": "warmup-cosine",
@@ -104,16 +119,18 @@ class Arm:
 
 
 #: The study, in the order it runs (what a user's choice needs first): the
-#: baseline; DiLoCo exact and with int4; OneBitAdam; the int8/int4 hooks;
+#: baseline; DiLoCo exact and with int4; OneBitAdam with its variance
+#: frozen (DeepSpeed's 1-bit Adam, ``-v0``); the int8/int4 hooks;
 #: PyTorch's fp16 and PowerSGD hooks; DiLoCo at 2 and 1 replicas against
 #: plain at the same ranks; OneBitAdam with its variance refreshed by an
-#: exact step every 20 (0/1 Adam's remedy for a frozen variance); DiLoCo
+#: exact step every 20 (0/1 Adam's remedy for a frozen variance, now its
+#: default); DiLoCo
 #: with onebit pseudo-gradients every 16 and every 8 steps (and exact at 8,
 #: its reference); DiLoCo's int4 without error feedback (its own default)
 #: and with top-k; the onebit and top-k hooks; momentum SGD: plain,
 #: OneBitSGD and the onebit and int8 hooks.
 ARMS: Tuple[Arm, ...] = (
-    Arm(ALLREDUCE), Arm("diloco-H16"), Arm("diloco-H16-int4"), Arm("optim-onebit"), Arm("int8"), Arm("int4"),
+    Arm(ALLREDUCE), Arm("diloco-H16"), Arm("diloco-H16-int4"), Arm("optim-onebit-v0"), Arm("int8"), Arm("int4"),
     Arm("fp16"), Arm("powersgd-4"), Arm(ALLREDUCE, 2), Arm("diloco-H16-int4", 2), Arm(ALLREDUCE, 1),
     Arm("diloco-H16", 1), Arm("optim-onebit-v20"), Arm("diloco-H16-onebit"), Arm("diloco-H8"), Arm("diloco-H8-onebit"),
     Arm("diloco-H16-int4-noef"), Arm("diloco-H16-topk-0.02"), Arm("onebit"), Arm("topk-0.01"), Arm("diloco-H16", 2),
@@ -531,6 +548,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "; ".join(f"{o}: {' '.join(f'{x:g}' for x in g)}" for o, g in LR_GRID.items()) + ")")
     g.add_argument("--outer", nargs="+", default=None, metavar="LR:MOMENTUM",
                    help="DiLoCo's outer grid (default: " + " ".join(f"{a:g}:{m:g}" for a, m in OUTER_GRID) + ")")
+    g.add_argument("--steps", type=positive_int, default=None,
+                   help=f"train this many steps instead of {REGIME['steps']} (a longer study: the warm-up and the "
+                        f"evaluations scale with it; runs go to {DEFAULT_OUT}-<steps>steps)")
     g.add_argument("--out", default=None, help=f"folder of the per-run files (default: {DEFAULT_OUT})")
     g.add_argument("--max-runs", type=positive_int, default=None, help="stop after this many runs")
     g.add_argument("--report-only", action="store_true", help="run nothing: report the runs made so far")
@@ -580,9 +600,11 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
                     raise ValueError("an emulated link needs a rate")
             except ValueError as exc:
                 raise ValueError(f"--links {link}: {exc}") from None
-    args.regime = QUICK_REGIME if args.quick else REGIME
+    if args.quick and args.steps is not None:
+        raise ValueError("--steps: not with --quick (the miniature study has its own length)")
+    args.regime = QUICK_REGIME if args.quick else regime_of(args.steps or REGIME["steps"])
     if args.out is None:
-        args.out = DEFAULT_OUT + ("-quick" if args.quick else "")
+        args.out = DEFAULT_OUT + ("-quick" if args.quick else "" if args.steps is None else f"-{args.steps}steps")
     if args.json is None:
         args.json = f"{args.out}-{_dt.date.today().isoformat()}.json"
     return args
