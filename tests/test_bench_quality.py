@@ -23,6 +23,7 @@ OUTER = ((0.7, 0.9), (1.0, 0.5))
 def _run(arm, setting, seed, loss, sent=1000.0, curve=None):
     return run_id(arm, setting, seed), {
         "seed": seed, "final_loss": loss, "optimizer": "adamw", "steps": 10, "tokens_per_step": 64,
+        "batch_size": arm.batch_size or 4,
         "tokens_per_rank_per_step": 16, "model": "tiny", "gradient_numel": 5,
         "bytes_sent_per_rank_per_step_all_steps": sent + 300.0, "bytes_sent_per_rank_per_step": sent,
         "step_time_mean_s": 0.1, "start_iter": 2,
@@ -43,15 +44,18 @@ def test_plan_runs_the_grid_then_the_winner_on_every_seed():
 def test_report_compares_each_seed_with_plain_of_the_same_seed_and_ranks():
     plain, int8, one = Arm("allreduce"), Arm("int8"), Arm("allreduce", 1)
     sgd, sgd_int8 = Arm("allreduce", 4, "sgd"), Arm("int8", 4, "sgd")
+    # One rank at the 4-rank arms' global batch: its own plain, not the 1-rank plain of the regime's batch.
+    one_b16, int8_b16 = Arm("allreduce", 1, batch_size=16), Arm("int8", 1, batch_size=16)
     runs = {}
     for arm, losses in ((plain, (2.0, 1.9, 2.0, 2.2)), (int8, (2.1, 2.2, 2.1, 2.2)), (one, (3.0, 3.0, 3.0, 3.0)),
-                        (sgd, (4.0, 4.0, 4.0, 4.0)), (sgd_int8, (4.4, 5.0, 4.4, 4.4))):
+                        (sgd, (4.0, 4.0, 4.0, 4.0)), (sgd_int8, (4.4, 5.0, 4.4, 4.4)),
+                        (one_b16, (2.5, 2.5, 2.5, 2.5)), (int8_b16, (2.75, 2.75, 2.75, 2.75))):
         for lr, loss in zip(LRS, losses[:2]):
             runs.update([_run(arm, {"lr": lr}, 0, loss, sent=100.0 if arm == int8 else 400.0)])
         best = {"lr": LRS[0]} if losses[0] < losses[1] else {"lr": LRS[1]}
         for seed, loss in zip((1, 2), losses[2:]):
             runs.update([_run(arm, best, seed, loss, sent=100.0 if arm == int8 else 400.0)])
-    recs = {r["arm"]: r for r in summarize([plain, int8, one, sgd, sgd_int8], runs, [0, 1, 2],
+    recs = {r["arm"]: r for r in summarize([plain, int8, one, sgd, sgd_int8, one_b16, int8_b16], runs, [0, 1, 2],
                                            {"adamw": LRS, "sgd": LRS}, OUTER)}
     p, q = recs["4r-allreduce"], recs["4r-int8"]
     assert p["winner"] == {"lr": 2e-3} and q["winner"] == {"lr": 1e-3}
@@ -63,6 +67,8 @@ def test_report_compares_each_seed_with_plain_of_the_same_seed_and_ranks():
     assert q["winner_at_grid_edge"]
     assert recs["1r-allreduce"]["final_loss_vs_allreduce_mean"] == 1.0  # its own ranks' plain
     assert recs["4r-int8-sgd"]["final_loss_vs_allreduce_mean"] == pytest.approx(1.1)  # against SGD's plain
+    assert recs["1r-b16-int8"]["final_loss_vs_allreduce_mean"] == pytest.approx(1.1)  # against its batch's plain
+    assert recs["1r-b16-int8"]["global_batch"] == recs["4r-int8"]["global_batch"] == 16
     assert p["eval_loss_change_last_quarter"] == pytest.approx((1.9 + 2.0 + 2.2) / 3 / 4.0 - 1)  # step 8 -> 10
     assert "+5.18%" in quality.format_summary(list(recs.values())[:3], 3)  # int8: mean of the per-seed ratios
 

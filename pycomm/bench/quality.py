@@ -98,6 +98,10 @@ class Arm:
     method: str
     ranks: int = 4
     optimizer: str = "adamw"
+    #: Sequences per rank per step (None: the regime's). With it, ranks of
+    #: ``16 // ranks`` sequences keep the 4-rank arms' global batch: the
+    #: anchors compare replicas at the same global batch.
+    batch_size: Optional[int] = None
 
     @property
     def diloco(self) -> bool:
@@ -107,15 +111,20 @@ class Arm:
     def name(self) -> str:
         """``<ranks>r-<method>``, ``-<optimizer>`` after it unless AdamW.
 
-        >>> Arm("int8").name, Arm("onebit", 4, "sgd").name
-        ('4r-int8', '4r-onebit-sgd')
+        >>> Arm("int8").name, Arm("onebit", 4, "sgd").name, Arm("diloco-H16", 1, batch_size=16).name
+        ('4r-int8', '4r-onebit-sgd', '1r-b16-diloco-H16')
         """
-        return f"{self.ranks}r-{self.method}" + ("" if self.optimizer == "adamw" else f"-{self.optimizer}")
+        batch = "" if self.batch_size is None else f"b{self.batch_size}-"
+        return f"{self.ranks}r-{batch}{self.method}" + ("" if self.optimizer == "adamw" else f"-{self.optimizer}")
 
     @property
     def baseline(self) -> "Arm":
-        """Plain all-reduce at the same ranks and optimizer."""
-        return Arm(ALLREDUCE, self.ranks, self.optimizer)
+        """Plain all-reduce at the same ranks, batch and optimizer."""
+        return Arm(ALLREDUCE, self.ranks, self.optimizer, self.batch_size)
+
+    def regime(self, regime: Dict[str, Any]) -> Dict[str, Any]:
+        """``regime`` with this arm's batch."""
+        return regime if self.batch_size is None else dict(regime, batch_size=self.batch_size)
 
 
 #: The study, in the order it runs (what a user's choice needs first): the
@@ -128,13 +137,17 @@ class Arm:
 #: with onebit pseudo-gradients every 16 and every 8 steps (and exact at 8,
 #: its reference); DiLoCo's int4 without error feedback (its own default)
 #: and with top-k; the onebit and top-k hooks; momentum SGD: plain,
-#: OneBitSGD and the onebit and int8 hooks.
+#: OneBitSGD and the onebit and int8 hooks; then 1 and 2 replicas at the
+#: 4-rank arms' global batch (16 and 8 sequences per rank), as the anchors
+#: compare them.
 ARMS: Tuple[Arm, ...] = (
     Arm(ALLREDUCE), Arm("diloco-H16"), Arm("diloco-H16-int4"), Arm("optim-onebit-v0"), Arm("int8"), Arm("int4"),
     Arm("fp16"), Arm("powersgd-4"), Arm(ALLREDUCE, 2), Arm("diloco-H16-int4", 2), Arm(ALLREDUCE, 1),
     Arm("diloco-H16", 1), Arm("optim-onebit-v20"), Arm("diloco-H16-onebit"), Arm("diloco-H8"), Arm("diloco-H8-onebit"),
     Arm("diloco-H16-int4-noef"), Arm("diloco-H16-topk-0.02"), Arm("onebit"), Arm("topk-0.01"), Arm("diloco-H16", 2),
     Arm(ALLREDUCE, 4, "sgd"), Arm("optim-onebit", 4, "sgd"), Arm("onebit", 4, "sgd"), Arm("int8", 4, "sgd"),
+    Arm(ALLREDUCE, 1, batch_size=16), Arm("diloco-H16", 1, batch_size=16),
+    Arm(ALLREDUCE, 2, batch_size=8), Arm("diloco-H16", 2, batch_size=8), Arm("diloco-H16-int4", 2, batch_size=8),
 )
 
 
@@ -220,8 +233,8 @@ def pending(arms: Sequence[Arm], runs: Dict[str, Dict[str, Any]], seeds: Sequenc
     then its winner on the other seeds. An arm whose grid waits on another
     arm's winner (DiLoCo on plain's lr) is skipped until that is known.
 
-    >>> pending([Arm("int8")], {}, [0, 1], {"adamw": [0.001, 0.002]}, [])
-    [(Arm(method='int8', ranks=4, optimizer='adamw'), {'lr': 0.001}, 0), (Arm(method='int8', ranks=4, optimizer='adamw'), {'lr': 0.002}, 0)]
+    >>> [(a.name, s, seed) for a, s, seed in pending([Arm("int8")], {}, [0, 1], {"adamw": [0.001, 0.002]}, [])]
+    [('4r-int8', {'lr': 0.001}, 0), ('4r-int8', {'lr': 0.002}, 0)]
     """
     todo = []
     for arm in arms:
@@ -250,7 +263,7 @@ def ddp_argv(arm: Arm, setting: Dict[str, float], seed: int, regime: Dict[str, A
         argv += ["--optimizer", arm.optimizer]
     if "outer_lr" in setting:
         argv += ["--outer-lr", f"{setting['outer_lr']:g}", "--outer-momentum", f"{setting['outer_momentum']:g}"]
-    for k, v in regime.items():
+    for k, v in arm.regime(regime).items():
         if k not in ("text_files", "text_bytes"):  # no options of their own (the study's text)
             argv += [f"--{k.replace('_', '-')}", str(v)]
     return argv
@@ -269,7 +282,7 @@ def run_one(arm: Arm, setting: Dict[str, float], seed: int, regime: Dict[str, An
     rec.update(seed=seed, setting={k: float(v) for k, v in setting.items()}, arm=arm.name,
                run_wall_s=time.monotonic() - t0,
                text_files=regime["text_files"], text_bytes=regime["text_bytes"],
-               tokens_per_rank_per_step=regime["batch_size"] * regime["seq_len"])
+               tokens_per_rank_per_step=arm.regime(regime)["batch_size"] * regime["seq_len"])
     write_json(os.path.join(out, run_id(arm, setting, seed) + ".json"), rec)
     return rec
 
@@ -304,6 +317,8 @@ def summarize(arms: Sequence[Arm], runs: Dict[str, Dict[str, Any]], seeds: Seque
         first = recs[0]
         out.append({
             "arm": arm.name, "method": arm.method, "ranks": arm.ranks, "optimizer": arm.optimizer,
+            "batch_size": first["batch_size"], "arm_batch_size": arm.batch_size,
+            "global_batch": first["batch_size"] * arm.ranks,
             "steps": first["steps"], "tokens_per_step": first["tokens_per_step"],
             "tokens_per_rank_per_step": first["tokens_per_rank_per_step"], "model": first["model"],
             "gradient_numel": first["gradient_numel"],
@@ -324,9 +339,9 @@ def summarize(arms: Sequence[Arm], runs: Dict[str, Dict[str, Any]], seeds: Seque
             # Steps of plain all-reduce before the method starts (its warm-up; OneBitAdam's is longer).
             "exact_steps": first["start_iter"],
         })
-    plain = {(r["ranks"], r["optimizer"]): r for r in out if r["method"] == ALLREDUCE}
+    plain = {(r["ranks"], r["optimizer"], r["batch_size"]): r for r in out if r["method"] == ALLREDUCE}
     for r in out:
-        p = plain.get((r["ranks"], r["optimizer"]))
+        p = plain.get((r["ranks"], r["optimizer"], r["batch_size"]))
         for k, f in (("bytes_vs_allreduce", "bytes_sent_per_rank_per_step"),
                      ("bytes_vs_allreduce_all_steps", "bytes_sent_per_rank_per_step_all_steps")):
             sent, psent = r[f], p and p[f]
@@ -356,8 +371,9 @@ def crossing(curve: Sequence[Sequence[float]], target: float) -> Optional[float]
 
 
 def _on_links(r: Dict[str, Any]) -> bool:
-    """Whether ``--links`` times arm record ``r``: the 4-rank AdamW arms."""
-    return r["ranks"] == 4 and r["optimizer"] == "adamw"
+    """Whether ``--links`` times arm record ``r``: the 4-rank AdamW arms
+    at the regime's batch."""
+    return r["ranks"] == 4 and r["optimizer"] == "adamw" and r.get("arm_batch_size") is None
 
 
 def link_times(out: str, link: str) -> Dict[str, float]:
