@@ -93,6 +93,7 @@ def test_time_to_plain_loss_on_a_link():
     assert s["allreduce_time_over_method_time"] == pytest.approx(75.0 / 19.0)
     assert "links" not in other and "links" not in sgd  # only the 4-rank AdamW arms are timed
     assert "never reaches it" in quality.format_links([slow]) and "faster than allreduce" in quality.format_links([fast])
+    assert "(the reference)" in quality.format_links([plain]) and "faster" not in quality.format_links([plain])
 
 
 def test_heldout_text_is_never_trained_on():

@@ -139,7 +139,8 @@ class Arm:
 #: and with top-k; the onebit and top-k hooks; momentum SGD: plain,
 #: OneBitSGD and the onebit and int8 hooks; then 1 and 2 replicas at the
 #: 4-rank arms' global batch (16 and 8 sequences per rank), as the anchors
-#: compare them.
+#: compare them; the onebit hook without error feedback (is the residual
+#: what hurts it under AdamW?).
 ARMS: Tuple[Arm, ...] = (
     Arm(ALLREDUCE), Arm("diloco-H16"), Arm("diloco-H16-int4"), Arm("optim-onebit-v0"), Arm("int8"), Arm("int4"),
     Arm("fp16"), Arm("powersgd-4"), Arm(ALLREDUCE, 2), Arm("diloco-H16-int4", 2), Arm(ALLREDUCE, 1),
@@ -148,6 +149,7 @@ ARMS: Tuple[Arm, ...] = (
     Arm(ALLREDUCE, 4, "sgd"), Arm("optim-onebit", 4, "sgd"), Arm("onebit", 4, "sgd"), Arm("int8", 4, "sgd"),
     Arm(ALLREDUCE, 1, batch_size=16), Arm("diloco-H16", 1, batch_size=16),
     Arm(ALLREDUCE, 2, batch_size=8), Arm("diloco-H16", 2, batch_size=8), Arm("diloco-H16-int4", 2, batch_size=8),
+    Arm("onebit-noef"),
 )
 
 
@@ -480,7 +482,9 @@ def format_links(summary: List[Dict[str, Any]]) -> str:
     for r in summary:
         for link, x in (r.get("links") or {}).items():
             ratio = x.get("allreduce_time_over_method_time")
-            if "time_to_allreduce_final_s" in x:
+            if r["method"] == ALLREDUCE:
+                verdict = f"its final loss at {x['time_to_allreduce_final_s']:.0f} s (the reference)"
+            elif "time_to_allreduce_final_s" in x:
                 verdict = f"reaches it in {x['time_to_allreduce_final_s']:.0f} s: {ratio:.2f}x faster than allreduce"
             elif ratio is not None:
                 verdict = (f"never reaches it; allreduce reaches this method's final loss in "

@@ -42,8 +42,6 @@ MAX_KEY = (1 << 63) - 1
 #: absent from states saved before keys counted).
 RESIDUAL_FIELDS = ("numel", "world_size", "chunk_numel", "method", "worker", "server")
 OPTIONAL_RESIDUAL_FIELDS = ("calls",)
-#: The settings a group runs that a session's must match (what options_of reports).
-_GROUP_FIELDS = ("block_size", "density", "approx", "rounding", "seed", "chunk_numel", "plugin_options")
 
 # Live sessions per engine group: (key range, owner name) of each, to refuse
 # two clients whose key ranges overlap in one group.
