@@ -73,6 +73,29 @@ def test_report_compares_each_seed_with_plain_of_the_same_seed_and_ranks():
     assert "+5.18%" in quality.format_summary(list(recs.values())[:3], 3)  # int8: mean of the per-seed ratios
 
 
+def test_a_diverged_run_is_recorded_and_loses_without_breaking_the_report(tmp_path):
+    # A run whose loss went non-finite is written as strict JSON (nulls), marked diverged.
+    rec = quality._strict(dict(final_loss=float("nan"), eval_loss_curve=[[0, 5.0], [10, float("inf")]], ok=1.5))
+    assert rec == {"final_loss": None, "eval_loss_curve": [[0, 5.0], [10, None]], "ok": 1.5}
+    plain, sgd = Arm("allreduce", 4, "sgd"), Arm("onebit", 4, "sgd")
+    runs = {}
+    for lr, loss in zip(LRS, (2.0, 2.1)):
+        runs.update([_run(plain, {"lr": lr}, 0, loss)])
+    runs.update([_run(plain, {"lr": LRS[0]}, 1, 2.0)])
+    runs.update([_run(sgd, {"lr": LRS[0]}, 0, None), _run(sgd, {"lr": LRS[1]}, 0, 2.5)])
+    # The diverged setting loses the grid; the winner then diverges on seed 1.
+    assert quality.winner(sgd, runs, [{"lr": lr} for lr in LRS], 0) == {"lr": LRS[1]}
+    runs.update([_run(sgd, {"lr": LRS[1]}, 1, None)])
+    recs = {r["arm"]: r for r in summarize([plain, sgd], runs, [0, 1], {"sgd": LRS}, OUTER)}
+    r = recs["4r-onebit-sgd"]
+    assert r["diverged_seeds"] == [1] and r["final_loss_per_seed"] == [2.5, None]
+    assert r["final_loss_mean"] is None and r["final_loss_vs_allreduce_mean"] is None
+    assert "diverged (seed 1)" in quality.format_summary([r], 2)
+    path = tmp_path / "doc.json"
+    quality.write_json(str(path), recs)  # strict JSON: no NaN anywhere
+    assert json.loads(path.read_text())["4r-onebit-sgd"]["diverged_seeds"] == [1]
+
+
 def test_time_to_plain_loss_on_a_link():
     # plain: 1.0 s per step at this link; a method twice as fast per step after 10 exact steps.
     plain = {"method": "allreduce", "ranks": 4, "optimizer": "adamw", "steps": 100, "exact_steps": 10, "final_loss_mean": 2.0,

@@ -197,8 +197,25 @@ def winner(arm: Arm, runs: Dict[str, Dict[str, Any]], grid: Sequence[Dict[str, f
         rec = runs.get(run_id(arm, s, seed))
         if rec is None:
             return None
-        losses.append((rec["final_loss"], s))
+        losses.append((_loss(rec), s))
     return min(losses, key=lambda p: p[0])[1]
+
+
+def _loss(rec: Dict[str, Any]) -> float:
+    """A run's final held-out loss; +inf where it diverged (stored as null)."""
+    return math.inf if rec["final_loss"] is None else rec["final_loss"]
+
+
+def _strict(x: Any) -> Any:
+    """``x`` with every non-finite float as None (a diverged run's losses):
+    the records are strict JSON."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _strict(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_strict(v) for v in x]
+    return x
 
 
 def grid_of(arm: Arm, runs: Dict[str, Dict[str, Any]], lrs: Dict[str, Sequence[float]],
@@ -281,6 +298,7 @@ def run_one(arm: Arm, setting: Dict[str, float], seed: int, regime: Dict[str, An
     args = ddp.resolve_args(args)
     t0 = time.monotonic()
     (rec,) = ddp.run_ddp(args, out=sys.stderr)
+    rec = _strict(dict(rec, diverged=not math.isfinite(rec["final_loss"])))
     rec.update(seed=seed, setting={k: float(v) for k, v in setting.items()}, arm=arm.name,
                run_wall_s=time.monotonic() - t0,
                text_files=regime["text_files"], text_bytes=regime["text_bytes"],
@@ -309,12 +327,18 @@ def summarize(arms: Sequence[Arm], runs: Dict[str, Dict[str, Any]], seeds: Seque
         if best is None:
             continue
         recs = [runs[run_id(arm, best, s)] for s in seeds if run_id(arm, best, s) in runs]
+        # A seed that diverged makes the arm's mean infinite: the report
+        # names those seeds and gives no mean (the finite ones stay listed).
+        diverged = [r["seed"] for r in recs if r["final_loss"] is None]
         losses = [r["final_loss"] for r in recs]
+        finite = [x for x in losses if x is not None]
         if arm.method == ALLREDUCE:
-            plain_best[arm] = {r["seed"]: r["final_loss"] for r in recs}
+            plain_best[arm] = {r["seed"]: _loss(r) for r in recs}
         base = plain_best.get(arm.baseline, {})
-        ratios = [r["final_loss"] / base[r["seed"]] for r in recs if r["seed"] in base]
-        curves = [dict(map(tuple, r["eval_loss_curve"])) for r in recs if r.get("eval_loss_curve")]
+        ratios = [_loss(r) / base[r["seed"]] for r in recs if r["seed"] in base]
+        ratios = None if not ratios or diverged or not all(map(math.isfinite, ratios)) else ratios
+        curves = [dict(map(tuple, r["eval_loss_curve"])) for r in recs
+                  if r.get("eval_loss_curve") and r["final_loss"] is not None]
         steps = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
         first = recs[0]
         out.append({
@@ -326,8 +350,9 @@ def summarize(arms: Sequence[Arm], runs: Dict[str, Dict[str, Any]], seeds: Seque
             "gradient_numel": first["gradient_numel"],
             "grid": [{"setting": s, "final_loss_seed0": runs[run_id(arm, s, seeds[0])]["final_loss"]} for s in grid],
             "winner": best, "winner_at_grid_edge": _at_edge(arm, best, lrs[arm.optimizer], outer),
-            "seeds": [r["seed"] for r in recs], "final_loss_per_seed": losses,
-            "final_loss_mean": mean(losses), "final_loss_std": stdev(losses),
+            "seeds": [r["seed"] for r in recs], "final_loss_per_seed": losses, "diverged_seeds": diverged,
+            "final_loss_mean": None if diverged else mean(finite),
+            "final_loss_std": None if diverged else stdev(finite),
             "final_loss_vs_allreduce_per_seed": ratios or None,
             "final_loss_vs_allreduce_mean": mean(ratios) if ratios else None,
             "final_loss_vs_allreduce_min": min(ratios) if ratios else None,
@@ -422,7 +447,7 @@ def add_time_to_loss(summary: List[Dict[str, Any]], times: Dict[str, Dict[str, f
         return
     target = plain["final_loss_mean"]
     for r in summary:
-        if not _on_links(r):
+        if not _on_links(r) or target is None or r["final_loss_mean"] is None:  # a diverged seed: no curve to put on a clock
             continue
         r["links"] = {}
         for link, t in times.items():
@@ -461,7 +486,9 @@ def format_summary(summary: List[Dict[str, Any]], n_seeds: int) -> str:
         ratio = r["final_loss_vs_allreduce_mean"]
         rows.append([
             r["arm"], setting_tag(r["winner"]) + (" (edge)" if r["winner_at_grid_edge"] else ""),
-            f"{len(r['seeds'])}/{n_seeds}", f"{r['final_loss_mean']:.4f} ±{r['final_loss_std']:.4f}",
+            f"{len(r['seeds'])}/{n_seeds}",
+            f"diverged (seed {', '.join(map(str, r['diverged_seeds']))})" if r["diverged_seeds"]
+            else f"{r['final_loss_mean']:.4f} ±{r['final_loss_std']:.4f}",
             "-" if ratio is None else f"{(ratio - 1) * 100:+.2f}% ({(r['final_loss_vs_allreduce_min'] - 1) * 100:+.2f}"
                                       f"..{(r['final_loss_vs_allreduce_max'] - 1) * 100:+.2f})",
             fmt_number((r["bytes_sent_per_rank_per_step"] or 0) / 1e3),
@@ -647,7 +674,8 @@ def run(args: argparse.Namespace) -> int:
         except Exception as exc:  # noqa: BLE001 - a run that fails is reported, the study stops
             print(f"pycomm-bench quality: {run_id(arm, setting, seed)} failed: {exc}", file=sys.stderr)
             return 1
-        print(f"[quality] {run_id(arm, setting, seed)}: held-out loss {rec['final_loss']:.4f} "
+        print(f"[quality] {run_id(arm, setting, seed)}: held-out loss "
+              f"{'diverged' if rec['diverged'] else format(rec['final_loss'], '.4f')} "
               f"in {rec['run_wall_s']:.0f} s", file=sys.stderr, flush=True)
         done += 1
     runs = load_runs(args.out)

@@ -152,9 +152,13 @@ def write_json(path: str, doc: object) -> None:
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(doc, fh, indent=2, allow_nan=False)
-        fh.write("\n")
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump(doc, fh, indent=2, allow_nan=False)
+            fh.write("\n")
+    except BaseException:
+        os.remove(tmp)  # a refused document leaves nothing behind
+        raise
     os.replace(tmp, path)  # a crash mid-write leaves no truncated result behind
 
 
