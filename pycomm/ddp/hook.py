@@ -81,11 +81,11 @@ _ENGINE_FIELDS = ("compressor", "density", "approx", "block_size", "chunk_numel"
 
 #: onebit with error feedback on gradients feeds the residual's delay into a
 #: momentum optimizer's state; the measured cost is in docs/results.md
-#: ("Which method with which optimizer"), not here, where it would go stale.
+#: ("The quality study"), not here, where it would go stale.
 ONEBIT_MOMENTUM_WARNING = (
     "pycomm: compressor='onebit' with error feedback on gradients costs final loss with momentum "
-    "optimizers (SGD with momentum diverged, AdamW lost a few percent in the project's measurements: "
-    "docs/results.md, 'Which method with which optimizer'). With momentum, prefer compressor='int8' or "
+    "optimizers (AdamW and SGD with momentum ended tens of percent above plain all-reduce in the project's "
+    "quality study: docs/results.md, 'The quality study'). With momentum, prefer compressor='int8' or "
     "'int4', or compress the momentum instead: pycomm.optim.OneBitAdam / OneBitSGD."
 )
 _warned_onebit = False
@@ -196,9 +196,9 @@ class CompressionState:
         check_mode(check_calls, "check_calls")  # validates
         # The engine's own checks, before anything runs: a bad value raises
         # here, on every rank, naming the argument.
-        known = compressor in GROUP_METHODS or is_plugin(compressor)
-        pd.PycommOptions(compressor=compressor if known else "onebit", hierarchy=hierarchy,
-                         calibration=calibration, compressor_options=compressor_options if known else None)
+        known = compressor in GROUP_METHODS or is_plugin(compressor)  # else _checked_config names it
+        pd.check_options(hierarchy=hierarchy, calibration=calibration,
+                         **(dict(compressor=compressor, compressor_options=compressor_options) if known else {}))
         self.compressor_options = compressor_options
         self.process_group = process_group
         self._set_config(_checked_config(
@@ -487,21 +487,17 @@ def _checked_config(cfg: Dict[str, Any], where: Optional[str] = None) -> Dict[st
             f"after the first iteration, so bucket.index(), which keys the error-feedback "
             f"residuals, is not stable before the second (pytorch issue #51427)"
         )
-    chunk_numel = cfg["chunk_numel"]
-    if chunk_numel is not None:
-        _labelled(label("chunk_numel"), lambda: pd.PycommOptions(chunk_numel=chunk_numel))
-    block_size = cfg["block_size"]
-    if block_size is not None:
-        _labelled(label("block_size"), lambda: pd.PycommOptions(block_size=block_size))
+    chunk_numel, block_size = cfg["chunk_numel"], cfg["block_size"]
+    _labelled(label("chunk_numel"), lambda: pd.check_options(chunk_numel=chunk_numel))
+    _labelled(label("block_size"), lambda: pd.check_options(block_size=block_size))
     for flag in ("error_feedback", "approx"):
         if not isinstance(cfg[flag], bool):
             raise TypeError(f"{label(flag) or flag} must be a bool, got {cfg[flag]!r}")
     density = _labelled(label("density"), lambda: check_density(cfg["density"]))
     rounding, seed = cfg["rounding"], cfg["seed"]
-    # The group's own checks, with a compressor that rounds (whether this
-    # one does is checked next).
-    _labelled(label("rounding"), lambda: pd.PycommOptions(compressor="int8", rounding=rounding))
-    _labelled(label("seed"), lambda: pd.PycommOptions(compressor="int8", seed=seed))
+    # The group's own checks (whether this compressor rounds is checked next).
+    _labelled(label("rounding"), lambda: pd.check_options(rounding=rounding))
+    _labelled(label("seed"), lambda: pd.check_options(seed=seed))
     if rounding == "stochastic" and compressor not in (*ROUNDING_METHODS, "auto"):
         raise ValueError(f"{label('rounding') or 'rounding'}: rounding='stochastic' is for the int8 and int4 "
                          f"compressors (or 'auto'); {compressor!r} does not round")

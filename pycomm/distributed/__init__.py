@@ -94,49 +94,80 @@ class PycommOptions:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.compressor not in GROUP_METHODS and not is_plugin(self.compressor):
-            raise ValueError(f"compressor must be one of {list(GROUP_METHODS)} or a registered compressor "
-                             f"(pycomm.register_compressor), got {self.compressor!r}")
-        if is_plugin(self.compressor):
-            options_json(self.compressor, self.compressor_options)  # checks them, naming the compressor
-        elif self.compressor_options:
-            raise ValueError(f"compressor_options are for registered compressors; {self.compressor!r} "
-                             f"takes its settings as arguments (block_size, density, approx)")
-        if self.inner not in (None, "gloo", "nccl"):
-            raise ValueError(f"inner must be 'gloo', 'nccl' or None, got {self.inner!r}")
-        # The engine holds these in int64: larger values would wrap.
-        check_positive_int("min_compress_numel", self.min_compress_numel, INT64_MAX)
-        if self.chunk_numel is not None:
-            check_positive_int("chunk_numel", self.chunk_numel, INT64_MAX)
-        if self.block_size is not None:
-            check_positive_int("block_size", self.block_size, MAX_BLOCK_SIZE)
-            if self.block_size % 32:
-                raise ValueError(f"block_size must be a multiple of 32, got {self.block_size}")
-        self.density = check_density(self.density)
-        if not isinstance(self.approx, bool):
-            raise TypeError(f"approx must be a bool, got {self.approx!r}")
-        if self.check_calls not in CHECK_MODES:
-            raise ValueError(f"check_calls must be one of {CHECK_MODES}, got {self.check_calls!r}")
-        if isinstance(self.hierarchy, bool) or not (
-            self.hierarchy in ("auto", "flat") or (isinstance(self.hierarchy, int) and self.hierarchy >= 1)
-        ):
-            raise ValueError(f"hierarchy must be 'auto', 'flat' or a positive int (ranks per node), "
-                             f"got {self.hierarchy!r}")
-        if self.calibration is not None and not isinstance(self.calibration, (str, os.PathLike)):
-            raise TypeError(f"calibration must be a path or None, got {self.calibration!r}")
-        if self.rounding not in ROUNDINGS:
-            raise ValueError(f"rounding must be one of {list(ROUNDINGS)}, got {self.rounding!r}")
-        # "auto" may choose a method that rounds.
-        if self.rounding == "stochastic" and self.compressor not in ROUNDING_METHODS + (AUTO_METHOD,):
-            raise ValueError(f"rounding='stochastic' is for the {' and '.join(ROUNDING_METHODS)} methods "
-                             f"(or 'auto'); {self.compressor!r} does not round")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= MASK32:
-            raise ValueError(f"seed must be an integer in [0, 2**32), got {self.seed!r}")
+        checked = check_options(**{f.name: getattr(self, f.name) for f in fields(self)})
+        self.density = checked["density"]
 
     @property
     def rounding_seed(self) -> int:
         """The engine's rounding setting: -1 to nearest, else the seed."""
         return self.seed if self.rounding == "stochastic" else -1
+
+
+def check_options(**settings: Any) -> Dict[str, Any]:
+    """Check any of :class:`PycommOptions`' fields, as the group checks them
+    (the one place they are checked: the DDP hook, the optimizers and DiLoCo
+    call it on the settings they take): raises naming the first bad one;
+    returns ``settings`` with ``density`` normalized. ``rounding`` is
+    checked against ``compressor`` when both are given.
+
+    >>> check_options(block_size=256, density=0.05)
+    {'block_size': 256, 'density': 0.05}
+    >>> check_options(block_size=100)
+    Traceback (most recent call last):
+    ...
+    ValueError: block_size must be a multiple of 32, got 100
+    """
+    unknown = sorted(set(settings) - {f.name for f in fields(PycommOptions)})
+    if unknown:
+        raise TypeError(f"unknown options {unknown}; the options are {[f.name for f in fields(PycommOptions)]}")
+    out = dict(settings)
+    get = settings.get
+    compressor = get("compressor")
+    if "compressor" in settings:
+        if not isinstance(compressor, str) or (compressor not in GROUP_METHODS and not is_plugin(compressor)):
+            raise ValueError(f"compressor must be one of {list(GROUP_METHODS)} or a registered compressor "
+                             f"(pycomm.register_compressor), got {compressor!r}")
+        if is_plugin(compressor):
+            options_json(compressor, get("compressor_options"))  # checks them, naming the compressor
+        elif get("compressor_options"):
+            raise ValueError(f"compressor_options are for registered compressors; {compressor!r} "
+                             f"takes its settings as arguments (block_size, density, approx)")
+    if get("inner") not in (None, "gloo", "nccl"):
+        raise ValueError(f"inner must be 'gloo', 'nccl' or None, got {get('inner')!r}")
+    # The engine holds these in int64: larger values would wrap.
+    if "min_compress_numel" in settings:
+        check_positive_int("min_compress_numel", settings["min_compress_numel"], INT64_MAX)
+    if get("chunk_numel") is not None:
+        check_positive_int("chunk_numel", settings["chunk_numel"], INT64_MAX)
+    if get("block_size") is not None:
+        check_positive_int("block_size", settings["block_size"], MAX_BLOCK_SIZE)
+        if settings["block_size"] % 32:
+            raise ValueError(f"block_size must be a multiple of 32, got {settings['block_size']}")
+    if "density" in settings:
+        out["density"] = check_density(settings["density"])
+    if "approx" in settings and not isinstance(settings["approx"], bool):
+        raise TypeError(f"approx must be a bool, got {settings['approx']!r}")
+    if "check_calls" in settings and settings["check_calls"] not in CHECK_MODES:
+        raise ValueError(f"check_calls must be one of {CHECK_MODES}, got {settings['check_calls']!r}")
+    hierarchy = get("hierarchy", "auto")
+    if isinstance(hierarchy, bool) or not (
+        hierarchy in ("auto", "flat") or (isinstance(hierarchy, int) and hierarchy >= 1)
+    ):
+        raise ValueError(f"hierarchy must be 'auto', 'flat' or a positive int (ranks per node), got {hierarchy!r}")
+    if get("calibration") is not None and not isinstance(settings["calibration"], (str, os.PathLike)):
+        raise TypeError(f"calibration must be a path or None, got {settings['calibration']!r}")
+    if "rounding" in settings:
+        if settings["rounding"] not in ROUNDINGS:
+            raise ValueError(f"rounding must be one of {list(ROUNDINGS)}, got {settings['rounding']!r}")
+        # "auto" may choose a method that rounds.
+        if (settings["rounding"] == "stochastic" and compressor is not None
+                and compressor not in ROUNDING_METHODS + (AUTO_METHOD,)):
+            raise ValueError(f"rounding='stochastic' is for the {' and '.join(ROUNDING_METHODS)} methods "
+                             f"(or 'auto'); {compressor!r} does not round")
+    seed = get("seed", 0)
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MASK32:
+        raise ValueError(f"seed must be an integer in [0, 2**32), got {seed!r}")
+    return out
 
 
 def ranks_per_node(hierarchy: Union[str, int], world_size: int, env: Optional[Dict[str, str]] = None) -> int:
@@ -747,6 +778,7 @@ def calibration(group: Optional[dist.ProcessGroup] = None, device: str = "cpu") 
 __all__ = [
     "PycommOptions",
     "all_gather",
+    "check_options",
     "all_reduce",
     "calibration",
     "error_feedback_state",

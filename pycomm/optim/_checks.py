@@ -45,7 +45,7 @@ def _check_compressor(compressor: Any, settings: Dict[str, Any]) -> None:
     unknown = sorted(set(settings) - set(allowed))
     if unknown:
         raise TypeError(f"unknown compressor settings {unknown}; allowed: {allowed}")
-    pd.PycommOptions(compressor=compressor, **settings)  # "compressor must be one of ..."
+    pd.check_options(compressor=compressor, **settings)  # "compressor must be one of ..."
 
 
 def _all_finite(t: torch.Tensor) -> bool:
