@@ -1,5 +1,6 @@
 """Test setup shared by the test suite and the docstring examples of the
-package (both collected by the README's test command)."""
+library (pycomm/), the benchmark harness (bench/pycomm_bench/) and the
+repository tools (tools/), all collected by the README's test command."""
 
 import os
 

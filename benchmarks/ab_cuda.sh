@@ -3,7 +3,8 @@
 # and installed into a directory of its own (over the machine's CUDA torch,
 # python3), then `pycomm-bench allreduce --device cuda` runs ROUNDS times
 # for each, the order alternating per round, so that drift of the machine
-# hits both alike.
+# hits both alike. The harness is NEW_TREE's (bench/) for both: one
+# benchmark, two libraries.
 #   bash benchmarks/ab_cuda.sh OLD_TREE NEW_TREE ROUNDS OUT_DIR
 set -euo pipefail
 old=$(cd "$1" && pwd); new=$(cd "$2" && pwd); rounds=$3; out=$(mkdir -p "$4" && cd "$4" && pwd)
@@ -20,7 +21,7 @@ cd /tmp  # import pycomm from the installs, not from a source tree
 for r in $(seq 1 "$rounds"); do
   if [ $((r % 2)) = 1 ]; then order="old new"; else order="new old"; fi
   for side in $order; do
-    PYTHONPATH="/tmp/ab-$side" python3 -m pycomm.bench allreduce --device cuda --no-progress \
+    PYTHONPATH="/tmp/ab-$side:$new/bench" python3 -m pycomm_bench allreduce --device cuda --no-progress \
       --json "$out/$side-round$r.json" > "$out/$side-round$r.log" 2>&1
     echo "round $r $side done"
   done

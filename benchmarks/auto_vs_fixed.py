@@ -15,7 +15,7 @@ import argparse
 import json
 import sys
 
-from pycomm.bench import table
+from pycomm_bench import table
 
 
 def rows_of(records):

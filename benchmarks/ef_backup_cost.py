@@ -5,7 +5,7 @@ feedback: one copy of the residuals per call (docs/allreduce.md,
     python benchmarks/ef_backup_cost.py            # prints a table, one line per size
 
 Interleaved rounds, medians; CPU, torch's default thread count. The
-end-to-end effect is measured with ``python -m pycomm.bench allreduce``
+end-to-end effect is measured with ``python -m pycomm_bench allreduce``
 (before and after the change); this script shows where it comes from.
 """
 
@@ -16,7 +16,7 @@ import sys
 import torch
 
 import pycomm  # noqa: F401 - registers torch.ops.pycomm
-from pycomm.bench import fmt_number, median, table, time_interleaved
+from pycomm_bench import fmt_number, median, table, time_interleaved
 
 SIZES = (1 << 20, 1 << 22, 1 << 24)
 ROUNDS = 31

@@ -26,11 +26,11 @@ import json
 import os
 import sys
 
-from pycomm.bench import table
-from pycomm.bench.methods import ALLREDUCE, AUTO, parse_method
 from pycomm.distributed import spec
 from pycomm.distributed.auto import Calibration
 from pycomm.plan import predict_allreduce_time
+from pycomm_bench import table
+from pycomm_bench.methods import ALLREDUCE, AUTO, parse_method
 
 
 def model_of(method: str):

@@ -19,7 +19,7 @@ warm-up of 10% of the calls (at least 50):
 
 Exits with status 1 and prints the failed checks if any fails; the JSON
 holds the measurements either way. The ranks are started by
-:func:`pycomm.bench.launch.run_ranks`.
+:func:`pycomm_bench.launch.run_ranks`.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ import os
 import sys
 import time
 
-from pycomm.bench.launch import run_ranks
-from pycomm.bench.methods import ONEBIT, SPARSE
-from pycomm.bench.report import default_json_path, write_json
+from pycomm_bench.launch import run_ranks
+from pycomm_bench.methods import ONEBIT, SPARSE
+from pycomm_bench.report import default_json_path, write_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

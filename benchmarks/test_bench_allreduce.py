@@ -2,7 +2,7 @@
 "pycomm" backend's fp16, onebit and topk all-reduces of 4M float32, 2 ranks.
 
 Rank 0 is the pytest process; rank 1 is a process started by the fixture
-(:class:`pycomm.bench.launch.RankProcesses`) that runs the same collective
+(:class:`pycomm_bench.launch.RankProcesses`) that runs the same collective
 each time rank 0 tells it which (a 2-element
 broadcast before every call, identical for every contender). Before timing,
 each contender's result must be bit-identical on both ranks, and plain Gloo's
@@ -24,8 +24,8 @@ pytest.importorskip("pytest_benchmark")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from pycomm.bench.allreduce import parse_method  # noqa: E402
-from pycomm.bench.launch import Rank, RankProcesses  # noqa: E402
+from pycomm_bench.allreduce import parse_method  # noqa: E402
+from pycomm_bench.launch import Rank, RankProcesses  # noqa: E402
 
 N = 1 << 22
 WORLD = 2

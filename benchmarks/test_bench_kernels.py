@@ -16,7 +16,7 @@ pytest.importorskip("pytest_benchmark")
 
 import torch  # noqa: E402
 
-from pycomm.bench import kernels as K  # noqa: E402
+from pycomm_bench import kernels as K  # noqa: E402
 from pycomm.compressors import onebit as onebit_ref  # noqa: E402
 from pycomm.compressors import topk as topk_ref  # noqa: E402
 

@@ -1,6 +1,8 @@
-"""Optional dependencies: pycomm itself needs torch alone; reports, plots and
-benchmarks import their libraries through :func:`require`, which names the
-extra to install when one is missing.
+"""Optional dependencies: pycomm itself needs torch alone; its text reports
+(``pycomm plan``'s table, ``compressor="auto"``'s report) import their
+libraries through :func:`require`, which names the extra to install when one
+is missing. (The benchmark harness, ``pycomm-bench``, is a package of its
+own, ``bench/`` of the source tree, with its own dependencies.)
 
 >>> require("math").sqrt(4.0)
 2.0
@@ -12,7 +14,7 @@ import importlib
 from types import ModuleType
 
 
-def require(module: str, extra: str = "bench") -> ModuleType:
+def require(module: str, extra: str = "report") -> ModuleType:
     """Import ``module``, or raise ImportError saying which pycomm extra brings it."""
     try:
         return importlib.import_module(module)

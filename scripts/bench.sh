@@ -10,7 +10,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
 P="${PYCOMM_VENV:-.venv}/bin/python"
+# The harness is the package pycomm_bench (bench/, installed by setup_env.sh).
 if [ $# -gt 0 ]; then
-  exec "$P" -m pycomm.bench "$@"
+  exec "$P" -m pycomm_bench "$@"
 fi
-exec "$P" -m pycomm.bench ddp
+exec "$P" -m pycomm_bench ddp

@@ -6,7 +6,10 @@
 #      wheel when the machine has one);
 #   3. the build and test tools (requirements-dev.txt);
 #   4. pycomm itself, built against that torch (editable, so Python edits
-#      need no rebuild and C++ rebuilds are incremental in build/).
+#      need no rebuild and C++ rebuilds are incremental in build/);
+#   5. the benchmark harness, bench/ (the package pycomm_bench and the
+#      pycomm-bench command; pure Python, editable, its dependencies from
+#      requirements-dev.txt).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -48,5 +51,16 @@ if [ "$(cat "$build_stamp" 2>/dev/null)" != "$build_hash" ] || ! "$P" -c "import
   rm -f "$build_stamp"
   "${PIP[@]}" --no-build-isolation --no-deps -e .
   echo "$build_hash" > "$build_stamp"
+fi
+# After pycomm: a reinstall of pycomm must not leave the harness without its
+# command (an older pycomm wheel had a pycomm-bench script of its own).
+bench_stamp="$VENV/.pycomm-bench"
+bench_hash=$( { sha1sum bench/pyproject.toml; echo "$tools_hash"; } | sha1sum)
+if [ "$(cat "$bench_stamp" 2>/dev/null)" != "$bench_hash" ] || [ ! -x "$VENV/bin/pycomm-bench" ] \
+   || ! "$P" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('pycomm_bench') is None)" 2>/dev/null; then
+  echo "setup: installing the benchmark harness (bench/, editable)"
+  rm -f "$bench_stamp"
+  "${PIP[@]}" --no-build-isolation --no-deps -e bench
+  echo "$bench_hash" > "$bench_stamp"
 fi
 "$P" -c "import pycomm; print('setup: pycomm', pycomm.__version__, 'impls:', pycomm.available_impls('onebit'))"

@@ -5,5 +5,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
 P="${PYCOMM_VENV:-.venv}/bin/python"
-# Doctests of the public API run too: the examples in docstrings are checked.
-exec "$P" -m pytest tests pycomm --doctest-modules -q -p no:cacheprovider --durations=15 "$@"
+# Doctests run too: the examples in the docstrings of the library (pycomm),
+# the benchmark harness (bench/pycomm_bench) and the GPU check (tools) are checked.
+exec "$P" -m pytest tests pycomm bench/pycomm_bench tools --doctest-modules -q -p no:cacheprovider --durations=15 "$@"

@@ -234,9 +234,11 @@ def run_ranks(
 
 
 def subprocess_env() -> dict:
-    """``os.environ`` for a ``python -m pycomm...`` subprocess: works from a
-    source checkout too (the subprocess finds this checkout's pycomm first)."""
+    """``os.environ`` for a ``python -m pycomm...`` or ``python -m
+    pycomm_bench`` subprocess: works from a source checkout too (the
+    subprocess finds this checkout's pycomm and benchmark harness, bench/,
+    first)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.path.join(root, "bench"), env.get("PYTHONPATH")) if p)
     return env

@@ -11,9 +11,9 @@ import sys
 import pytest
 from _dist import subprocess_env
 
-from pycomm.bench import allreduce
-from pycomm.bench.allreduce import bytes_sent, parse_method
-from pycomm.bench.cli import main
+from pycomm_bench import allreduce
+from pycomm_bench.allreduce import bytes_sent, parse_method
+from pycomm_bench.cli import main
 
 
 
@@ -25,7 +25,7 @@ def _positive_finite(x):
 
 def test_allreduce_quick_runs_and_writes_json(tmp_path):
     out = tmp_path / "results" / "a.json"  # the folder does not exist yet
-    cmd = [sys.executable, "-m", "pycomm.bench", "allreduce", "--quick", "--ranks", "2", "--sizes", "64k",
+    cmd = [sys.executable, "-m", "pycomm_bench", "allreduce", "--quick", "--ranks", "2", "--sizes", "64k",
            "--repeats", "2", "--json", str(out)]
     proc = subprocess.run(cmd, cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -89,7 +89,7 @@ def test_bad_argument_is_named(argv, name, capsys, tmp_path):
 
 def test_bad_argument_from_the_command_line(tmp_path):
     # The same through the real entry point: exit status and message on stderr.
-    cmd = [sys.executable, "-m", "pycomm.bench", "allreduce", "--methods", "bogus"]
+    cmd = [sys.executable, "-m", "pycomm_bench", "allreduce", "--methods", "bogus"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0
     assert "--methods" in proc.stderr and "bogus" in proc.stderr

@@ -12,9 +12,9 @@ import pytest
 from _dist import subprocess_env
 import torch
 
-from pycomm.bench import default_json_path, kernels
-from pycomm.bench.cli import main, positive_int
 from pycomm.distributed import spec
+from pycomm_bench import default_json_path, kernels
+from pycomm_bench.cli import main, positive_int
 
 
 
@@ -26,7 +26,7 @@ def _positive_finite(x):
 
 def test_kernels_quick_runs_and_writes_json(tmp_path):
     out = tmp_path / "results" / "k.json"  # the folder does not exist yet
-    cmd = [sys.executable, "-m", "pycomm.bench", "kernels", "--quick", "--numel", "65536",
+    cmd = [sys.executable, "-m", "pycomm_bench", "kernels", "--quick", "--numel", "65536",
            "--repeats", "2", "--warmup", "1", "--json", str(out)]
     proc = subprocess.run(cmd, cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -188,3 +188,46 @@ def test_kernels_time_every_block_codec_and_a_registered_peer(tmp_path):
             assert row["status"] == "ok" and row["verified"] is True and row["bytes_moved"] > 0
     with pytest.raises(ValueError, match="no kernel cases"):
         kernels.register_peer("fp16", "x", runners)
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_the_library_is_the_library():
+    """The harness is a package of its own (bench/): no module of pycomm
+    imports it or the repository tools, importing pycomm loads none of it,
+    the pycomm wheel packs pycomm alone, and ``pycomm-bench`` is the
+    harness's command."""
+    import ast
+
+    found = []
+    for dirpath, dirnames, filenames in os.walk(os.path.join(ROOT, "pycomm")):
+        dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
+        for name in sorted(f for f in filenames if f.endswith(".py")):
+            path = os.path.join(dirpath, name)
+            with open(path, encoding="utf-8") as fh:
+                source = fh.read()
+            for node in ast.walk(ast.parse(source, path)):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                         else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+                found += [f"{os.path.relpath(path, ROOT)}:{node.lineno}: {n}" for n in names
+                          if n.split(".")[0] in ("pycomm_bench", "tools")]
+            if "pycomm_bench" in source:
+                found.append(f"{os.path.relpath(path, ROOT)}: names pycomm_bench")
+    assert not found, found
+    code = "import sys, pycomm; print(sorted(m for m in sys.modules if m.startswith('pycomm_bench')))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env=subprocess_env())
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr
+
+    tomllib = pytest.importorskip("tomllib")
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as fh:
+        root = tomllib.load(fh)
+    with open(os.path.join(ROOT, "bench", "pyproject.toml"), "rb") as fh:
+        bench = tomllib.load(fh)
+    assert root["tool"]["scikit-build"]["wheel"]["packages"] == ["pycomm"]
+    assert "pycomm-bench" not in root["project"]["scripts"]
+    assert bench["project"]["scripts"] == {"pycomm-bench": "pycomm_bench.cli:main"}
+    assert "pycomm" in bench["project"]["dependencies"]
+    assert not os.path.exists(os.path.join(ROOT, "pycomm", "bench"))
+    assert not os.path.exists(os.path.join(ROOT, "pycomm", "tools"))

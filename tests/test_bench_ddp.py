@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 from _dist import subprocess_env
 
-from pycomm.bench import ddp
-from pycomm.bench.cli import build_parser
-from pycomm.bench.ddp import Method, break_even, format_table, parse_method
-from pycomm.bench.netem import emulation_available
+from pycomm_bench import ddp
+from pycomm_bench.cli import build_parser
+from pycomm_bench.ddp import Method, break_even, format_table, parse_method
+from pycomm_bench.netem import emulation_available
 
 RECORD_KEYS = (
     "method", "bandwidth", "link_busbw_measured", "ranks", "steps", "step_time_median_s", "step_time_p10_s",
@@ -229,7 +229,7 @@ def test_end_to_end_small_run(tmp_path):
     bws = "100mbit,none" if emulated else "none"
     out = tmp_path / "r" / "d.json"
     methods = "fp16,powersgd-1,onebit,onebit-backend,topk-0.01-noef,topk-0.01-noef-backend,auto"
-    cmd = [sys.executable, "-m", "pycomm.bench", "ddp", "--ranks", "2", "--model", "tiny", "--bandwidth", bws,
+    cmd = [sys.executable, "-m", "pycomm_bench", "ddp", "--ranks", "2", "--model", "tiny", "--bandwidth", bws,
            "--methods", methods, "--steps", "10", "--start-iter", "4", "--time-steps", "3", "--json", str(out),
            "--netns-prefix", "pycommtest-ddp", "--no-progress", "--train-all"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=600)
@@ -267,7 +267,7 @@ def test_end_to_end_small_run(tmp_path):
 
 
 def _run_bench(tmp_path, *argv, timeout=600):
-    cmd = [sys.executable, "-m", "pycomm.bench", "ddp", "--ranks", "2", "--model", "tiny", "--bandwidth", "none",
+    cmd = [sys.executable, "-m", "pycomm_bench", "ddp", "--ranks", "2", "--model", "tiny", "--bandwidth", "none",
            "--no-netns", "--no-progress", "--no-plots", *argv]
     proc = subprocess.run(cmd, cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -323,7 +323,7 @@ def test_seeds_quantized_methods_and_optimizer_end_to_end(tmp_path):
     part = json.loads((tmp_path / "p0.json").read_text())
     part[1]["per_seed"][0]["final_loss"] += 0.5
     (tmp_path / "p2.json").write_text(json.dumps(part))
-    bad = subprocess.run([sys.executable, "-m", "pycomm.bench", "ddp", "--merge", str(tmp_path / "p0.json"),
+    bad = subprocess.run([sys.executable, "-m", "pycomm_bench", "ddp", "--merge", str(tmp_path / "p0.json"),
                           str(tmp_path / "p2.json"), "--json", str(tmp_path / "x.json")],
                          cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "seed repeated" in bad.stderr and "int8" in bad.stderr
@@ -435,7 +435,7 @@ def test_time_only_trains_nothing(tmp_path):
 
 def test_small_tensor_workload_runs(tmp_path):
     out = tmp_path / "m.json"
-    cmd = [sys.executable, "-m", "pycomm.bench", "ddp", "--workload", "mlp", "--ranks", "2", "--bandwidth", "none",
+    cmd = [sys.executable, "-m", "pycomm_bench", "ddp", "--workload", "mlp", "--ranks", "2", "--bandwidth", "none",
            "--methods", "onebit", "--steps", "6", "--start-iter", "2", "--json", str(out), "--no-plots",
            "--no-netns", "--no-progress"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=300)
@@ -449,7 +449,7 @@ def test_small_tensor_workload_runs(tmp_path):
 
 
 def test_all_runs_each_benchmark_with_valid_arguments():
-    from pycomm.bench import all as bench_all
+    from pycomm_bench import all as bench_all
 
     parser = build_parser()
     for _, argv in bench_all.PARTS:

@@ -11,8 +11,8 @@ import sys
 import pytest
 from _dist import subprocess_env
 
-from pycomm.bench import fsdp
-from pycomm.bench.cli import build_parser
+from pycomm_bench import fsdp
+from pycomm_bench.cli import build_parser
 
 RECORD_KEYS = (
     "method", "ranks", "bandwidth", "link_busbw_measured", "emulated", "steps", "timed_from", "timed_steps",
@@ -58,7 +58,7 @@ def test_bad_arguments_are_named(argv, words):
 
 
 def test_cli_refuses_bad_argument_by_name(capsys):
-    from pycomm.bench.cli import main
+    from pycomm_bench.cli import main
 
     with pytest.raises(SystemExit) as e:
         main(["fsdp", "--methods", "int16", "--json", "/nonexistent/never.json"])
@@ -90,7 +90,7 @@ def test_ratios_and_table():
 def test_end_to_end_tiny_run(tmp_path):
     out = tmp_path / "r" / "f.json"
     methods = "plain,bf16,int8-weights,int4-ef"
-    cmd = [sys.executable, "-m", "pycomm.bench", "fsdp", "--ranks", "2", "--model", "tiny", "--bandwidth", "none",
+    cmd = [sys.executable, "-m", "pycomm_bench", "fsdp", "--ranks", "2", "--model", "tiny", "--bandwidth", "none",
            "--no-netns", "--no-progress", "--methods", methods, "--steps", "4", "--warmup", "1",
            "--eval-batches", "2", "--min-compress-numel", "1", "--lr-schedule", "cosine", "--json", str(out)]
     proc = subprocess.run(cmd, cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=300)

@@ -8,14 +8,14 @@ import sys
 
 from _dist import subprocess_env
 
-from pycomm.bench.netem import emulation_available
+from pycomm_bench.netem import emulation_available
 
 
 def test_small_run(tmp_path):
     emulated = emulation_available()[0]
     out = tmp_path / "h.json"
     link = ["--bandwidth", "1gbit"] if emulated else ["--no-netns", "--bandwidth", "none"]
-    cmd = [sys.executable, "-m", "pycomm.bench", "hierarchy", "--ranks", "4", "--ranks-per-node", "2",
+    cmd = [sys.executable, "-m", "pycomm_bench", "hierarchy", "--ranks", "4", "--ranks-per-node", "2",
            "--sizes", "256k", "--repeats", "2", "--warmup", "0", "--json", str(out),
            "--netns-prefix", "pycommtest-hier", *link]
     proc = subprocess.run(cmd, cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=300)

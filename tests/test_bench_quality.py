@@ -10,10 +10,10 @@ import sys
 import pytest
 from _dist import subprocess_env
 
-from pycomm.bench import models, quality
-from pycomm.bench.netem import emulation_available
-from pycomm.bench.quality import Arm, pending, run_id, summarize
-from pycomm.bench.sweep import LR_FLOOR, lr_at
+from pycomm_bench import models, quality
+from pycomm_bench.netem import emulation_available
+from pycomm_bench.quality import Arm, pending, run_id, summarize
+from pycomm_bench.sweep import LR_FLOOR, lr_at
 
 LRS = (1e-3, 2e-3)
 GRID = {"adamw": LRS}
@@ -154,7 +154,7 @@ def test_warmup_cosine_rises_then_falls_to_its_floor():
     (["--quick", "--steps", "100"], "--steps"),
 ])
 def test_bad_arguments_are_named(argv, words):
-    from pycomm.bench.cli import build_parser
+    from pycomm_bench.cli import build_parser
 
     with pytest.raises(ValueError) as e:
         quality.resolve_args(build_parser().parse_args(["quality", *argv]))
@@ -162,7 +162,7 @@ def test_bad_arguments_are_named(argv, words):
 
 
 def test_a_longer_study_keeps_the_regime_in_proportion_and_its_own_folder():
-    from pycomm.bench.cli import build_parser
+    from pycomm_bench.cli import build_parser
 
     args = quality.resolve_args(build_parser().parse_args(["quality", "--steps", "3000"]))
     r = args.regime
@@ -176,7 +176,7 @@ def test_a_longer_study_keeps_the_regime_in_proportion_and_its_own_folder():
 
 def test_miniature_study_end_to_end_and_resumes(tmp_path):
     out, doc = tmp_path / "q", tmp_path / "q.json"
-    cmd = [sys.executable, "-m", "pycomm.bench", "quality", "--quick", "--arms", "1r-allreduce", "1r-diloco-H16",
+    cmd = [sys.executable, "-m", "pycomm_bench", "quality", "--quick", "--arms", "1r-allreduce", "1r-diloco-H16",
            "--lrs", "1e-3", "2e-3", "--outer", "0.7:0.9", "--seeds", "2", "--out", str(out), "--json", str(doc),
            "--no-progress"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=600)
@@ -205,7 +205,7 @@ def test_miniature_study_end_to_end_and_resumes(tmp_path):
 @pytest.mark.skipif(not emulation_available()[0], reason="no network namespaces here (root and iproute2)")
 def test_links_put_the_curves_on_an_emulated_clock(tmp_path):
     out, doc = tmp_path / "q", tmp_path / "q.json"
-    base = [sys.executable, "-m", "pycomm.bench", "quality", "--quick", "--arms", "allreduce", "int8",
+    base = [sys.executable, "-m", "pycomm_bench", "quality", "--quick", "--arms", "allreduce", "int8",
             "--lrs", "2e-3", "--seeds", "1", "--out", str(out), "--json", str(doc), "--no-progress"]
     proc = subprocess.run(base + ["--links", "100mbit", "--time-steps", "4"], cwd=tmp_path, env=subprocess_env(),
                           capture_output=True, text=True, timeout=600)

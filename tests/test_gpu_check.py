@@ -1,4 +1,4 @@
-"""pycomm.tools.gpu_check, the GPU check, dry-run on a machine without a GPU.
+"""tools/gpu_check.py, the GPU check, dry-run on a machine without a GPU.
 
 ``--dry-run`` does all that needs no GPU: argument handling, environment
 checks, nvcc compiling every CUDA kernel for sm_90a with the ptxas register
@@ -10,6 +10,7 @@ Skipped without nvcc: the dry run compiles the CUDA kernels.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -19,10 +20,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from _dist import subprocess_env
 
 ROOT = Path(__file__).resolve().parents[1]
-MODULE = [sys.executable, "-m", "pycomm.tools.gpu_check"]
-PROG = "python -m pycomm.tools.gpu_check"
+#: A repository tool: a file of the source tree, not a module of a package.
+GPU_CHECK = ROOT / "tools" / "gpu_check.py"
+MODULE = [sys.executable, str(GPU_CHECK)]
+PROG = "python tools/gpu_check.py"
 DRY_RUN_TIMEOUT_S = 180  # the check's own budget in a dry run is 170 s
 
 
@@ -34,6 +38,18 @@ def _nvcc() -> str | None:
         if home and os.access(os.path.join(home, "bin", "nvcc"), os.X_OK):
             return os.path.join(home, "bin", "nvcc")
     return None
+
+
+def _gpu_check():
+    """tools/gpu_check.py, imported from its path (under the name
+    ``pycomm-bench gpu-check`` loads it with, so both share one module)."""
+    name = "_pycomm_tool_gpu_check"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, GPU_CHECK)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules[name] = module
+    return sys.modules[name]
 
 
 def _run(args, timeout, env=None, command=MODULE) -> subprocess.CompletedProcess:
@@ -118,14 +134,15 @@ def test_help():
 
 
 @pytest.mark.parametrize("command, prog", [
-    ([sys.executable, "-m", "pycomm.bench", "gpu-check"], "pycomm-bench gpu-check"),
+    ([sys.executable, "-m", "pycomm_bench", "gpu-check"], "pycomm-bench gpu-check"),
     (["bash", str(ROOT / "benchmarks" / "gpu_check.sh")], PROG),  # runs the file, before pycomm imports
 ])
 def test_other_entry_points(command, prog):
-    proc = _run(["--help"], timeout=60, command=command)
+    # pycomm-bench finds the tool in the source tree it is part of (bench/ -> tools/).
+    proc = _run(["--help"], timeout=60, command=command, env=subprocess_env())
     assert proc.returncode == 0, proc.stderr
     assert f"usage: {prog}" in proc.stdout and "--dry-run" in proc.stdout
-    proc = _run(["--budget", "abc"], timeout=60, command=command)
+    proc = _run(["--budget", "abc"], timeout=60, command=command, env=subprocess_env())
     assert proc.returncode == 2 and "--budget" in proc.stderr
 
 
@@ -133,7 +150,7 @@ GPU_STEPS = ["env", "build", "tests_product", "bench_engine", "op_errors", "test
 
 
 def test_gpu_plan_is_in_priority_order_and_fits_the_budget():
-    from pycomm.tools import gpu_check as G
+    G = _gpu_check()
 
     plan = G.PLANS["gpu"]
     assert [name for name, _, _ in plan] == GPU_STEPS
@@ -145,7 +162,7 @@ def test_gpu_plan_is_in_priority_order_and_fits_the_budget():
 
 
 def test_only_takes_the_gpu_steps():
-    from pycomm.tools import gpu_check as G
+    G = _gpu_check()
 
     opts = G.parse_args(["--only", "build,tests_product,bench_engine,op_errors", "/tmp/x"])
     assert opts["selected"] == ["bench_engine", "build", "op_errors", "tests_product"]
@@ -165,7 +182,7 @@ def test_report_lists_the_new_steps(tmp_path: Path, capsys):
     and what they produced (results made up here: no GPU)."""
     import time
 
-    from pycomm.tools import gpu_check as G
+    G = _gpu_check()
 
     out = tmp_path
     with open(out / "steps.tsv", "w") as fh:

@@ -40,7 +40,7 @@ changes.
 What "equal" means is the simulation's docstring: bit for bit for int8,
 int4, topk, fp16, bf16 and none (one or two ranks); onebit with compiled
 kernels to float32 rounding of the block scales, and a near-zero value's
-sign may rarely flip in the server stage (pycomm.bench.engine_cuda.compare).
+sign may rarely flip in the server stage (pycomm_bench.engine_cuda.compare).
 For onebit each call is simulated from the engine's own residuals before
 it, so rounding cannot accumulate over calls; the other methods are
 simulated over all calls from zero, bit for bit.
@@ -66,7 +66,6 @@ import pytest
 import torch
 from _dist import run_ranks, subprocess_env
 
-from pycomm.bench import engine_cuda as ec
 from pycomm.distributed.simulate import (
     ErrorFeedback,
     simulate_all_gather,
@@ -74,6 +73,7 @@ from pycomm.distributed.simulate import (
     simulate_reduce_scatter,
 )
 from pycomm.distributed.spec import BLOCK_METHODS, block_segments, block_size_for, chunk_bounds
+from pycomm_bench import engine_cuda as ec
 
 DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
 METHODS = ("onebit", "int8", "int4", "topk", "fp16", "bf16", "none")
@@ -895,7 +895,7 @@ def _job_bench(rank, world, device, cfg, broken):
 
 
 def test_bench_core_runs_and_reports(jobs, tmp_path):
-    from pycomm.bench.report import write_json
+    from pycomm_bench.report import write_json
 
     doc = jobs("bench", "cpu", json.dumps(BENCH_CFG), None)[0]
     assert doc["failures"] == [], doc["failures"]
@@ -1008,7 +1008,7 @@ def test_bench_timing_and_report_helpers():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_bench_without_cuda_says_so(capsys):
-    from pycomm.bench.cli import main
+    from pycomm_bench.cli import main
 
     with pytest.raises(SystemExit) as exc:
         main(["allreduce", "--device", "cuda", "--json", "/nonexistent/never.json"])
@@ -1017,7 +1017,7 @@ def test_bench_without_cuda_says_so(capsys):
     with pytest.raises(ValueError, match="needs a CUDA device"):
         ec.make_args()
     # Through the real entry point: a message, no traceback.
-    proc = subprocess.run([sys.executable, "-m", "pycomm.bench", "allreduce", "--device", "cuda"],
+    proc = subprocess.run([sys.executable, "-m", "pycomm_bench", "allreduce", "--device", "cuda"],
                           env=subprocess_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "needs a CUDA device" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr

@@ -17,8 +17,9 @@ import torch
 from pycomm.distributed import spec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-#: Where pycomm's code lives: the package, the benchmarks and the examples.
-SCANNED = ("pycomm", "benchmarks", "examples")
+#: Where pycomm's code lives: the package, the benchmark harness (bench/),
+#: the benchmarks, the repository tools and the examples.
+SCANNED = ("pycomm", "bench", "benchmarks", "tools", "examples")
 #: The one file that spells the names out.
 SPEC_FILE = os.path.join("pycomm", "distributed", "spec.py")
 #: pycomm's own names only: a registered compressor is a user's, not pycomm's.

@@ -1,11 +1,11 @@
-"""Tests of pycomm.bench.models: deterministic data, sizes as documented, and
+"""Tests of pycomm_bench.models: deterministic data, sizes as documented, and
 models that actually learn (fast: tiny configs, one process)."""
 
 import math
 
 import torch
 
-from pycomm.bench.models import (
+from pycomm_bench.models import (
     GPT_DEFAULT,
     GPT_TINY,
     MLP_DEFAULT,

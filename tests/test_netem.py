@@ -1,4 +1,4 @@
-"""The emulated cluster network (pycomm.bench.netem): shaped namespaces,
+"""The emulated cluster network (pycomm_bench.netem): shaped namespaces,
 teardown (normal, on an exception, on SIGINT, stale leftovers) and the
 loopback fallback. Tests that build namespaces skip, with the reason, where
 emulation_available() is False (not root, no iproute2, ...)."""
@@ -13,10 +13,11 @@ import textwrap
 import time
 
 import pytest
+from _dist import subprocess_env
 
-from pycomm.bench import netem
-from pycomm.bench.links import measure_busbw
-from pycomm.bench.netem import EmulatedCluster, LoopbackCluster, emulation_available
+from pycomm_bench import netem
+from pycomm_bench.links import measure_busbw
+from pycomm_bench.netem import EmulatedCluster, LoopbackCluster, emulation_available
 
 _OK, _WHY = emulation_available()
 needs_netns = pytest.mark.skipif(not _OK, reason=f"network emulation unavailable: {_WHY}")
@@ -145,7 +146,7 @@ def test_stale_namespaces_removed_first(clean):
 def test_sigint_cleans_up(clean, tmp_path):
     script = textwrap.dedent(f"""
         import time
-        from pycomm.bench.netem import EmulatedCluster
+        from pycomm_bench.netem import EmulatedCluster
         with EmulatedCluster(2, 1e8, prefix={PREFIX!r}) as c:
             p = c.spawn(0, ["sleep", "60"])
             print(p.pid, flush=True)
@@ -169,7 +170,7 @@ def test_sigint_cleans_up(clean, tmp_path):
 
 def test_loopback_fallback_interface(monkeypatch, caplog):
     monkeypatch.setattr(netem, "_warned_fallback", False)
-    with caplog.at_level(logging.WARNING, logger="pycomm.bench.netem"):
+    with caplog.at_level(logging.WARNING, logger="pycomm_bench.netem"):
         c = LoopbackCluster(2, reason="testing")
         LoopbackCluster(2, reason="testing")
     warnings = [r for r in caplog.records if "loopback" in r.getMessage()]
@@ -204,7 +205,7 @@ def test_bad_netns_prefix_names_the_flag():
     # Refused before any namespace is made, naming the flag (not --merge).
     with pytest.raises(ValueError, match=r"--netns-prefix: bad namespace prefix 'ncq-'"):
         EmulatedCluster(2, 1e9, prefix="ncq-")
-    proc = subprocess.run([sys.executable, "-m", "pycomm.bench", "ddp", "--netns-prefix", "ncq-"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "pycomm_bench", "ddp", "--netns-prefix", "ncq-"],
+                          env=subprocess_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "--netns-prefix: bad namespace prefix 'ncq-'" in proc.stderr and "--merge" not in proc.stderr

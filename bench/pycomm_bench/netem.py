@@ -24,7 +24,7 @@ crashed run with the same prefix are deleted (by exact name) before a build;
 everything built is deleted on exit from the ``with`` block, at interpreter
 exit (atexit) and on SIGINT/SIGTERM, after the rank processes started through
 the cluster have been killed and waited for by PID. Rank processes are
-started by :mod:`pycomm.bench.launch`, through :meth:`EmulatedCluster.spawn`.
+started by :mod:`pycomm_bench.launch`, through :meth:`EmulatedCluster.spawn`.
 
 Where emulation is not available, :func:`make_cluster` says so once and
 returns a :class:`LoopbackCluster` with the same interface (all ranks on
@@ -32,16 +32,16 @@ returns a :class:`LoopbackCluster` with the same interface (all ranks on
 
 Example (as root)::
 
-    >>> from pycomm.bench.netem import EmulatedCluster                  # doctest: +SKIP
-    >>> from pycomm.bench.links import measure_busbw                    # doctest: +SKIP
+    >>> from pycomm_bench.netem import EmulatedCluster                  # doctest: +SKIP
+    >>> from pycomm_bench.links import measure_busbw                    # doctest: +SKIP
     >>> with EmulatedCluster(2, 100e6) as c:                             # doctest: +SKIP
     ...     print(c.describe(), measure_busbw(c) / 1e6, "Mbit/s")
     2 ranks, namespaces pycomm-r*, tbf 100 Mbit/s each way  95.1 Mbit/s
 
-    $ python -m pycomm.bench.links check --ranks 2 --rate 100M   # build, measure, print, tear down
+    $ python -m pycomm_bench.links check --ranks 2 --rate 100M   # build, measure, print, tear down
 
-This module starts no ranks itself: :mod:`pycomm.bench.launch` starts them
-in a cluster, and :mod:`pycomm.bench.links` measures a cluster's links
+This module starts no ranks itself: :mod:`pycomm_bench.launch` starts them
+in a cluster, and :mod:`pycomm_bench.links` measures a cluster's links
 with them.
 """
 

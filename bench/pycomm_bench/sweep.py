@@ -62,7 +62,7 @@ def workload(cfg: Dict[str, Any], seed: Optional[int] = None):
 
 
 def text_options(cfg: Dict[str, Any]) -> Dict[str, Any]:
-    """The language model's text (:func:`pycomm.bench.models.text_batch_fn`):
+    """The language model's text (:func:`pycomm_bench.models.text_batch_fn`):
     ``cfg["text_files"]`` / ``cfg["text_bytes"]`` of the standard library and
     the ``cfg["heldout"]`` fraction kept out of training (defaults: 64 files,
     2 MB, none held out).

@@ -32,7 +32,7 @@ Grammar: ``<base>[-sr][-noef][-backend]``, base one of
 error feedback off (the DDP hook's default is on; ``pycomm-bench fsdp``,
 whose library default is off, takes ``-ef`` instead: one rule, a suffix
 names the departure from the entry point's default, and the suffix that
-restates it is refused by :func:`pycomm.bench.sweep.error_feedback_suffix`)
+restates it is refused by :func:`pycomm_bench.sweep.error_feedback_suffix`)
 and ``-backend`` runs the compression in
 a ``"pycomm"`` process group instead of the hook (both for onebit, topk,
 int8, int4 and auto; not for ``optim-*`` or ``diloco-*``; ``-noef`` also
@@ -64,7 +64,7 @@ import re
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from ..distributed import spec
+from pycomm.distributed import spec
 
 #: The harness's own names, defined here once; every other base is a method
 #: of the table (:data:`pycomm.distributed.spec.METHOD_TABLE`).

@@ -1,6 +1,6 @@
 """``pycomm-bench``: command-line front of the pycomm benchmarks.
 
-Each subcommand is a module of :mod:`pycomm.bench` named in
+Each subcommand is a module of :mod:`pycomm_bench` named in
 :data:`SUBCOMMANDS`; it provides
 
 - ``HELP``: one line for ``pycomm-bench --help``;
@@ -12,20 +12,23 @@ Each subcommand is a module of :mod:`pycomm.bench` named in
 - ``run(args) -> int``: run, print, write JSON; returns the exit status.
 
 Adding a benchmark is adding a module and a line in :data:`SUBCOMMANDS`
-(:mod:`pycomm.bench.launch` says how). Tools with a command line of their
-own (:data:`TOOLS`: the GPU check) get their arguments as they are.
+(:mod:`pycomm_bench.launch` says how). Tools with a command line of their
+own (:data:`TOOLS`: the GPU check, ``tools/gpu_check.py`` of the source
+tree, a file rather than a package) get their arguments as they are.
 
 Example::
 
     $ pycomm-bench kernels --quick
-    $ python -m pycomm.bench kernels --numel 4M --impls cpu --threads 2 --json out.json
-    $ python -m pycomm.bench gpu-check --dry-run
+    $ python -m pycomm_bench kernels --numel 4M --impls cpu --threads 2 --json out.json
+    $ python -m pycomm_bench gpu-check --dry-run
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
+import os
 import re
 import sys
 from typing import Callable, List, Optional, Sequence, Tuple, Union
@@ -34,18 +37,22 @@ import torch
 
 #: subcommand -> module implementing it (imported when the parser is built).
 SUBCOMMANDS = {
-    "kernels": "pycomm.bench.kernels",
-    "allreduce": "pycomm.bench.allreduce",
-    "ddp": "pycomm.bench.ddp",
-    "quality": "pycomm.bench.quality",
-    "fsdp": "pycomm.bench.fsdp",
-    "hierarchy": "pycomm.bench.hierarchy",
-    "all": "pycomm.bench.all",
+    "kernels": "pycomm_bench.kernels",
+    "allreduce": "pycomm_bench.allreduce",
+    "ddp": "pycomm_bench.ddp",
+    "quality": "pycomm_bench.quality",
+    "fsdp": "pycomm_bench.fsdp",
+    "hierarchy": "pycomm_bench.hierarchy",
+    "all": "pycomm_bench.all",
 }
-#: tool -> module whose ``main(argv, prog)`` takes the rest of the command line.
+#: tool -> its file in the source tree (relative to :data:`SOURCE_ROOT`), whose
+#: ``main(argv, prog)`` takes the rest of the command line.
 TOOLS = {
-    "gpu-check": "pycomm.tools.gpu_check",
+    "gpu-check": os.path.join("tools", "gpu_check.py"),
 }
+#: The source tree this package is part of (bench/pycomm_bench/ -> the root),
+#: where the repository tools of :data:`TOOLS` are.
+SOURCE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 _SUFFIX = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 
@@ -167,6 +174,31 @@ def common_options() -> argparse.ArgumentParser:
     return p
 
 
+def load_tool(name: str):
+    """The module of the tool ``name`` (a key of :data:`TOOLS`), loaded from
+    its file in the source tree; None where that file is not there (this
+    package installed without the source tree it belongs to).
+
+    >>> load_tool("gpu-check").HELP.startswith("the GPU check")
+    True
+    """
+    path = os.path.join(SOURCE_ROOT, TOOLS[name])
+    module_name = "_pycomm_tool_" + name.replace("-", "_")
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    if not os.path.isfile(path):
+        return None
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[module_name]
+        raise
+    return module
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``pycomm-bench`` parser, one subparser per entry of :data:`SUBCOMMANDS`."""
     parser = argparse.ArgumentParser(
@@ -182,23 +214,30 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, parents=[common], help=module.HELP, description=doc)
         module.add_arguments(p)
         p.set_defaults(_module=module, _parser=p)
-    for name, module_name in TOOLS.items():  # listed in --help; main() hands them their arguments
-        sub.add_parser(name, add_help=False, help=importlib.import_module(module_name).HELP)
+    for name, path in TOOLS.items():  # listed in --help; main() hands them their arguments
+        tool = load_tool(name)
+        sub.add_parser(name, add_help=False,
+                       help=tool.HELP if tool is not None else f"(needs the source tree: {path} is not there)")
     return parser
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """Entry point of ``pycomm-bench`` (and ``python -m pycomm.bench``).
+    """Entry point of ``pycomm-bench`` (and ``python -m pycomm_bench``).
 
     Example::
 
-        >>> from pycomm.bench.cli import main
+        >>> from pycomm_bench.cli import main
         >>> main(["kernels", "--quick", "--json", "/tmp/k.json"])  # doctest: +SKIP
         0
     """
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in TOOLS:
-        return int(importlib.import_module(TOOLS[argv[0]]).main(argv[1:], prog=f"pycomm-bench {argv[0]}"))
+        tool = load_tool(argv[0])
+        if tool is None:
+            print(f"pycomm-bench {argv[0]}: {os.path.join(SOURCE_ROOT, TOOLS[argv[0]])} is not there: this "
+                  f"repository tool runs from pycomm's source tree (python {TOOLS[argv[0]]})", file=sys.stderr)
+            return 2
+        return int(tool.main(argv[1:], prog=f"pycomm-bench {argv[0]}"))
     parser = build_parser()
     args = parser.parse_args(argv)
     module, sub_parser = args._module, args._parser

@@ -24,7 +24,7 @@ drifts by 2x within minutes: only figures measured side by side are compared.
 Example::
 
     $ pycomm-bench kernels --quick
-    >>> from pycomm.bench.kernels import run_kernels, make_args
+    >>> from pycomm_bench.kernels import run_kernels, make_args
     >>> doc = run_kernels(make_args(numel=65536, repeats=2, warmup=1))  # doctest: +SKIP
     >>> sorted({r["compressor"] for r in doc["rows"]})                  # doctest: +SKIP
     ['int4 b=256', 'int8 b=256', 'onebit b=2048', 'topk approx d=0.001', 'topk approx d=0.01', 'topk exact d=0.01']

@@ -3,8 +3,8 @@
 :func:`run_ranks` runs a module-level function ``target(rank)`` in W fresh
 processes, either local ones on 127.0.0.1 (a free port each run) or inside
 the network namespaces of an emulated cluster
-(:class:`pycomm.bench.netem.EmulatedCluster`: one namespace per rank or per
-node, shaped links). Each rank process is ``python -m pycomm.bench.launch
+(:class:`pycomm_bench.netem.EmulatedCluster`: one namespace per rank or per
+node, shaped links). Each rank process is ``python -m pycomm_bench.launch
 SPEC``: it joins the default Gloo process group (env://, with a bounded
 timeout, so a hung collective raises inside the rank), runs ``target`` with a
 :class:`Rank`, and sends events to the parent as JSON lines on its stdout
@@ -20,24 +20,24 @@ PID; a rank whose parent dies exits by itself.
 
 Adding a benchmark
 ------------------
-1. A module ``pycomm/bench/<name>.py`` with ``HELP``, ``add_arguments(parser)``,
+1. A module ``bench/pycomm_bench/<name>.py`` with ``HELP``, ``add_arguments(parser)``,
    optionally ``resolve_args(args)``, and ``run(args) -> int``; one line for it
-   in ``SUBCOMMANDS`` of :mod:`pycomm.bench.cli` (and in ``PARTS`` of
-   :mod:`pycomm.bench.all` to run it with the others).
+   in ``SUBCOMMANDS`` of :mod:`pycomm_bench.cli` (and in ``PARTS`` of
+   :mod:`pycomm_bench.all` to run it with the others).
 2. The rank side: a module-level ``def _rank_main(rank: Rank) -> None`` reading
    its settings from ``rank.cfg``, verifying results first (``rank.identical``),
-   timing with :func:`pycomm.bench.time_interleaved` and sending what it
+   timing with :func:`pycomm_bench.time_interleaved` and sending what it
    measured with ``rank.emit("result", record=...)`` (JSON values).
 3. The parent side: ``events = run_ranks(_rank_main, world_or_cluster, cfg,
    on_event=...)``, then the JSON document and
    ``return finish(doc, args.json, table(...), failures, started)``
-   (:mod:`pycomm.bench.report`). Method names come from
-   :func:`pycomm.bench.methods.parse_method`.
+   (:mod:`pycomm_bench.report`). Method names come from
+   :func:`pycomm_bench.methods.parse_method`.
 4. A test in ``tests/test_bench_<name>.py`` running it on 2 ranks, tiny sizes.
 
 Example::
 
-    >>> from pycomm.bench.launch import run_ranks
+    >>> from pycomm_bench.launch import run_ranks
     >>> def _sum(rank):                      # module level in a real file
     ...     import torch, torch.distributed as dist
     ...     t = torch.tensor([float(rank.rank)])
@@ -188,7 +188,7 @@ def _load_target(module: str, qualname: str, path: Optional[str]) -> Callable[[R
 
 
 def _rank_process(spec_path: str) -> int:
-    """``python -m pycomm.bench.launch SPEC``: one rank of :func:`run_ranks`."""
+    """``python -m pycomm_bench.launch SPEC``: one rank of :func:`run_ranks`."""
     # Events get the real stdout; whatever else writes to fd 1 (a print, a
     # C library) lands in stderr instead of corrupting the event stream.
     events = os.fdopen(os.dup(1), "w", encoding="utf-8")
@@ -274,7 +274,7 @@ class RankProcesses:
         spec_path = os.path.join(self._tmp, "spec.json")
         with open(spec_path, "w", encoding="utf-8") as fh:
             json.dump(self._spec, fh)
-        argv = [sys.executable, "-m", "pycomm.bench.launch", spec_path]
+        argv = [sys.executable, "-m", "pycomm_bench.launch", spec_path]
         for r in self.ranks:
             self._logs[r] = open(os.path.join(self._tmp, f"rank{r}.err"), "w+", encoding="utf-8",
                                  errors="replace")
@@ -414,7 +414,7 @@ def run_ranks(target: Callable[[Rank], None], cluster: Union[int, Any], cfg: Opt
               timeout: float = DEFAULT_TIMEOUT, stall: Optional[float] = None, threads: Optional[int] = None,
               on_event: Optional[Callable[[Event], None]] = None) -> List[Event]:
     """Run ``target(rank)`` on every rank of ``cluster`` (a world size: local
-    ranks on 127.0.0.1; or a :mod:`pycomm.bench.netem` cluster, already
+    ranks on 127.0.0.1; or a :mod:`pycomm_bench.netem` cluster, already
     built) and return the events the ranks emitted, in arrival order.
 
     ``cfg`` (JSON values) is ``rank.cfg``; ``timeout`` bounds each

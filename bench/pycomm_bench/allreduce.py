@@ -49,9 +49,10 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from ..distributed import spec
-from ..distributed.spec import TAG_WORDS, block_segments, block_wire_numel, topk_wire_numel
-from ..wire import quant_num_bytes
+from pycomm.distributed import spec
+from pycomm.distributed.spec import TAG_WORDS, block_segments, block_wire_numel, topk_wire_numel
+from pycomm.wire import quant_num_bytes
+
 from .launch import Rank, RanksFailed, run_ranks, threads_per_rank
 from .methods import ALLREDUCE_BASES, PLAIN, Method, parse_method as _parse_method, vocabulary
 from .report import (default_json_path, finish, fmt_number, loadavg, machine_info, ms, progress_bar, size_label,
@@ -97,7 +98,7 @@ PARTS = ("total", "compress", "wire")
 
 # ----------------------------------------------------------------- methods ---
 def parse_method(name: str) -> Method:
-    """One of :data:`~pycomm.bench.methods.ALLREDUCE_BASES` (``plain``, a
+    """One of :data:`~pycomm_bench.methods.ALLREDUCE_BASES` (``plain``, a
     cast, a block codec or ``topk-<density>``, e.g. ``topk-0.01``), each but
     plain through a pycomm group; raises ValueError otherwise.
 
@@ -124,7 +125,7 @@ def _cdiv(a: int, b: int) -> int:
 
 def chunk_bounds(numel: int, chunk_numel: int) -> List[Tuple[int, int]]:
     """``[(begin, length), ...]`` of the chunks the backend cuts a tensor into."""
-    from ..distributed.spec import chunk_bounds as bounds
+    from pycomm.distributed.spec import chunk_bounds as bounds
 
     return [(b, e - b) for b, e in bounds(numel, chunk_numel)]
 
@@ -524,7 +525,7 @@ class _RankBench:
 
 
 def _rank_main(rank: Rank) -> None:
-    """One rank (:func:`pycomm.bench.launch.run_ranks`): every size for this world size."""
+    """One rank (:func:`pycomm_bench.launch.run_ranks`): every size for this world size."""
     bench = _RankBench(rank)
     for n in rank.cfg["sizes"]:
         records = bench.run_size(n)
@@ -540,7 +541,7 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
     from .cli import fill_defaults, list_option, positive_int
 
     if _on_cuda(args):
-        # --device cuda: the engine on one GPU (pycomm.bench.engine_cuda).
+        # --device cuda: the engine on one GPU (pycomm_bench.engine_cuda).
         from . import engine_cuda
 
         return engine_cuda.resolve_args(args)
@@ -619,7 +620,7 @@ def _own_device_option(parser: argparse.ArgumentParser) -> None:
         mine = copy.copy(action)
         mine.type = _device_arg
         mine.help = ("cpu: Gloo on local ranks (default); cuda[:N]: the engine on one GPU, one rank over NCCL "
-                     "(pycomm.bench.engine_cuda)")
+                     "(pycomm_bench.engine_cuda)")
         parser._actions[i] = mine
         for option in action.option_strings:
             parser._option_string_actions[option] = mine

@@ -18,7 +18,7 @@ same batches, AdamW):
   float32 residual of each module's unsharded gradient and its rollback
   buffer: ``residual_bytes`` in the record, and in the peak memory).
 
-Links are emulated as in ``pycomm-bench ddp`` (:mod:`pycomm.bench.netem`:
+Links are emulated as in ``pycomm-bench ddp`` (:mod:`pycomm_bench.netem`:
 one namespace per rank, tbf-shaped; loopback without root, labelled so).
 Every method trains ``--steps`` steps per seed (``--seeds``); the first
 ``--warmup`` steps are untimed. Per (method, bandwidth) the JSON record
@@ -59,7 +59,8 @@ import sys
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
-from ..distributed import spec
+from pycomm.distributed import spec
+
 from .launch import Rank, RanksFailed, run_ranks, threads_per_rank
 from .methods import PLAIN
 from .report import finish, fmt_number, machine_info, progress_bar, table
@@ -268,7 +269,7 @@ def _train(rank: Rank, method: str, seed: int) -> Dict[str, Any]:
 
 
 def _rank_main(rank: Rank) -> None:
-    """One rank (:func:`pycomm.bench.launch.run_ranks`): a discarded warm-up,
+    """One rank (:func:`pycomm_bench.launch.run_ranks`): a discarded warm-up,
     then every method of every seed."""
     import torch.distributed as dist
 

@@ -49,16 +49,19 @@ half of tests/test_onebit.py, the benchmark on cpu with --quick (numpy
 standing in for CuPy in the extra peer), the result files. It says what it
 skipped.
 
-Only the standard library is imported here, so the check also runs where
-pycomm cannot be imported yet (``python pycomm/tools/gpu_check.py``, or
-``bash benchmarks/gpu_check.sh``); the parts that need torch run in the
-interpreter under test, as subprocesses.
+A repository tool, not part of any package: a file of the source tree,
+run as ``python tools/gpu_check.py`` (or ``pycomm-bench gpu-check``, or
+``bash benchmarks/gpu_check.sh``). Only the standard library is imported
+here, so the check also runs where pycomm cannot be imported yet; the parts
+that need torch run in the interpreter under test, as subprocesses, with
+the benchmark harness (``bench/``, the package pycomm_bench) on their
+PYTHONPATH, so that the venv it makes needs only pycomm installed.
 
 Example::
 
-    $ pycomm-bench gpu-check --dry-run          # or: python -m pycomm.tools.gpu_check --dry-run
-    $ python pycomm/tools/gpu_check.py --only build,tests /tmp/gpu-out
-    $ python pycomm/tools/gpu_check.py --only build,bench_engine,op_errors /tmp/gpu-out
+    $ python tools/gpu_check.py --dry-run       # or: pycomm-bench gpu-check --dry-run
+    $ python tools/gpu_check.py --only build,tests /tmp/gpu-out
+    $ python tools/gpu_check.py --only build,bench_engine,op_errors /tmp/gpu-out
 """
 
 from __future__ import annotations
@@ -78,23 +81,27 @@ import time
 import xml.etree.ElementTree as ET
 from typing import Dict, List, Optional, Sequence, Tuple
 
-if __package__:
-    from ..bench.report import fmt_number
-else:  # run as a file, before pycomm can be imported: load the report module by its path
-    import importlib.util as _util
-
-    _spec = _util.spec_from_file_location(
-        "_pycomm_bench_report", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                             "bench", "report.py"))
-    _report = _util.module_from_spec(_spec)
-    _spec.loader.exec_module(_report)
-    fmt_number = _report.fmt_number
-
 HELP = "the GPU check: CUDA build, GPU tests, kernel benchmark and report (--dry-run on a CPU machine)"
 SELF = os.path.abspath(__file__)
 HERE = os.path.dirname(SELF)
-ROOT = os.path.dirname(os.path.dirname(HERE))
-PROG = "python -m pycomm.tools.gpu_check"
+ROOT = os.path.dirname(HERE)
+#: The benchmark harness's folder (the package pycomm_bench is in it).
+BENCH = os.path.join(ROOT, "bench")
+PROG = "python tools/gpu_check.py"
+
+
+def _load_report():
+    """The harness's report module (standard library only), loaded by its
+    path: this file runs before pycomm or pycomm_bench can be imported."""
+    import importlib.util as _util
+
+    spec = _util.spec_from_file_location("_pycomm_bench_report", os.path.join(BENCH, "pycomm_bench", "report.py"))
+    module = _util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+fmt_number = _load_report().fmt_number
 
 USAGE = """\
 usage: {prog} [--dry-run] [--only STEPS] [--budget SECONDS] [--numel N]
@@ -324,6 +331,10 @@ def configure(opts: Dict[str, object], out: str, work: str, run_dir: str, date: 
     env = os.environ
     env.setdefault("TRITON_CACHE_DIR", os.path.join(work, "triton-cache"))
     env.update(PIP_NO_INDEX="1", PIP_DISABLE_PIP_VERSION_CHECK="1", PYTHONUNBUFFERED="1")
+    # The benchmark harness (pycomm_bench) from the source tree, for every step
+    # and the processes they start: the venv made here installs pycomm alone.
+    if BENCH not in env.get("PYTHONPATH", "").split(os.pathsep):
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (BENCH, env.get("PYTHONPATH", "")) if p)
     if mode == "gpu":
         env.pop("TRITON_INTERPRET", None)  # on the GPU, Triton must compile, not interpret
         # torch's CMake config adds nvcc -gencode flags of its own (detected from
@@ -780,7 +791,7 @@ def step_bench_engine(st: Dict[str, object]) -> int:
     path = os.path.join(st["out"], "engine.json")
     say("pycomm-bench allreduce --device cuda --json engine.json (the engine's GB/s beside the kernels' and "
         "plain NCCL's)")
-    return _sh([st["py"], "-m", "pycomm.bench", "allreduce", "--device", "cuda", "--no-progress", "--json", path],
+    return _sh([st["py"], "-m", "pycomm_bench", "allreduce", "--device", "cuda", "--no-progress", "--json", path],
                cwd=st["root"])
 
 
@@ -1023,8 +1034,8 @@ def helper_bench(argv: List[str]) -> int:
     import torch
 
     import pycomm
-    import pycomm.bench.kernels as K
-    from pycomm.bench import cli, write_json
+    import pycomm_bench.kernels as K
+    from pycomm_bench import cli, write_json
 
     device = torch.device(argv[argv.index("--device") + 1]) if "--device" in argv else torch.device("cpu")
     json_path = argv[argv.index("--json") + 1]
@@ -1081,7 +1092,7 @@ def helper_bench(argv: List[str]) -> int:
     else:
         print(f"bench: CuPy is not importable ({xp_error}): the CuPy packbits peer is left out")
 
-    print("bench: python -m pycomm.bench kernels " + " ".join(argv), flush=True)
+    print("bench: python -m pycomm_bench kernels " + " ".join(argv), flush=True)
     rc = cli.main(["kernels", *argv])
     doc = _load(json_path)
     if doc is None:
@@ -1100,9 +1111,11 @@ def helper_bench(argv: List[str]) -> int:
 def run_helper(name: str, args: List[str]) -> int:
     """``--internal-helper NAME ARGS``: a part that runs in the interpreter under test."""
     if sys.path and os.path.abspath(sys.path[0]) == HERE:
-        sys.path.pop(0)  # this file's folder: its modules are not top-level ones
+        sys.path.pop(0)  # this file's folder (tools/): nothing there is to be imported
     if name in ("bench", "triton-aot"):
         sys.path.insert(0, ROOT)  # pycomm from the source tree (an editable install still wins)
+    if name == "bench" and BENCH not in sys.path:
+        sys.path.insert(1, BENCH)  # pycomm_bench, the same way (PYTHONPATH has it too)
     if name == "env-probe":
         return helper_env_probe(args[0])
     if name == "triton-aot":

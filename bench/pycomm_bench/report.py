@@ -2,8 +2,9 @@
 file under benchmarks/results/, FAILED lines and the exit status.
 
 Only the standard library is imported at module level (torch, tabulate and
-tqdm inside the functions that need them): the GPU check uses
-:func:`fmt_number` before pycomm can be imported.
+tqdm inside the functions that need them): the GPU check
+(tools/gpu_check.py) loads this file by its path and uses :func:`fmt_number`
+before pycomm or this package can be imported.
 
 Example::
 

@@ -1,6 +1,6 @@
 """Hierarchical vs flat compressed all-reduce vs plain all-reduce, on emulated nodes.
 
-``--ranks`` ranks in nodes of ``--ranks-per-node`` (:mod:`pycomm.bench.netem`:
+``--ranks`` ranks in nodes of ``--ranks-per-node`` (:mod:`pycomm_bench.netem`:
 one network namespace per node; ranks of a node talk over its loopback,
 unshaped; links between nodes shaped to ``--bandwidth`` both ways). In the
 same rank processes and the same interleaved rounds, for each tensor size:
@@ -32,7 +32,8 @@ import sys
 import time
 from typing import Any, Dict, List, Optional
 
-from ..distributed import spec
+from pycomm.distributed import spec
+
 from .launch import Rank, RanksFailed, run_ranks, threads_per_rank
 from .methods import ONEBIT, PLAIN, SPARSE
 from .report import default_json_path, finish, machine_info, table
@@ -69,7 +70,7 @@ def settings(comp: str, cfg: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def _rank_main(rank: Rank) -> None:
-    """One rank (:func:`pycomm.bench.launch.run_ranks`): every size, every method."""
+    """One rank (:func:`pycomm_bench.launch.run_ranks`): every size, every method."""
     import torch
     import torch.distributed as dist
 

@@ -17,7 +17,7 @@ next to what its kernels cost and what NCCL's own all-reduce costs:
   time of one call (events), the host time per call when N calls are issued
   back to back (``async_op=True``) and then waited for, and the time for a
   call to return to its caller (synchronous and asynchronous);
-* the DDP step time of the benchmark GPT (pycomm.bench.models: 4 layers,
+* the DDP step time of the benchmark GPT (pycomm_bench.models: 4 layers,
   d_model 512, batch 16 x 128, AdamW) with plain NCCL and with the DDP hook
   (onebit, int8, int4, topk), and the overhead over plain.
 
@@ -55,8 +55,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..distributed import spec
-from ..distributed.spec import chunk_bounds
+from pycomm.distributed import spec
+from pycomm.distributed.spec import chunk_bounds
+
 from .methods import PLAIN, SPARSE
 from .report import default_json_path, finish, fmt_number, machine_info, size_label, table
 
@@ -82,7 +83,7 @@ DEFAULT_REPEATS = 15
 DEFAULT_WARMUP = 3
 QUICK_REPEATS = 3
 QUICK_WARMUP = 1
-#: The benchmark GPT (pycomm.bench.models.GPTConfig fields): 12.9M parameters.
+#: The benchmark GPT (pycomm_bench.models.GPTConfig fields): 12.9M parameters.
 DDP_GPT = {"n_layers": 4, "d_model": 512, "n_heads": 8, "seq_len": 128}
 DDP_BATCH = 16
 #: The hook's exact iterations (bucket indices settle after the first).
@@ -223,7 +224,7 @@ def sim_settings(method: str, options: Dict[str, Any]) -> Dict[str, Any]:
     >>> sim_settings("int8", {"block_size": 256}), sim_settings("fp16", {})
     ({'block_size': 256}, {})
     """
-    from ..distributed.spec import BLOCK_METHODS, block_size_for
+    from pycomm.distributed.spec import BLOCK_METHODS, block_size_for
 
     if method in BLOCK_METHODS:
         return {"block_size": block_size_for(method, options.get("block_size"))}
@@ -388,7 +389,7 @@ def kernel_fn(method: str, x: torch.Tensor, out: torch.Tensor, residual: torch.T
             out.copy_(x.to(dtype))
 
         return cast
-    from ..distributed.spec import block_size_for
+    from pycomm.distributed.spec import block_size_for
 
     if spec.BLOCK_BITS.get(method) == 0:  # onebit: sign bits
         B = block_size_for(method, options.get("block_size"))
@@ -407,7 +408,7 @@ def kernel_fn(method: str, x: torch.Tensor, out: torch.Tensor, residual: torch.T
 
         return quant
     if method == SPARSE:
-        from ..wire import topk_k
+        from pycomm.wire import topk_k
 
         k, approx = topk_k(x.numel(), float(options["density"])), bool(options["approx"])
 
@@ -694,7 +695,7 @@ def ddp_part(cfg: Dict[str, Any], device: torch.device, progress: bool = False) 
     """Step times of DDP on the benchmark GPT: plain and the hook per method."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from ..ddp import CompressionState, compressed_hook
+    from pycomm.ddp import CompressionState, compressed_hook
     from .models import GPTConfig, char_lm
 
     gpt = GPTConfig(**cfg["gpt"])
@@ -982,7 +983,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """``python -m pycomm.bench.engine_cuda [options]``: the same as
+    """``python -m pycomm_bench.engine_cuda [options]``: the same as
     ``pycomm-bench allreduce --device cuda [options]``."""
     from .cli import main as cli_main
 

@@ -1,13 +1,13 @@
 """The quality study: does a method keep the model, in a regime users train in?
 
-Every method trains the same small GPT (:data:`pycomm.bench.models.GPT_SMALL`,
+Every method trains the same small GPT (:data:`pycomm_bench.models.GPT_SMALL`,
 509K parameters, byte-level) on standard-library text with its last 10% held
 out, in the regime of :data:`REGIME`: 512 tokens per rank per step (4
 sequences of 128 bytes), 1000 steps, AdamW, a linear lr warm-up over 6% of
 the steps and a cosine floored at 10% of the peak, the same 60 exact steps
 before any method compresses, the held-out loss on 32 fixed batches every
 100 steps and at the end. Each run is one ``pycomm-bench ddp`` training run
-(:func:`pycomm.bench.ddp.run_ddp`) on plain loopback: loss does not depend
+(:func:`pycomm_bench.ddp.run_ddp`) on plain loopback: loss does not depend
 on the link.
 
 The same tuning budget for every method (:data:`ARMS`): three settings on
@@ -358,8 +358,10 @@ def summarize(arms: Sequence[Arm], runs: Dict[str, Dict[str, Any]], seeds: Seque
             "final_loss_vs_allreduce_min": min(ratios) if ratios else None,
             "final_loss_vs_allreduce_max": max(ratios) if ratios else None,
             # After the exact warm-up (the method's own traffic), and over every step.
-            "bytes_sent_per_rank_per_step": _mean_of(recs, "bytes_sent_per_rank_per_step"),
-            "bytes_sent_per_rank_per_step_all_steps": _mean_of(recs, "bytes_sent_per_rank_per_step_all_steps"),
+            # One rank sends nothing: what its interface counted is other processes' traffic.
+            "bytes_sent_per_rank_per_step": _mean_of(recs, "bytes_sent_per_rank_per_step") if arm.ranks > 1 else None,
+            "bytes_sent_per_rank_per_step_all_steps":
+                _mean_of(recs, "bytes_sent_per_rank_per_step_all_steps") if arm.ranks > 1 else None,
             "diloco_bytes_per_step": first.get("diloco_bytes_per_step"),
             "eval_loss_curve": [[s, mean([c[s] for c in curves])] for s in steps],
             "step_time_mean_s_loopback": mean([r["step_time_mean_s"] for r in recs]),
@@ -491,7 +493,7 @@ def format_summary(summary: List[Dict[str, Any]], n_seeds: int) -> str:
             else f"{r['final_loss_mean']:.4f} ±{r['final_loss_std']:.4f}",
             "-" if ratio is None else f"{(ratio - 1) * 100:+.2f}% ({(r['final_loss_vs_allreduce_min'] - 1) * 100:+.2f}"
                                       f"..{(r['final_loss_vs_allreduce_max'] - 1) * 100:+.2f})",
-            fmt_number((r["bytes_sent_per_rank_per_step"] or 0) / 1e3),
+            "-" if r["bytes_sent_per_rank_per_step"] is None else fmt_number(r["bytes_sent_per_rank_per_step"] / 1e3),
             " / ".join("-" if r[k] is None else f"{r[k]:.0f}x" for k in ("bytes_vs_allreduce",
                                                                           "bytes_vs_allreduce_all_steps")),
         ])

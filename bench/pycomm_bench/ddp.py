@@ -3,7 +3,7 @@ network, and does it hurt the model?
 
 W ranks (``--ranks``) train the same model with DDP, once per method
 (``--methods``), on emulated links of each ``--bandwidth``
-(:mod:`pycomm.bench.netem`: one network namespace per rank, every link shaped
+(:mod:`pycomm_bench.netem`: one network namespace per rank, every link shaped
 with tbf both ways; the link's bus bandwidth is measured and printed before
 use). Without root or iproute2 it runs on plain loopback, labelled so.
 
@@ -96,8 +96,9 @@ import sys
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from pycomm.distributed import spec
+
 from .launch import Rank, RanksFailed, run_ranks, threads_per_rank
-from ..distributed import spec
 from .methods import ALLREDUCE, AUTO, DDP_BASES, Method, parse_method as _parse_method, vocabulary
 from .report import finish, fmt_number, machine_info, progress_bar, table
 from .sweep import (DEFAULT_LR, EVAL_BATCHES, EVAL_RANK, FINAL_LOSS_WINDOW,
@@ -153,7 +154,7 @@ OPTIM_WARMUP_FRACTION = 0.2
 
 def parse_method(name: str) -> Method:
     """``Method`` of a name such as ``onebit-noef-backend`` or ``powersgd-4``
-    (:mod:`pycomm.bench.methods`, the names this benchmark trains with).
+    (:mod:`pycomm_bench.methods`, the names this benchmark trains with).
 
     >>> parse_method("topk-0.01-noef")
     Method(name='topk-0.01-noef', entry='hook', compressor='topk', error_feedback=False, density=0.01, rank=None, overlap=False, rounding='nearest', variance_every=None, sync_every=None, fragments=None, delay=None)
@@ -167,9 +168,9 @@ def parse_method(name: str) -> Method:
 def _optim_classes():
     """(OneBitAdam, OneBitSGD) of :mod:`pycomm.optim`."""
     try:
-        from ..optim import OneBitAdam, OneBitSGD
+        from pycomm.optim import OneBitAdam, OneBitSGD
     except ImportError:  # a package without re-exports: the module itself
-        from ..optim.onebit import OneBitAdam, OneBitSGD
+        from pycomm.optim.onebit import OneBitAdam, OneBitSGD
     return OneBitAdam, OneBitSGD
 
 
@@ -276,7 +277,7 @@ class _RankTrainer:
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
             from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as P
 
-            from ..ddp import serialized_hook
+            from pycomm.ddp import serialized_hook
 
             if m.kind == "cast":  # torch's fp16_compress_hook, bf16_compress_hook
                 state = _AfterWarmup(start_iter, getattr(default_hooks, f"{m.compressor}_compress_hook"))
@@ -287,7 +288,7 @@ class _RankTrainer:
                                         warm_start=True, random_seed=seed)
                 ddp.register_comm_hook(state, serialized_hook(P.powerSGD_hook))
         elif m.pycomm:
-            from ..ddp import CompressionState, compressed_hook
+            from pycomm.ddp import CompressionState, compressed_hook
 
             kw: Dict[str, Any] = {"block_size": self.cfg["block_size"], "rounding": m.rounding}
             if m.density is not None:
@@ -428,7 +429,7 @@ class _RankTrainer:
     def _diloco(self, m: Method, model, inner):
         """DiLoCo of method ``m`` around the warm-up's ``inner`` optimizer
         (its AdamW state kept), from the parameters every rank now shares."""
-        from ..optim import DiLoCo
+        from pycomm.optim import DiLoCo
 
         kw: Dict[str, Any] = {}
         if m.kind == "block":
@@ -599,7 +600,7 @@ class _RankTrainer:
 
 
 def _rank_main(rank: Rank) -> None:
-    """One rank (:func:`pycomm.bench.launch.run_ranks`): the baselines, then every method of the plan."""
+    """One rank (:func:`pycomm_bench.launch.run_ranks`): the baselines, then every method of the plan."""
     trainer = _RankTrainer(rank)
     trainer.emit("compute", compute_time_s=trainer.compute_time(), nocomm_step_time_s=trainer.nocomm_step_time())
     for seed in rank.cfg["seeds"]:
@@ -854,7 +855,7 @@ SAME_FOR_EVERY_SEED = ("method", "bandwidth", "ranks", "workload", "model", "opt
 
 def combine_seeds(recs: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
     """One record of a method at one bandwidth from its per-seed records
-    (:func:`pycomm.bench.sweep.combine_seeds`, the settings of
+    (:func:`pycomm_bench.sweep.combine_seeds`, the settings of
     :data:`SAME_FOR_EVERY_SEED` checked), plus ``params_identical`` (every
     seed), the compression time (median), the engine profile and
     ``eval_loss_curve`` (means over seeds). With one seed every field is

@@ -1,11 +1,11 @@
 """The bus bandwidth of a cluster's links, measured with rank processes: a
-plain Gloo all-reduce across the ranks of a :mod:`pycomm.bench.netem`
-cluster, started by :mod:`pycomm.bench.launch` (which is why it lives in
+plain Gloo all-reduce across the ranks of a :mod:`pycomm_bench.netem`
+cluster, started by :mod:`pycomm_bench.launch` (which is why it lives in
 neither: netem builds the namespaces, launch starts ranks in them).
 
 Example::
 
-    $ python -m pycomm.bench.links check --ranks 2 --rate 100M   # build, measure, print, tear down
+    $ python -m pycomm_bench.links check --ranks 2 --rate 100M   # build, measure, print, tear down
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ def measure_busbw(cluster, nbytes: int = 4 << 20, repeats: int = 5, warmup: int 
                   timeout: float = 60.0) -> float:
     """Bus bandwidth (bit/s) of a plain Gloo float32 all-reduce of ``nbytes``
     across the cluster's ranks, each a process started in its namespace
-    (:func:`pycomm.bench.launch.run_ranks`): 2(W-1)/W x bits / time, time the
+    (:func:`pycomm_bench.launch.run_ranks`): 2(W-1)/W x bits / time, time the
     median over ``repeats`` of the slowest rank's time (a barrier before each
-    call). Raises :class:`pycomm.bench.launch.RanksFailed` if a rank fails
+    call). Raises :class:`pycomm_bench.launch.RanksFailed` if a rank fails
     or ``timeout`` seconds pass.
 
     >>> with make_cluster(2, 100e6) as c:          # doctest: +SKIP
@@ -72,14 +72,14 @@ def _busbw_rank(rank) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m pycomm.bench.links check``: build a cluster, measure its
+    """``python -m pycomm_bench.links check``: build a cluster, measure its
     bus bandwidth, print it, tear the cluster down.
 
     >>> main(["check", "--ranks", "2", "--rate", "none"])   # doctest: +SKIP
     2 ranks on 127.0.0.1 ...: set unshaped, measured bus bandwidth 3.58 Gbit/s
     0
     """
-    ap = argparse.ArgumentParser(prog="python -m pycomm.bench.links", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m pycomm_bench.links", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("check", help="build a cluster, measure its bus bandwidth, tear it down")
     c.add_argument("--ranks", type=int, default=2)

@@ -1,7 +1,0 @@
-"""``python -m pycomm.bench ...``: the same as the ``pycomm-bench`` script."""
-
-import sys
-
-from .cli import main
-
-sys.exit(main())
