@@ -75,7 +75,7 @@ def test_report_compares_each_seed_with_plain_of_the_same_seed_and_ranks():
 
 def test_a_diverged_run_is_recorded_and_loses_without_breaking_the_report(tmp_path):
     # A run whose loss went non-finite is written as strict JSON (nulls), marked diverged.
-    rec = quality._strict(dict(final_loss=float("nan"), eval_loss_curve=[[0, 5.0], [10, float("inf")]], ok=1.5))
+    rec = quality.clean(dict(final_loss=float("nan"), eval_loss_curve=[[0, 5.0], [10, float("inf")]], ok=1.5))
     assert rec == {"final_loss": None, "eval_loss_curve": [[0, 5.0], [10, None]], "ok": 1.5}
     plain, sgd = Arm("allreduce", 4, "sgd"), Arm("onebit", 4, "sgd")
     runs = {}

@@ -59,7 +59,7 @@ from pycomm.distributed import spec
 from pycomm.distributed.spec import chunk_bounds
 
 from .methods import PLAIN, SPARSE
-from .report import default_json_path, finish, fmt_number, machine_info, size_label, table
+from .report import clean, default_json_path, finish, fmt_number, machine_info, size_label, table
 
 HELP = "the engine on one GPU (one rank over NCCL): keyed all-reduce vs its kernels vs NCCL, buckets, DDP"
 
@@ -479,21 +479,6 @@ def _per_call(profile: Dict[str, Any]) -> Dict[str, Any]:
             if k.endswith("_s") and isinstance(v, (int, float)) and not k.startswith("forwarded"):
                 out[k[:-2] + "_ms_per_call"] = 1e3 * v / calls
     return out
-
-
-def clean(value: Any) -> Any:
-    """``value`` with every non-finite float replaced by None (strict JSON).
-
-    >>> clean({"a": [1.0, float("nan")], "b": float("inf")})
-    {'a': [1.0, None], 'b': None}
-    """
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: clean(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [clean(v) for v in value]
-    return value
 
 
 def engine_part(cfg: Dict[str, Any], device: torch.device, progress: bool = False

@@ -47,7 +47,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .ddp import add_flattening
 from .methods import ALLREDUCE
-from .report import fmt_number, table, write_json
+from .report import clean, fmt_number, table, write_json
 from .sweep import mean, stdev
 
 HELP = "the quality study: held-out loss of every method against plain all-reduce, tuned alike, over seeds"
@@ -206,18 +206,6 @@ def _loss(rec: Dict[str, Any]) -> float:
     return math.inf if rec["final_loss"] is None else rec["final_loss"]
 
 
-def _strict(x: Any) -> Any:
-    """``x`` with every non-finite float as None (a diverged run's losses):
-    the records are strict JSON."""
-    if isinstance(x, float):
-        return x if math.isfinite(x) else None
-    if isinstance(x, dict):
-        return {k: _strict(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_strict(v) for v in x]
-    return x
-
-
 def grid_of(arm: Arm, runs: Dict[str, Dict[str, Any]], lrs: Dict[str, Sequence[float]],
             outer: Sequence[Tuple[float, float]], seed: int) -> Optional[List[Dict[str, float]]]:
     """The settings ``arm`` is tuned over: the lr grid, or for DiLoCo the
@@ -298,7 +286,7 @@ def run_one(arm: Arm, setting: Dict[str, float], seed: int, regime: Dict[str, An
     args = ddp.resolve_args(args)
     t0 = time.monotonic()
     (rec,) = ddp.run_ddp(args, out=sys.stderr)
-    rec = _strict(dict(rec, diverged=not math.isfinite(rec["final_loss"])))
+    rec = clean(dict(rec, diverged=not math.isfinite(rec["final_loss"])))
     rec.update(seed=seed, setting={k: float(v) for k, v in setting.items()}, arm=arm.name,
                run_wall_s=time.monotonic() - t0,
                text_files=regime["text_files"], text_bytes=regime["text_bytes"],

@@ -21,7 +21,7 @@ import os
 import platform
 import sys
 import time
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence
 
 
 def fmt_number(x: Optional[float], digits: int = 3) -> str:
@@ -142,6 +142,21 @@ def default_json_path(bench: str, device: object, today: Optional[_dt.date] = No
     kind = str(device).split(":")[0] if isinstance(device, str) else device.type  # type: ignore[attr-defined]
     suffix = "-quick" if quick else ""
     return os.path.join("benchmarks", "results", f"{bench}-{kind}-{today.isoformat()}{suffix}.json")
+
+
+def clean(value: Any) -> Any:
+    """``value`` with every non-finite float replaced by None (strict JSON).
+
+    >>> clean({"a": [1.0, float("nan")], "b": float("inf")})
+    {'a': [1.0, None], 'b': None}
+    """
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [clean(v) for v in value]
+    return value
 
 
 def write_json(path: str, doc: object) -> None:
