@@ -35,7 +35,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Union
 
 from pycomm._optional import require
 from pycomm.distributed import spec
-from pycomm.distributed.spec import DEFAULT_CHUNK_NUMEL_BY_INNER, chunk_bounds, chunk_length
+from pycomm.distributed.spec import chunk_bounds, chunk_length, default_chunk_numel
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 #: What ``--compressor`` takes: the exact all-reduce (no compression, the
@@ -303,17 +303,6 @@ def predict_allreduce_time(
 
 
 # ----------------------------------------------------------- kernel timing ---
-def default_chunk_numel(kernel_device: str) -> int:
-    """pycomm's chunk where the gradients are compressed: the default of the
-    backend it wraps there (NCCL on cuda, Gloo on cpu; docs/allreduce.md,
-    "Chunks").
-
-    >>> default_chunk_numel("cuda"), default_chunk_numel("cpu")
-    (67108864, 1048576)
-    """
-    return DEFAULT_CHUNK_NUMEL_BY_INNER["nccl" if kernel_device == "cuda" else "gloo"]
-
-
 def _results_dirs() -> List[str]:
     here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results")
     cwd = os.path.abspath(os.path.join("benchmarks", "results"))

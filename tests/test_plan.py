@@ -321,7 +321,7 @@ def test_plain_wins_on_fast_links(tmp_path):
 
 def test_default_chunk_follows_the_device():
     p = P.plan(params=1e9, gpus=16, compressor="onebit", kernels_json=False, engine_json=False)
-    assert p["inputs"]["chunk_numel"] == P.default_chunk_numel("cuda")
+    assert p["inputs"]["chunk_numel"] == spec.default_chunk_numel("cuda")
     q = P.plan(params=1e9, gpus=16, compressor="onebit", kernels_json=False, engine_json=False, kernel_device="cpu")
-    assert q["inputs"]["chunk_numel"] == P.default_chunk_numel("cpu")
+    assert q["inputs"]["chunk_numel"] == spec.default_chunk_numel("cpu")
     assert q["topology"]["compressed_chunks"] > p["topology"]["compressed_chunks"]

@@ -169,6 +169,20 @@ DEFAULT_CHUNK_NUMEL = 1 << 20
 #: H200: a 64 Mi-element onebit all-reduce took 18.2 ms in 1 Mi chunks, 1.4
 #: ms in one; docs/performance.md, "The engine on a GPU").
 DEFAULT_CHUNK_NUMEL_BY_INNER = {"gloo": DEFAULT_CHUNK_NUMEL, "nccl": 1 << 26}
+
+
+def default_chunk_numel(device_type: str, inner: Optional[str] = None) -> int:
+    """The engine's chunk when none is given, for tensors on ``device_type``
+    over ``inner`` (None: what a group there wraps, NCCL on cuda, Gloo
+    elsewhere): the one place the optimizers, DiLoCo and ``pycomm plan``
+    take it from before an engine group exists (docs/allreduce.md, "Chunks").
+
+    >>> default_chunk_numel("cuda"), default_chunk_numel("cpu"), default_chunk_numel("cuda", "gloo")
+    (67108864, 1048576, 1048576)
+    """
+    return DEFAULT_CHUNK_NUMEL_BY_INNER[inner or ("nccl" if device_type == "cuda" else "gloo")]
+
+
 #: When the ranks compare their compressed calls: never, at the first use of
 #: each key and keyless (numel, dtype, op), or every call. The index is the
 #: engine's code. ``PYCOMM_DEBUG=detail`` in the environment means "every".

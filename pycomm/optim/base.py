@@ -689,7 +689,8 @@ class _CompressedMomentum(DDPAttach, Optimizer):
             chunk = pd.options_of(self._engine, self._device().type)["chunk_numel"]
         # "auto" picks per size: counted as the exact all-reduce it falls back to.
         method = "none" if self.compressor == "auto" else self.compressor
-        kw = dict(chunk_numel=chunk or spec.DEFAULT_CHUNK_NUMEL, block_size=settings.get("block_size"),
+        chunk = chunk or spec.default_chunk_numel(self._device().type, settings.get("inner"))
+        kw = dict(chunk_numel=chunk, block_size=settings.get("block_size"),
                   density=settings.get("density", 0.01), approx=settings.get("approx", True),
                   payload_nbytes=_payload_nbytes(method, settings))
         if self._overlap and self._buckets:

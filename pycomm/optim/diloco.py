@@ -407,8 +407,7 @@ class DiLoCo:
             return {"chunk_numel": o["chunk_numel"], "block_size": o["block_size"], "density": o["density"],
                     "approx": o["approx"]}
         s = self.compressor_settings
-        inner = s.get("inner") or ("nccl" if device.type == "cuda" else "gloo")
-        return {"chunk_numel": s.get("chunk_numel") or spec.DEFAULT_CHUNK_NUMEL_BY_INNER[inner],
+        return {"chunk_numel": s.get("chunk_numel") or spec.default_chunk_numel(device.type, s.get("inner")),
                 "block_size": s.get("block_size"), "density": s.get("density", 0.01),
                 "approx": s.get("approx", True)}
 
