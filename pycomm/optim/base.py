@@ -82,7 +82,7 @@ Design decisions (docs/optim.md has the long form):
 # annotations with dist.GradBucket and torch.futures.Future[torch.Tensor].
 import sys
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -105,6 +105,23 @@ _STATE_VERSION = 1
 #: The fields of ``state_dict()["pycomm"]``.
 _STATE_FIELDS = ("version", "step_count", "warmup_steps", "compressor", "overlap", "buckets", "world_size", "rank",
                  "error_feedback")
+
+
+class LayoutEntry(NamedTuple):
+    """One parameter's place in the flat buffer of momenta the optimizers
+    all-reduce."""
+
+    group: Dict[str, Any]
+    param: torch.Tensor
+    state: Dict[str, Any]
+    #: "all": every element is sent; "some": the active ones (``masks``);
+    #: None: none (frozen all warm-up).
+    kind: Optional[str]
+    #: For "some": (the active mask, its flat index or None when all are).
+    masks: Optional[Tuple[torch.Tensor, Optional[torch.Tensor]]]
+    #: Where its elements start in the buffer, and how many there are.
+    offset: int
+    count: int
 
 
 class _CompressedMomentum(DDPAttach, Optimizer):
@@ -151,7 +168,7 @@ class _CompressedMomentum(DDPAttach, Optimizer):
     def _init_runtime(self) -> None:
         """What belongs to this process (not saved, not pickled)."""
         self._agreed = False  # the ranks' settings compared since the last change (_agree)
-        self._layout: Optional[List[Any]] = None
+        self._layout: Optional[List[LayoutEntry]] = None
         # Per parameter id, what a subclass derives once from frozen state
         # (OneBitAdam: the denominator); dropped with the layout.
         self._frozen: Dict[int, Tuple[Any, torch.Tensor]] = {}
@@ -550,10 +567,9 @@ class _CompressedMomentum(DDPAttach, Optimizer):
             self._flat = None  # the warm-up buffer is not the compressed one
         return True
 
-    def _build_layout(self) -> List[Any]:
-        """Per parameter with state: (group, p, state, active index or
-        "all"/None, offset into the buffer). The same on every rank: it
-        follows from state that is identical everywhere."""
+    def _build_layout(self) -> List["LayoutEntry"]:
+        """A :class:`LayoutEntry` per parameter with state. The same on every
+        rank: it follows from state that is identical everywhere."""
         layout, offset = [], 0
         for group, p in self._params():
             state = self.state.get(p)
@@ -563,23 +579,23 @@ class _CompressedMomentum(DDPAttach, Optimizer):
             mask = self._active_mask(p, state).reshape(-1)
             count = int(mask.sum())
             if count == p.numel() and p.dtype == torch.float32:
-                layout.append((group, p, state, "all", None, offset, count))
+                layout.append(LayoutEntry(group, p, state, "all", None, offset, count))
             elif count == 0:
-                layout.append((group, p, state, None, None, offset, 0))
+                layout.append(LayoutEntry(group, p, state, None, None, offset, 0))
             else:
                 index = mask.nonzero().reshape(-1) if count < p.numel() else None
-                layout.append((group, p, state, "some", (mask, index), offset, count))
+                layout.append(LayoutEntry(group, p, state, "some", (mask, index), offset, count))
             offset += count
         return layout
 
-    def _pack(self, entries: List[Any], grads: Dict[int, torch.Tensor], inv_scale: Optional[torch.Tensor] = None,
+    def _pack(self, entries: List["LayoutEntry"], grads: Dict[int, torch.Tensor], inv_scale: Optional[torch.Tensor] = None,
               buf: Optional[torch.Tensor] = None) -> Tuple[Optional[torch.Tensor], List[torch.Tensor]]:
         """The local momenta of the layout ``entries`` (from ``grads`` by
         parameter id; a missing gradient counts as zero): one flat buffer of
         their communicated elements (``buf`` when given; None when there are
         none) and each parameter's full local momentum (the buffer's views
         for "all")."""
-        total = sum(e[6] for e in entries)
+        total = sum(e.count for e in entries)
         if not total:
             buf = None
         elif buf is None:
@@ -609,7 +625,7 @@ class _CompressedMomentum(DDPAttach, Optimizer):
             offset += count
         return buf, outs
 
-    def _unpack_apply(self, entries: List[Any], buf: Optional[torch.Tensor], outs: List[torch.Tensor]) -> None:
+    def _unpack_apply(self, entries: List["LayoutEntry"], buf: Optional[torch.Tensor], outs: List[torch.Tensor]) -> None:
         """Step the parameters of ``entries`` with the averaged momenta."""
         offset = 0
         for (group, p, state, kind, masks, _, count), m in zip(entries, outs, strict=True):
@@ -630,7 +646,7 @@ class _CompressedMomentum(DDPAttach, Optimizer):
             return self._overlapped_step(found_inf)
         layout = self._layout
         grads = {id(p): p.grad for _, p in self._params() if p.grad is not None}
-        buf, outs = self._pack(layout, grads, buf=self._buffer(sum(e[6] for e in layout)))
+        buf, outs = self._pack(layout, grads, buf=self._buffer(sum(e.count for e in layout)))
         if buf is not None:
             self._poison(buf, found_inf)
             pd.all_reduce(buf, key=self._key(0), group=self._engine_group(), op="avg")
@@ -679,7 +695,7 @@ class _CompressedMomentum(DDPAttach, Optimizer):
         if not compressed:
             return spec.wire_bytes("none", sum(p.numel() for _, p in self._params()), world)
         if self._layout is not None:
-            numel = sum(e[6] for e in self._layout)
+            numel = sum(e.count for e in self._layout)
         else:
             numel = sum(p.numel() for _, p in self._params())
         settings = self.compressor_settings

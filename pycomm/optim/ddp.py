@@ -93,9 +93,9 @@ class DDPAttach:
         cached = self._buckets.get(index)
         if cached is None or cached[0] != pos:
             positions = self._positions()
-            by_pos = {positions[id(e[1])]: e for e in self._layout}
+            by_pos = {positions[id(e.param)]: e for e in self._layout}
             entries = [by_pos[i] for i in pos if i in by_pos]
-            total = sum(e[6] for e in entries)
+            total = sum(e.count for e in entries)
             buf = torch.empty(total, dtype=torch.float32, device=self._device())
             cached = self._buckets[index] = (pos, entries, buf)
         return cached[1], cached[2]
@@ -135,13 +135,13 @@ class DDPAttach:
             if work is not None:
                 work.wait()
         sent = [(self._buckets[i][1], buf, outs, key) for i, (buf, outs, key, _) in sorted(self._sent.items())]
-        done = {id(e[1]) for entries, *_ in sent for e in entries}
+        done = {id(e.param) for entries, *_ in sent for e in entries}
         positions = self._positions()
-        missing = {positions[id(e[1])] for e in self._layout if id(e[1]) not in done}
+        missing = {positions[id(e.param)] for e in self._layout if id(e.param) not in done}
         calls = [(1 + i, self._bucket_entries(i)[0]) for i, pos in sorted(self._bucket_pos.items())
                  if i not in self._sent and set(pos) <= missing]
-        covered = {id(e[1]) for _, entries in calls for e in entries}
-        rest = [e for e in self._layout if id(e[1]) not in done and id(e[1]) not in covered]
+        covered = {id(e.param) for _, entries in calls for e in entries}
+        rest = [e for e in self._layout if id(e.param) not in done and id(e.param) not in covered]
         if rest:
             calls.append((0, rest))
         carried = False
