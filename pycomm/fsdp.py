@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from .compressors.plugin import is_plugin
+from .distributed.spec import is_plugin
 from .distributed import BACKEND_NAME, PycommOptions
 from .distributed import all_gather as _pd_all_gather
 from .distributed import error_feedback_state as _pd_ef_state

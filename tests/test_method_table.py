@@ -111,7 +111,7 @@ def test_derived_lists_are_the_table_s():
 def test_the_table_s_users_read_it():
     import pycomm
     from pycomm import plan
-    from pycomm.compressors.plugin import is_plugin
+    from pycomm.distributed.spec import is_plugin
     from pycomm.distributed import auto
 
     assert auto.CANDIDATES == spec.AUTO_METHODS

@@ -2,7 +2,7 @@
 
 from .base import Compressor, compressor_class, compressor_names, register, register_compressor
 from .onebit import OneBitCompressor, OneBitPayload
-from .plugin import is_plugin  # also registers the ops the engine calls plugins through
+from . import plugin  # noqa: F401 - registers the ops the engine calls registered compressors through
 from .quant import Int4Compressor, Int8Compressor, QuantPayload
 from .topk import TopKCompressor, TopKPayload
 
@@ -17,7 +17,6 @@ __all__ = [
     "TopKPayload",
     "compressor_class",
     "compressor_names",
-    "is_plugin",
     "register",
     "register_compressor",
 ]

@@ -63,26 +63,6 @@ import torch
 from .base import compressor_class
 
 
-def is_plugin(name: str) -> bool:
-    """True when ``name`` is a registered compressor, which the engine runs
-    through the ops below; False for pycomm's own methods (and "auto"),
-    which it runs natively, and for unknown names.
-
-    >>> is_plugin("onebit"), is_plugin("no-such-compressor")
-    (False, False)
-    """
-    # Imported here: pycomm.distributed imports this module.
-    from ..distributed.spec import GROUP_METHODS
-
-    if not isinstance(name, str) or name in GROUP_METHODS:
-        return False
-    try:
-        compressor_class(name)
-    except ValueError:
-        return False
-    return True
-
-
 def options_json(name: str, options: Optional[Dict[str, Any]]) -> str:
     """The options of compressor ``name`` as the engine passes them (JSON,
     keys sorted, so equal settings give equal text on every rank), checked

@@ -59,7 +59,7 @@ import torch.distributed as dist
 
 from .. import distributed as pd
 from ..compressors.base import check_density
-from ..compressors.plugin import is_plugin
+from ..distributed.spec import is_plugin
 from ..distributed.session import KEY_SPAN, EngineSession, agree, check_residuals, residual_methods
 from ..distributed.spec import EF_METHODS, GROUP_METHODS, ROUNDING_METHODS, check_mode
 

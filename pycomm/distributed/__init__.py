@@ -34,11 +34,11 @@ import torch.distributed as dist
 
 from .. import _ext
 from ..compressors.base import INT64_MAX, check_density, check_positive_int
-from ..compressors.plugin import is_plugin, options_json
+from ..compressors.plugin import options_json
 from ..wire import MAX_BLOCK_SIZE
 from ..compressors.quant import MASK32
 from .spec import (AUTO_METHOD, CHECK_MODES, DEFAULT_BLOCK_SIZE, DEFAULT_CHUNK_NUMEL_BY_INNER, GROUP_METHODS,
-                   ROUNDING_METHODS, ROUNDINGS, check_key, check_mode)
+                   ROUNDING_METHODS, ROUNDINGS, check_key, check_mode, is_plugin)
 
 BACKEND_NAME = "pycomm"
 log = logging.getLogger(__name__)

@@ -47,7 +47,7 @@ import torch
 
 from .. import get_compressor
 from ..compressors.plugin import _instance as _plugin_instance
-from ..compressors.plugin import is_plugin, options_json
+from ..compressors.plugin import options_json
 from .spec import (
     ALL_GATHER_SUFFIX,
     BLOCK_METHODS,
@@ -62,6 +62,7 @@ from .spec import (
     block_segments,
     check_key,
     chunk_bounds,
+    is_plugin,
     method_spec,
     normalize_op,
     rounding_seed,

@@ -27,6 +27,7 @@ from typing import Any, Callable, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from ..compressors.base import compressor_names
 from ..wire import WORD_BITS, quant_num_bytes, topk_capacity, topk_k
 
 
@@ -114,6 +115,18 @@ EXACT_METHOD = methods(kind="exact")[0]
 AUTO_METHOD = "auto"
 #: What a group can be configured with: a method, or "auto".
 GROUP_METHODS = METHODS + (AUTO_METHOD,)
+
+
+def is_plugin(name: str) -> bool:
+    """True when ``name`` is a registered compressor
+    (:func:`pycomm.register_compressor`), which the engine runs through the
+    ops of :mod:`pycomm.compressors.plugin`; False for pycomm's own methods
+    (and "auto"), which it runs natively, and for unknown names.
+
+    >>> is_plugin("onebit"), is_plugin("no-such-compressor")
+    (False, False)
+    """
+    return isinstance(name, str) and name not in GROUP_METHODS and name in compressor_names()
 #: The methods "auto" measures and chooses from, most bits first: of two
 #: methods predicted equally fast, the more exact one wins (the exact
 #: all-reduce first).
@@ -149,9 +162,7 @@ def method_spec(name: str) -> MethodSpec:
     for m in METHOD_TABLE:
         if m.name == name:
             return m
-    from ..compressors.plugin import is_plugin
-
-    if isinstance(name, str) and is_plugin(name):
+    if is_plugin(name):
         return MethodSpec(name, "plugin", 0, residuals=True, error_feedback=True, auto_candidate=False)
     raise ValueError(f"unknown method {name!r}; choose one of {list(METHODS)} or a registered compressor")
 
