@@ -396,5 +396,5 @@ def test_state_refuses_other_versions_and_impls():
     state = CompressionState(compressor="onebit", start_iter=3)
     with pytest.raises(ValueError, match="version 2"):
         state.load_state_dict(dict(state.state_dict(), version=1))
-    with pytest.raises(ValueError, match="impl='reference'.*choose one of"):
+    with pytest.raises(TypeError, match="impl"):  # the hook runs the engine's compiled kernels, no choice
         CompressionState(compressor="onebit", impl="reference")

@@ -125,8 +125,6 @@ class CompressionState:
             residuals' state saves), as
             :class:`pycomm.distributed.PycommOptions`.
         seed: the seed of stochastic rounding, in [0, 2**32).
-        impl: kernels the engine runs: "auto" (the compiled ones of the
-            tensor's device); the engine has no other yet.
         check_calls: when ranks compare their calls, to raise on every rank
             on a mismatch instead of hanging: "first" (first use of each
             bucket), "every" or "off"; ``PYCOMM_DEBUG=detail`` means "every".
@@ -175,7 +173,6 @@ class CompressionState:
         error_feedback: bool = True,
         rounding: str = "nearest",
         seed: int = 0,
-        impl: str = "auto",
         private_group: bool = False,
         check_calls: str = "first",
         hierarchy: Any = "auto",
@@ -188,11 +185,6 @@ class CompressionState:
             )
         if not isinstance(private_group, bool):
             raise TypeError(f"private_group must be a bool, got {private_group!r}")
-        if impl != "auto":
-            raise ValueError(
-                f"impl={impl!r}: the hook runs the engine's compiled kernels (impl='auto'); "
-                f"choose one of ['auto']"
-            )
         check_mode(check_calls, "check_calls")  # validates
         # The engine's own checks, before anything runs: a bad value raises
         # here, on every rank, naming the argument.
@@ -209,7 +201,6 @@ class CompressionState:
             )
         ))
         self.check_calls = check_calls
-        self.impl = impl
         self.hierarchy = hierarchy
         self.calibration = calibration
         self.private_group = private_group

@@ -87,8 +87,6 @@ METHOD_TABLE = (
     MethodSpec("int8", "block", 8, block_size=256, rounds=True, residuals=True),
     MethodSpec("int4", "block", 4, block_size=256, rounds=True, residuals=True),
 )
-#: The kinds of :class:`MethodSpec`, built-in first.
-KINDS = ("block", "sparse", "cast", "exact", "plugin")
 
 
 def methods(**where: Any) -> Tuple[str, ...]:
