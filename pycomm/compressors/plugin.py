@@ -56,11 +56,38 @@ from __future__ import annotations
 
 import functools
 import json
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
 from .base import compressor_class
+
+
+def payload_nbytes(name: str, options: Optional[Dict[str, Any]] = None) -> Callable[[int], int]:
+    """Bytes of registered compressor ``name``'s payload per chunk length
+    (what ``spec.wire_bytes`` needs for it): its ``payload_nbytes(m)`` when
+    the class has one, else one compress of ``m`` zeros measured.
+
+    >>> import pycomm
+    >>> class Halves:
+    ...     def compress(self, grad, residual):
+    ...         return [grad.half()]
+    ...     def decompress(self, payload, out, accumulate):
+    ...         out.copy_(payload[0])
+    >>> _ = pycomm.register_compressor("halves-bytes-doc", Halves)
+    >>> payload_nbytes("halves-bytes-doc")(1000)
+    2000
+    """
+    comp = _instance(name, options_json(name, options))
+    if hasattr(comp, "payload_nbytes"):
+        return lambda m: int(comp.payload_nbytes(m))
+
+    def measured(m: int) -> int:
+        payload = comp.compress(torch.zeros(m), None)
+        tensors = payload if isinstance(payload, (list, tuple)) else [payload]
+        return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+    return measured
 
 
 def options_json(name: str, options: Optional[Dict[str, Any]]) -> str:

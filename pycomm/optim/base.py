@@ -89,6 +89,7 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from .. import distributed as pd
+from ..compressors.plugin import payload_nbytes
 from ..distributed import spec
 from ..distributed.session import KEY_SPAN, EngineSession, agree, check_key_base, check_residuals, residual_methods
 from ._checks import _all_finite, _check_compressor, _check_int
@@ -708,7 +709,8 @@ class _CompressedMomentum(DDPAttach, Optimizer):
         chunk = chunk or spec.default_chunk_numel(self._device().type, settings.get("inner"))
         kw = dict(chunk_numel=chunk, block_size=settings.get("block_size"),
                   density=settings.get("density", 0.01), approx=settings.get("approx", True),
-                  payload_nbytes=_payload_nbytes(method, settings))
+                  payload_nbytes=payload_nbytes(method, settings.get("compressor_options"))
+                  if spec.method_spec(method).kind == "plugin" else None)
         if self._overlap and self._buckets:
             # One call per bucket (as sent in the last step), and one for the rest.
             sizes = [b[2].numel() for b in self._buckets.values()]
@@ -865,29 +867,6 @@ class _CompressedMomentum(DDPAttach, Optimizer):
     def _after_load(self) -> None:
         """Fix-ups of torch's load (which casts every tensor to the
         parameter's dtype)."""
-
-
-def _payload_nbytes(method: str, settings: Dict[str, Any]) -> Optional[Callable[[int], int]]:
-    """Payload bytes of a registered compressor per chunk length (None for
-    a built-in method): its ``payload_nbytes``, or one compress measured."""
-    if spec.method_spec(method).kind != "plugin":
-        return None
-    import pycomm
-
-    opts = dict(settings.get("compressor_options") or {})
-    try:
-        comp = pycomm.get_compressor(method, **opts)
-    except Exception:  # noqa: BLE001 - a compressor class without a registered instance
-        comp = pycomm.compressor_class(method)(**opts)
-    if hasattr(comp, "payload_nbytes"):
-        return lambda m: int(comp.payload_nbytes(m))
-
-    def measured(m: int) -> int:
-        payload = comp.compress(torch.zeros(m), None)
-        tensors = payload if isinstance(payload, (list, tuple)) else [payload]
-        return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
-
-    return measured
 
 
 def _is_dtensor(t: Any) -> bool:

@@ -29,7 +29,6 @@ engine's rollback copy): :meth:`DiLoCo.memory_bytes`.
 
 from __future__ import annotations
 
-import functools
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -37,9 +36,8 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-import pycomm
-
 from .. import distributed as pd
+from ..compressors.plugin import payload_nbytes
 from ..distributed import spec
 from ..distributed.session import KEY_SPAN, EngineSession, check_residuals, residual_methods
 from ._checks import _all_finite, _check_compressor, _check_float, _check_int
@@ -418,8 +416,7 @@ class DiLoCo:
         settings = self._wire_settings()
         payload = None
         if spec.method_spec(self.compressor).kind == "plugin":
-            options = self.compressor_settings.get("compressor_options") or {}
-            payload = functools.partial(_plugin_payload_nbytes, pycomm.get_compressor(self.compressor, **options))
+            payload = payload_nbytes(self.compressor, self.compressor_settings.get("compressor_options"))
         return sum(spec.wire_bytes(self.compressor, n, world, payload_nbytes=payload, **settings)
                    for n in self.fragment_sizes())
 
@@ -565,16 +562,6 @@ def _fragment_bounds(numels: List[int], fragments: int) -> List[int]:
             bounds.append(i + 1)
     bounds.append(len(numels))
     return bounds
-
-
-def _plugin_payload_nbytes(compressor: Any, m: int) -> int:
-    """Bytes of a registered compressor's payload for ``m`` elements: its
-    ``payload_nbytes`` when it has one, else one compress of zeros measured."""
-    if hasattr(compressor, "payload_nbytes"):
-        return int(compressor.payload_nbytes(m))
-    payload = compressor.compress(torch.zeros(m), None)
-    tensors = payload if isinstance(payload, (list, tuple)) else [payload]
-    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
 def _unscale(inner: Optimizer, grad_scale: torch.Tensor, found_inf: Optional[torch.Tensor]) -> torch.Tensor:
