@@ -2,7 +2,7 @@
 
 import dataclasses
 import math
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -56,3 +56,21 @@ def _all_finite(t: torch.Tensor) -> bool:
 
 def _scalar_dtype() -> torch.dtype:
     return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+def _unscale_(grads: Iterable[torch.Tensor], grad_scale: torch.Tensor) -> List[torch.Tensor]:
+    """What ``GradScaler.unscale_`` does to ``grads`` (in place, grouped by
+    device and dtype as torch groups them, the inverse scale computed in
+    float64); returns each group's found-inf flag (a float32 scalar on the
+    group's device, nonzero where a value was not finite): reading them is
+    the caller's choice (a host sync on a GPU)."""
+    inv = grad_scale.double().reciprocal().float()
+    by_key: Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]] = {}
+    for g in grads:
+        by_key.setdefault((g.device, g.dtype), []).append(g)
+    flags = []
+    for (device, _), group in by_key.items():
+        found = torch.zeros((), dtype=torch.float32, device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_(group, found, inv.to(device))
+        flags.append(found)
+    return flags

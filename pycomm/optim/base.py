@@ -92,7 +92,7 @@ from .. import distributed as pd
 from ..compressors.plugin import payload_nbytes
 from ..distributed import spec
 from ..distributed.session import KEY_SPAN, EngineSession, agree, check_key_base, check_residuals, residual_methods
-from ._checks import _all_finite, _check_compressor, _check_int
+from ._checks import _all_finite, _check_compressor, _check_int, _unscale_
 from .ddp import DDPAttach
 
 __all__ = ["KEY_BASE", "KEY_SPAN"]
@@ -424,7 +424,7 @@ class _CompressedMomentum(DDPAttach, Optimizer):
                     f"attach(model, overlap=True, scaler=scaler). Nothing was changed by this step."
                 )
             if grad_scale is not None:
-                self._unscale(grad_scale)
+                _unscale_([p.grad for _, p in self._params() if p.grad is not None], grad_scale)
             if self.in_warmup:
                 ok = self._warmup_step(found_inf)
             elif self._variance_due():
@@ -448,17 +448,6 @@ class _CompressedMomentum(DDPAttach, Optimizer):
                     RuntimeWarning, stacklevel=2,
                 )
         return loss
-
-    def _unscale(self, grad_scale: torch.Tensor) -> None:
-        # What GradScaler.unscale_ does, with its inverse (computed in float64).
-        inv = grad_scale.double().reciprocal().float()
-        by_key: Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]] = {}
-        for _, p in self._params():
-            if p.grad is not None:
-                by_key.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
-        for (device, _), grads in by_key.items():
-            dummy = torch.zeros((), dtype=torch.float32, device=device)
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, dummy, inv.to(device))
 
     def _tell_scaler(self) -> bool:
         """When called from GradScaler.step: mark this optimizer's step as

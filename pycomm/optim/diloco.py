@@ -40,7 +40,7 @@ from .. import distributed as pd
 from ..compressors.plugin import payload_nbytes
 from ..distributed import spec
 from ..distributed.session import KEY_SPAN, EngineSession, check_residuals, residual_methods
-from ._checks import _all_finite, _check_compressor, _check_float, _check_int
+from ._checks import _all_finite, _check_compressor, _check_float, _check_int, _unscale_
 
 __all__ = ["DILOCO_KEY_BASE", "DiLoCo"]
 
@@ -266,7 +266,10 @@ class DiLoCo:
         grad_scale = getattr(self, "grad_scale", None)
         loss = None
         if grad_scale is not None:
-            found_inf = _unscale(self.inner, grad_scale, found_inf)
+            # This rank's found-inf flag: the given one or'ed with this check.
+            grads = [p.grad for g in self.inner.param_groups for p in g["params"] if p.grad is not None]
+            found_inf = sum((f.cpu() for f in _unscale_(grads, grad_scale)), torch.zeros(()) if found_inf is None
+                            else found_inf.float().cpu())
         if found_inf is None or not bool(found_inf > 0):
             with torch.enable_grad():
                 loss = self.inner.step(closure) if closure is not None else self.inner.step()
@@ -562,22 +565,3 @@ def _fragment_bounds(numels: List[int], fragments: int) -> List[int]:
             bounds.append(i + 1)
     bounds.append(len(numels))
     return bounds
-
-
-def _unscale(inner: Optimizer, grad_scale: torch.Tensor, found_inf: Optional[torch.Tensor]) -> torch.Tensor:
-    """GradScaler.unscale_'s work on the inner optimizer's gradients; returns
-    this rank's found-inf flag (the given one or'ed with this check)."""
-    inv = grad_scale.double().reciprocal().float()
-    by_device: Dict[torch.device, List[torch.Tensor]] = {}
-    for g in inner.param_groups:
-        for p in g["params"]:
-            if p.grad is not None:
-                by_device.setdefault(p.grad.device, []).append(p.grad)
-    flag = torch.zeros((), dtype=torch.float32)
-    for device, grads in by_device.items():
-        found = torch.zeros((), dtype=torch.float32, device=device)
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv.to(device))
-        flag = flag + found.cpu()
-    if found_inf is not None:
-        flag = flag + found_inf.float().cpu()
-    return flag
