@@ -152,8 +152,10 @@ def test_sigint_cleans_up(clean, tmp_path):
             print(p.pid, flush=True)
             time.sleep(60)
     """)
+    # SIGINT at its default even where the suite was started in the
+    # background (a shell's "&" ignores it, and children inherit that).
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         rank_pid = int(proc.stdout.readline())
         assert len(_ours()) == 3
