@@ -46,9 +46,10 @@ py::dict spec_dict() {
   for (const char* m : kMethods) methods.append(m);
   using namespace pybind11::literals;
   for (const MethodRow& r : kMethodTable)
-    rows.append(py::dict("name"_a = r.name, "kind"_a = r.kind, "bits"_a = r.bits,
-                         "block_size"_a = r.block_size, "rounds"_a = r.rounds,
-                         "residuals"_a = r.residuals));
+    rows.append(py::dict("name"_a = r.name, "kind"_a = r.kind, "family"_a = r.family,
+                         "bits"_a = r.bits, "block_size"_a = r.block_size, "rounds"_a = r.rounds,
+                         "residuals"_a = r.residuals, "error_feedback"_a = r.error_feedback,
+                         "dtype"_a = r.dtype, "auto_candidate"_a = r.auto_candidate));
   d["method_table"] = py::tuple(rows);
   for (const char* f : kFieldNames) fields.append(f);
   py::list collectives;
@@ -60,14 +61,11 @@ py::dict spec_dict() {
   d["call_fields"] = py::tuple(fields);
   d["default_chunk_numel"] = kDefaultChunkNumel;
   d["tag_words"] = kTagWords;
-  py::dict blocks, bits;
+  py::dict blocks;
   for (const char* m : kMethods) {
-    if (!is_block_method(m)) continue;
-    blocks[m] = default_block_size(m);
-    bits[m] = block_bits(m);
+    if (is_block_method(m)) blocks[m] = default_block_size(m);
   }
   d["default_block_size"] = blocks;
-  d["block_bits"] = bits;
   d["chunk_length"] = py::cpp_function([](int64_t n, int64_t c) { return chunk_length(n, c); });
   d["block_segments"] = py::cpp_function([](int64_t m, int world, int64_t block, int bits) {
     const BlockLayout lay(m, world, block, bits);

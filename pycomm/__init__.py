@@ -27,6 +27,7 @@ from .compressors import (
     compressor_names,
     register_compressor,
 )
+from .distributed import spec as _spec  # noqa: F401 - registers the method table's quant rows
 
 __version__ = "0.1.0"
 

@@ -193,8 +193,6 @@ class CompressedReduceScatter(_ReduceScatterBase):
             # the engine does not compress: exact, as FSDP2 would.
             owner._note_exact(self.fqn, "reduce-scatter", pg is None, input_tensor.dtype)
             return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
-        if owner.record is not None:
-            owner.record.append(("reduce_scatter", self.key, input_tensor.detach().clone(), op))
         name, premul = engine_op(op, group.size())
         if premul is not None and premul != 1.0:
             input_tensor.mul_(premul)
@@ -205,8 +203,6 @@ class CompressedReduceScatter(_ReduceScatterBase):
             raise RuntimeError(f"pycomm.fsdp: reduce-scatter of module {self.fqn!r} (key {self.key}, "
                                f"{input_tensor.numel()} {input_tensor.dtype}) failed: {exc}") from exc
         owner.bytes_in += input_tensor.numel() * input_tensor.element_size()
-        if owner.record is not None:
-            owner.record.append(("reduce_scatter_out", self.key, output_tensor.detach().clone(), op))
         return work
 
     def __repr__(self) -> str:
@@ -238,15 +234,11 @@ class CompressedAllGather(_AllGatherBase):
         if pg is None or input_tensor.dtype not in COMPRESSED_DTYPES:
             owner._note_exact(self.fqn, "all-gather", pg is None, input_tensor.dtype)
             return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
-        if owner.record is not None:
-            owner.record.append(("all_gather", None, input_tensor.detach().clone(), None))
         try:
             work = _pd_all_gather(output_tensor, input_tensor, key=None, group=pg, async_op=async_op)
         except RuntimeError as exc:
             raise RuntimeError(f"pycomm.fsdp: all-gather of module {self.fqn!r} ({input_tensor.numel()} "
                                f"{input_tensor.dtype}) failed: {exc}") from exc
-        if owner.record is not None and not async_op:
-            owner.record.append(("all_gather_out", None, output_tensor.detach().clone(), None))
         return work
 
     def __repr__(self) -> str:
@@ -278,8 +270,6 @@ class FSDPCompression:
         self.groups: dict[tuple[str, tuple[int, ...]], dist.ProcessGroup] = {}
         #: bytes handed to the compressed reduce-scatter on this rank (before compression).
         self.bytes_in = 0
-        #: a list to record every call's input (tests); None: off.
-        self.record: list[Any] | None = None
         self._warned: set = set()
 
     # -- groups ----------------------------------------------------------------
@@ -446,8 +436,8 @@ def compress(
     if unsupported is not None:
         raise RuntimeError(unsupported)
     if settings.get("rounding") == "stochastic" and not {compressor, weights, replicate} & set(spec.ROUNDING_METHODS):
-        raise ValueError("rounding='stochastic' is for the int8 and int4 compressors; none of compressor, "
-                         "weights and replicate is one")
+        raise ValueError(f"rounding='stochastic' is for the {', '.join(spec.ROUNDING_METHODS)} compressors; "
+                         "none of compressor, weights and replicate is one")
     for name, value in (("compressor", compressor), ("weights", weights), ("replicate", replicate)):
         if value is not None and value not in GROUP_METHODS and not is_plugin(value):
             raise ValueError(f"{name} must be one of {list(GROUP_METHODS)} or a registered compressor, got {value!r}")
@@ -466,13 +456,7 @@ def compress(
         raise RuntimeError("pycomm.fsdp.compress: torch.distributed is not initialized")
     if shard not in ("compressed", "exact"):
         raise ValueError(f"shard must be 'compressed' or 'exact', got {shard!r}")
-    if error_feedback is None:
-        # Biased codecs converge only with error feedback: on by default for them.
-        error_feedback = spec.method_spec(compressor).error_feedback
-    if not isinstance(error_feedback, bool):
-        raise TypeError(f"error_feedback must be a bool or None, got {error_feedback!r}")
-    if error_feedback and not spec.method_spec(compressor).residuals:
-        raise ValueError(f"compressor {compressor!r} has no error feedback: pass error_feedback=False")
+    error_feedback = spec.error_feedback_for(compressor, error_feedback)
     allowed = {f for f in PycommOptions.__dataclass_fields__ if f not in ("compressor", "inner", "hierarchy",
                                                                           "calibration")}
     unknown = sorted(set(settings) - allowed)

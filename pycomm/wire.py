@@ -53,20 +53,36 @@ def accept(count: int, k: int) -> bool:
     return k <= count <= topk_capacity(k)
 
 
-# int8 / int4 block quantization (rules: kernels/include/pycomm/compress_math.h).
-#: Largest block_size of every block codec (onebit, int8, int4).
+# Block quantization to ``bits``-bit levels, any ``bits`` dividing 8 from 2 up
+# (rules: kernels/include/pycomm/compress_math.h, "quant").
+#: Largest block_size of every block codec.
 MAX_BLOCK_SIZE = 1 << 30
 MASK32 = 0xFFFFFFFF
+#: The bit widths the quant kernels take.
+QUANT_BITS = (2, 4, 8)
 
 
 def quant_qmax(bits: int) -> int:
-    """Largest level: 127 for int8, 7 for int4 (symmetric, -qmax..qmax)."""
-    return 127 if bits == 8 else 7
+    """Largest level, ``2**(bits-1) - 1`` (symmetric, -qmax..qmax).
+
+    >>> [quant_qmax(b) for b in QUANT_BITS]
+    [1, 7, 127]
+    """
+    return (1 << (bits - 1)) - 1
+
+
+def quant_per_byte(bits: int) -> int:
+    """Levels per data byte; a block holds a whole number of bytes."""
+    return 8 // bits
 
 
 def quant_num_bytes(n: int, bits: int) -> int:
-    """Data bytes of ``n`` quantized elements (int4: two per byte)."""
-    return n if bits == 8 else (n + 1) // 2
+    """Data bytes of ``n`` quantized elements.
+
+    >>> quant_num_bytes(9, 8), quant_num_bytes(9, 4), quant_num_bytes(9, 2)
+    (9, 5, 3)
+    """
+    return -(-n // quant_per_byte(bits))
 
 
 def quant_hash(x: int) -> int:

@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 from _dist import subprocess_env
 
+from pycomm.distributed import spec
+
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 TIMEOUT = 240  # seconds per run: a few seconds of training, imports of a framework, a shared machine
@@ -50,12 +52,18 @@ def _reports(directory):
     return [json.loads((Path(directory) / f"rank{r}.json").read_text()) for r in range(2)]
 
 
-def _check(reports, backend, iterations, buckets=(0, 1)):
+#: Whether the examples' hook method (int8) keeps residuals by default (the
+#: table's rule: spec.error_feedback_for).
+HOOK_EF = spec.error_feedback_for("int8", None)
+
+
+def _check(reports, backend, iterations, buckets=(0, 1), ef=HOOK_EF):
     for rank, r in enumerate(reports):
         assert r["rank"] == rank
         assert r["backend"] == backend or (backend.endswith("*") and r["backend"].startswith(backend[:-1])), r
         assert r["hook_iteration"] == iterations  # the hook ran every iteration
-        assert r["residual_buckets"] == list(buckets)  # and compressed, with error feedback
+        # and compressed; residuals kept per bucket where error feedback is on
+        assert r["residual_buckets"] == (list(buckets) if ef else [])
     assert reports[0]["params_sha256"] == reports[1]["params_sha256"]  # ranks identical
 
 
@@ -81,8 +89,8 @@ def test_onebit_adam_example(tmp_path):
     assert "OneBitAdam: 30 iterations" in out
     _torchrun("torchrun_onebit_adam.py", "--steps", 30, "--resume", ckpt, "--out", resumed)
     # With overlap the residuals are per DDP bucket: keys 1 + bucket index.
-    _check(_reports(full), "gloo", 30, buckets=(1, 2))
-    _check(_reports(resumed), "gloo", 30, buckets=(1, 2))
+    _check(_reports(full), "gloo", 30, buckets=(1, 2), ef=True)
+    _check(_reports(resumed), "gloo", 30, buckets=(1, 2), ef=True)
     assert _same_model(_reports(full), _reports(resumed))
 
 
@@ -104,7 +112,8 @@ def test_lightning_example(tmp_path):
     saved = torch.load(ckpt / "epoch=0.ckpt", weights_only=True)["callbacks"]["pycomm.CompressionCallback"]
     assert sorted(saved["ranks"]) == [0, 1]  # every rank's hook state, in the one file rank 0 wrote
     assert [saved["ranks"][r]["rank"] for r in (0, 1)] == [0, 1]
-    assert all(saved["ranks"][r]["iteration"] == 8 and saved["ranks"][r]["error_feedback"] for r in (0, 1))
+    assert all(saved["ranks"][r]["iteration"] == 8 and bool(saved["ranks"][r]["error_feedback"]) == HOOK_EF
+               for r in (0, 1))
 
 
 def test_accelerate_example(tmp_path):

@@ -17,6 +17,7 @@ import pytest
 import torch
 from _dist import run_ranks
 
+from pycomm.distributed import spec
 from pycomm.distributed.simulate import (
     ErrorFeedback,
     simulate_all_gather,
@@ -102,16 +103,17 @@ def _rank(rank, world, names, ckpt):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+    from _fsdp_record import record_calls
+
     import pycomm.distributed as pd
     from pycomm.fsdp import CompressedReduceScatter, _param_groups
 
     out = {}
     for name in names:
         m, comp, opt = _build(CASES[name], world)
-        if comp is not None:
-            comp.record = []
+        record = record_calls(comp) if comp is not None else None
         losses = [_step(m, opt, s, rank) for s in range(STEPS)]
-        rec = [(k, key, t, _op_desc(op)) for k, key, t, op in comp.record] if comp is not None else None
+        rec = [(k, key, t, _op_desc(op)) for k, key, t, op in record] if comp is not None else None
         out[name] = {"losses": losses, "record": rec, "keys": comp.keys if comp else None}
     if world != 2:
         out["hsdp"] = _rank_hsdp(rank, world)
@@ -381,7 +383,7 @@ def test_arguments_are_checked():
         pf.compress("model")
     with pytest.raises(RuntimeError, match="not initialized"):
         pf.compress(torch.nn.Linear(2, 2))
-    with pytest.raises(ValueError, match="rounding='stochastic' is for the int8 and int4"):
+    with pytest.raises(ValueError, match="rounding='stochastic' is for the " + ", ".join(spec.ROUNDING_METHODS)):
         pf.compress(torch.nn.Linear(2, 2), "onebit", weights="bf16", rounding="stochastic")
     # Weights are used by the forward pass as decoded: no sign bits, no top-k.
     for weights in ("onebit", "topk"):

@@ -447,7 +447,9 @@ def _hook_run(device, method):
     ddp = DDP(model, bucket_cap_mb=BUCKET_MB)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # onebit's advice about momentum optimizers
-        state = CompressionState(compressor=method, start_iter=HOOK_START, chunk_numel=HOOK_CHUNK)
+        # Error feedback on: the residuals' path is what this compares.
+        state = CompressionState(compressor=method, start_iter=HOOK_START, chunk_numel=HOOK_CHUNK,
+                                 error_feedback=True)
     rec = _Recorder(state, params)
     ddp.register_comm_hook(rec, _recording_hook)
     opt = torch.optim.AdamW(params, lr=1e-2)
@@ -558,6 +560,9 @@ def _fsdp_run(device):
     from torch.distributed.fsdp import fully_shard
 
     import pycomm.fsdp as pf
+    from _fsdp_record import record_calls
+
+    records = {}
 
     def build(compressed):
         m = _fsdp_model(3).to(device)
@@ -567,7 +572,7 @@ def _fsdp_run(device):
         comp = None
         if compressed:
             comp = pf.compress(m, "int8", weights="int8", min_compress_numel=1, chunk_numel=1000)
-            comp.record = []
+            records[id(comp)] = record_calls(comp)
         return m, comp, torch.optim.AdamW(m.parameters(), lr=1e-2)
 
     def train(m, opt):
@@ -583,7 +588,7 @@ def _fsdp_run(device):
 
     m, comp, opt = build(True)
     losses, shards = train(m, opt)
-    record = [(kind, key, t.cpu(), str(op)) for kind, key, t, op in comp.record]
+    record = [(kind, key, t.cpu(), str(op)) for kind, key, t, op in records[id(comp)]]
     pm, _, popt = build(False)
     plain_losses, plain_shards = train(pm, popt)
     # The modules' compressed collectives, called as FSDP2 calls them with more ranks.

@@ -20,6 +20,7 @@ from _dist import run_ranks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from pycomm.ddp import CompressionState, compressed_hook
+from pycomm.distributed import spec
 
 IN, HID, OUT, BATCH = 64, 256, 10, 32
 # 0.25 MiB = 65536 floats: the 256x256 weights (65536 elements each) end up
@@ -171,8 +172,11 @@ RESUME_N = 30
 RESUME_CONFIGS = {
     "onebit": dict(compressor="onebit", block_size=256, start_iter=5, chunk_numel=40000),
     "topk": dict(compressor="topk", density=0.01, start_iter=5),
-    # Stochastic rounding: each bucket's call count is saved with its residuals.
-    "int4-stochastic": dict(compressor="int4", rounding="stochastic", seed=11, start_iter=5, chunk_numel=40000),
+    # Stochastic rounding: each bucket's call count is saved with its
+    # residuals (so error feedback is on: without residuals a keyless call's
+    # count starts over in a new process).
+    "int4-stochastic": dict(compressor="int4", rounding="stochastic", seed=11, start_iter=5, chunk_numel=40000,
+                            error_feedback=True),
 }
 
 
@@ -370,7 +374,7 @@ def test_state_pickles_without_process_group():
 
 
 def test_rounding_settings():
-    with pytest.raises(ValueError, match="rounding='stochastic' is for the int8 and int4"):
+    with pytest.raises(ValueError, match="rounding='stochastic' is for the " + ", ".join(spec.ROUNDING_METHODS)):
         CompressionState(compressor="topk", rounding="stochastic")
     with pytest.raises(ValueError, match="seed must be an integer"):
         CompressionState(compressor="int4", rounding="stochastic", seed=-3)

@@ -90,7 +90,6 @@ def test_derived_lists_are_the_table_s():
     assert len(set(spec.METHODS)) == len(table)
     assert spec.GROUP_METHODS == spec.METHODS + (spec.AUTO_METHOD,)
     assert spec.BLOCK_METHODS == tuple(m.name for m in table if m.kind == "block")
-    assert spec.BLOCK_BITS == {m.name: (0 if m.bits == 1 else m.bits) for m in table if m.kind == "block"}
     assert spec.DEFAULT_BLOCK_SIZE == {m.name: m.block_size for m in table if m.block_size}
     assert spec.EF_METHODS == tuple(m.name for m in table if m.residuals)
     assert spec.ROUNDING_METHODS == tuple(m.name for m in table if m.rounds)

@@ -26,7 +26,8 @@ from hypothesis import strategies as st
 import pycomm
 from pycomm.compressors import onebit as ob
 from pycomm.compressors import quant as qz
-from pycomm.wire import MASK32, MAX_BLOCK_SIZE, quant_hash, quant_num_bytes, quant_qmax
+from pycomm.distributed import spec
+from pycomm.wire import MASK32, MAX_BLOCK_SIZE, quant_hash, quant_num_bytes, quant_per_byte, quant_qmax
 
 # The interpreter and numpy evaluate 0 * Inf, Inf - Inf and qmax / tiny
 # (the rules' NaN and overflow cases), which warn.
@@ -39,7 +40,24 @@ F32 = np.float32
 INF, NAN = math.inf, math.nan
 FLT_MAX = float(np.finfo(np.float32).max)
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-BITS = [8, 4]
+#: The widths of the method table's quant rows, and their names: every test
+#: below runs each, so a new row is tested with no edit here.
+QUANT_METHODS = list(spec.methods(family="quant"))
+BITS = [spec.method_spec(m).bits for m in QUANT_METHODS]
+NAME_OF = dict(zip(BITS, QUANT_METHODS))
+
+
+def fit(block_size: int, bits: int) -> int:
+    """block_size rounded up to a whole number of bytes of ``bits``-bit levels."""
+    per = quant_per_byte(bits)
+    return -(-block_size // per) * per
+
+
+def odd_or_fit(half_block: int, bits: int) -> int:
+    """A block of about ``2 * half_block``: odd where one level is a byte
+    (blocks start at odd offsets), else a whole number of bytes."""
+    per = quant_per_byte(bits)
+    return 2 * half_block - 1 if per == 1 else per * half_block
 SEEDS = [-1, 12345]  # round to nearest; stochastic
 BLOCK_SIZES = [2, 4, 6, 256, 1000, 4096]
 
@@ -246,8 +264,10 @@ def test_nonfinite_blocks_decode_to_nan():
 def test_tiny_amax():
     # amax below qmax / FLT_MAX: qmax / amax would overflow, so inv is 0:
     # the block sends zeros and the residual keeps all of it.
-    grad = torch.tensor([1e-38, 0.0, -5e-39, -0.0])
     for bits in BITS:
+        tiny = float(F32(0.5 * quant_qmax(bits) / FLT_MAX))
+        grad = torch.tensor([tiny, 0.0, -tiny / 2, -0.0])
+        assert grad[0] > 0 and quant_qmax(bits) / grad[0].item() > FLT_MAX
         r = torch.zeros(4)
         data, scales = qz.compress_reference(grad, r, bits, 4, -1)
         assert qz.unpack_reference(data, bits, 4).tolist() == [0, 0, 0, 0]
@@ -272,7 +292,7 @@ def test_stochastic_rounding_is_unbiased():
 @pytest.mark.parametrize("seed", [-1, 0, 12345, MASK32])
 @pytest.mark.parametrize("block_size", [2, 6, 64, 1000])
 def test_reference_matches_scalar_rules(bits, seed, block_size):
-    n = 301
+    n, block_size = 301, fit(block_size, bits)
     grad, residual = hostile(n, seed=block_size), make_residual(n)
     r = residual.clone()
     data, scales = qz.compress_reference(grad, r, bits, block_size, seed)
@@ -300,7 +320,7 @@ FLOATS = st.one_of(
 )
 def test_property_reference_matches_scalar_rules(values, bits, half_block, seed, ef):
     n = len(values)
-    block_size = 2 * half_block if bits == 4 else 2 * half_block - 1  # odd ones too for int8
+    block_size = odd_or_fit(half_block, bits)
     grad = torch.tensor(values, dtype=torch.float32)
     residual = residual_of(ef, n)
     r = residual.clone() if residual is not None else None
@@ -327,6 +347,7 @@ def test_reference_block_far_longer_than_tensor():
 @pytest.mark.parametrize("seed", SEEDS, ids=["nearest", "stochastic"])
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 def test_sizes_and_block_sizes(impl, device, bits, seed, block_size):
+    block_size = fit(block_size, bits)
     for n in sizes(block_size):
         grad = make_grad("hostile" if n >= 64 else "random", n, seed=n)
         data, scales = check_compress(impl, device, grad, make_residual(n, n), bits, block_size, seed)
@@ -358,7 +379,7 @@ def test_int8_odd_block_sizes(impl, device, seed, block_size):
 @pytest.mark.parametrize("ef", [True, False], ids=["ef", "noef"])
 def test_dtypes_and_values(impl, device, bits, seed, dtype, ef):
     n = 1001
-    for kind, block_size in (("hostile", 6), ("hostile", 256), ("random", 64)):
+    for kind, block_size in (("hostile", fit(6, bits)), ("hostile", 256), ("random", 64)):
         grad = make_grad(kind, n, dtype, seed=block_size)
         check_compress(impl, device, grad, make_residual(n) if ef else None, bits, block_size, seed)
 
@@ -430,7 +451,7 @@ def test_decompress_accumulate(impl, device, bits):
 )
 def test_property_cpu_matches_reference(bits, seed, values, half_block, ef):
     grad = torch.tensor(values, dtype=torch.float32)
-    block_size = 2 * half_block if bits == 4 else 2 * half_block - 1  # odd ones too for int8
+    block_size = odd_or_fit(half_block, bits)
     check_compress("cpu", "cpu", grad, residual_of(ef, grad.numel()), bits, block_size, seed)
 
 
@@ -445,12 +466,12 @@ def test_property_cpu_matches_reference(bits, seed, values, half_block, ef):
 def test_property_triton_matches_reference(values, bits, half_block, seed):
     grad = torch.tensor(values, dtype=torch.float32)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    check_compress("triton", device, grad, residual_of("zero", grad.numel()), bits, 2 * half_block, seed)
+    check_compress("triton", device, grad, residual_of("zero", grad.numel()), bits, fit(2 * half_block, bits), seed)
 
 
 # ------------------------------------------------------- compressor API ---
 @pytest.mark.parametrize("impl,device", WITH_REFERENCE)
-@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("name", QUANT_METHODS)
 def test_error_feedback_invariant(impl, device, name):
     # decoded + new residual == c to float rounding; the residual is exactly
     # c minus what the receiver decodes, and exactly c where the level is 0.
@@ -472,7 +493,7 @@ def test_error_feedback_invariant(impl, device, name):
 
 
 @pytest.mark.parametrize("impl,device", WITH_REFERENCE)
-@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("name", QUANT_METHODS)
 def test_shapes_and_noncontiguous(impl, device, name):
     c = pycomm.get_compressor(name, block_size=16, impl=impl)
     grad = torch.randn(37, 3, 5, device=device).transpose(0, 2)
@@ -490,8 +511,8 @@ def test_shapes_and_noncontiguous(impl, device, name):
 
 
 def test_payload_nbytes_is_exact():
-    for name, bits in (("int8", 8), ("int4", 4)):
-        for block_size in (2, 256, 1000):
+    for name, bits in zip(QUANT_METHODS, BITS):
+        for block_size in (fit(2, bits), 256, 1000):
             c = pycomm.get_compressor(name, block_size=block_size, impl="reference")
             for n in (1, 2, 3, 255, 256, 257, 1001):
                 p = c.compress(torch.randn(n))
@@ -520,7 +541,7 @@ def test_stochastic_seed_advances_per_call():
     assert nearest.next_seed() == -1 and torch.equal(nearest.compress(g).data, nearest.compress(g).data)
 
 
-@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("name", QUANT_METHODS)
 @pytest.mark.parametrize(
     "kwargs,match",
     [
@@ -546,8 +567,11 @@ def test_block_size_rules_per_family():
     assert pycomm.get_compressor("int8", block_size=1).block_size == 1
     assert pycomm.get_compressor("int8", block_size=2**30 - 1).block_size == 2**30 - 1
     assert pycomm.get_compressor("int4", block_size=2**30).block_size == 2**30
-    with pytest.raises(ValueError, match="block_size must be even for int4"):
-        pycomm.get_compressor("int4", block_size=7)
+    for name, bits in zip(QUANT_METHODS, BITS):
+        per = quant_per_byte(bits)
+        if per > 1:
+            with pytest.raises(ValueError, match=f"block_size must be a multiple of {per} for {bits}-bit levels"):
+                pycomm.get_compressor(name, block_size=per + 1)
     with pytest.raises(ValueError, match=f"block_size must be at most {2**30}, got {2**30 + 1}"):
         pycomm.get_compressor("int8", block_size=2**30 + 1)
     c = pycomm.get_compressor("int4")
@@ -597,10 +621,12 @@ def _ops(name):
 
 ones = torch.ones
 OP_ERRORS = [
-    ("quant_compress", lambda: (ones(64), None, 5, 64, -1), "bits must be 8 or 4"),
+    ("quant_compress", lambda: (ones(64), None, 5, 64, -1), r"bits must be one of \[2, 4, 8\]"),
+    ("quant_compress", lambda: (ones(64), None, 1, 64, -1), r"bits must be one of \[2, 4, 8\]"),
     ("quant_compress", lambda: (ones(64), None, 8, 0, -1), r"block_size must be in \[1, 2\^30\]"),
     ("quant_compress", lambda: (ones(64), None, 8, 2**30 + 1, -1), r"block_size must be in \[1, 2\^30\]"),
-    ("quant_compress", lambda: (ones(64), None, 4, 63, -1), "block_size must be even for int4"),
+    ("quant_compress", lambda: (ones(64), None, 4, 63, -1), "block_size must be a multiple of 2 for 4-bit"),
+    ("quant_compress", lambda: (ones(64), None, 2, 66, -1), "block_size must be a multiple of 4 for 2-bit"),
     ("quant_compress", lambda: (ones(64), None, 8, 64, -2), "seed must be -1"),
     ("quant_compress", lambda: (ones(64), None, 8, 64, 2**32), "seed must be -1"),
     ("quant_compress", lambda: (ones(64, dtype=torch.int32), None, 8, 64, -1), "grad must be float32"),
@@ -644,24 +670,24 @@ def test_triton_op_schemas_match_cpp(name):
 def test_compress_into_a_second_buffer(bits, seed):
     # The backend's double-buffered error feedback: the payload and new
     # residual of the in-place compress, the old residual left as it was.
-    n = 301
+    n, block = 301, fit(6, bits)
     g = make_grad("hostile", n, torch.float16, seed=3)
     r = make_residual(n)
     r_inplace = r.clone()
-    data_ref, scales_ref = qz.compress_reference(g, r_inplace, bits, 6, seed)
+    data_ref, scales_ref = qz.compress_reference(g, r_inplace, bits, block, seed)
     for op in _ops("quant_compress_into"):
         r_in, r_out = r.clone(), poisoned(n)
-        data, scales = op(g, r_in, r_out, bits, 6, seed)
+        data, scales = op(g, r_in, r_out, bits, block, seed)
         assert torch.equal(data, data_ref)
         assert_same(scales, scales_ref, "scales")
         assert_same(r_out, r_inplace, "residuals")
         assert torch.equal(r_in, r)
         # The same tensor twice is the in-place compress; a partial overlap is refused.
         buf = torch.cat([r, torch.zeros(8)])
-        op(g, buf[:n], buf[:n], bits, 6, seed)
+        op(g, buf[:n], buf[:n], bits, block, seed)
         assert_same(buf[:n], r_inplace, "in-place residuals")
         with pytest.raises(RuntimeError, match="must be the same tensor or not overlap"):
-            op(g, buf[:n], buf[4 : n + 4], bits, 6, seed)
+            op(g, buf[:n], buf[4 : n + 4], bits, block, seed)
 
 
 # opcheck compares outputs without equal_nan: finite inputs only.
@@ -741,6 +767,7 @@ def _raw(t):
 @pytest.mark.parametrize("block_size", [2, 6, 256, 258, 6000])
 @pytest.mark.parametrize("n", [1, 33, 4097, 13001])
 def test_compress_into_matches_in_place_bit_for_bit(device, dtype, bits, seed, block_size, n):
+    block_size = fit(block_size, bits)
     g = make_grad("hostile", n, dtype, seed=n, device=device)
     r = make_residual(n, seed=n + 1)
     if n > 2:

@@ -136,7 +136,7 @@ class BlockLayout:
     (docs/allreduce.md step 1, as ``BlockLayout`` in csrc/distributed/spec.h):
     ``seg`` elements per segment (whole blocks), per segment its length, data
     words, blocks and wire size ``S`` in int32 elements. ``bits``: the
-    codec's :data:`~pycomm.distributed.spec.BLOCK_BITS` (0: onebit's signs).
+    codec's bits per element (``spec.method_spec(m).bits``; onebit's 1).
 
     >>> lay = BlockLayout(1000, 2, 256, bits=8)
     >>> lay.seg, lay.length, lay.words, lay.size
@@ -146,7 +146,7 @@ class BlockLayout:
     m: int
     world: int
     block: int
-    bits: int = 0
+    bits: int = 1
     seg: int = 0
     length: List[int] = field(default_factory=list)
     words: List[int] = field(default_factory=list)
@@ -189,12 +189,12 @@ def _block_kernels(method: str, block: int):
     decompress(out, data, scales, accumulate))``: the kernels of a block
     codec, as the backend runs them; ``data_of`` cuts the data of elements
     ``[start, start + n)`` (``start`` a block boundary) out of a payload."""
-    ops, bits = torch.ops.pycomm, spec.BLOCK_BITS[method]
-    if bits == 0:  # onebit: sign bits in int32 words
+    ops, bits = torch.ops.pycomm, spec.method_spec(method).bits
+    if spec.method_spec(method).family == "onebit":  # sign bits in int32 words
         return (lambda x, r: ops.onebit_compress(x, r, block),
                 lambda data, start, n: data.narrow(0, start // 32, _cdiv(n, 32)),
                 lambda out, data, scales, acc: ops.onebit_decompress(out, data, scales, block, acc))
-    # int8/int4 round to nearest, as the benchmark's groups do (no -sr here)
+    # a quant width rounds to nearest, as the benchmark's groups do (no -sr here)
     return (lambda x, r: ops.quant_compress(x, r, bits, block, -1),
             lambda data, start, n: data.narrow(0, quant_num_bytes(start, bits), quant_num_bytes(n, bits)),
             lambda out, data, scales, acc: ops.quant_decompress(out, data, scales, bits, block, acc))
@@ -412,7 +412,7 @@ class _RankBench:
         if m.kind == "block":
             B = opts["block_size"]
             compress, data_of, decompress = _block_kernels(m.compressor, B)
-            lays = [BlockLayout(mlen, W, B, spec.BLOCK_BITS[m.compressor]) for _b, mlen in chunks]
+            lays = [BlockLayout(mlen, W, B, spec.method_spec(m.compressor).bits) for _b, mlen in chunks]
             server = [torch.zeros(lay.length[r]) for lay in lays]
             # The server accumulator is allocated once and zeroed per chunk: a
             # fresh multi-MB torch.zeros per chunk costs page faults whose price
@@ -468,7 +468,7 @@ class _RankBench:
 
         chunks = chunk_bounds(n, opts["chunk_numel"])
         if m.kind == "block":
-            bits = spec.BLOCK_BITS[m.compressor]
+            bits = spec.method_spec(m.compressor).bits
             lays = [BlockLayout(mlen, W, opts["block_size"], bits) for _b, mlen in chunks]
             bufs = [
                 (torch.zeros(sum(lay.size), dtype=torch.int32),  # all_to_all send

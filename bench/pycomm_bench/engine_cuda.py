@@ -72,7 +72,7 @@ COMPRESSED = tuple(m for m in METHODS if m != PLAIN)
 #: The methods whose engine result equals the reference simulation bit for
 #: bit (pycomm/distributed/simulate.py); onebit, whose block scale is a mean
 #: (a float sum whose order differs), agrees to float32 rounding.
-EXACT_METHODS = tuple(m.name for m in spec.METHOD_TABLE if not (m.kind == "block" and m.bits == 1))
+EXACT_METHODS = tuple(m.name for m in spec.METHOD_TABLE if m.family != "onebit")
 DEFAULT_NUMEL = 1 << 26
 QUICK_NUMEL = 1 << 22
 #: A 25 MB DDP bucket of float32 (DDP's default bucket_cap_mb).
@@ -391,7 +391,7 @@ def kernel_fn(method: str, x: torch.Tensor, out: torch.Tensor, residual: torch.T
         return cast
     from pycomm.distributed.spec import block_size_for
 
-    if spec.BLOCK_BITS.get(method) == 0:  # onebit: sign bits
+    if spec.method_spec(method).family == "onebit":  # sign bits
         B = block_size_for(method, options.get("block_size"))
 
         def onebit() -> None:
@@ -400,7 +400,7 @@ def kernel_fn(method: str, x: torch.Tensor, out: torch.Tensor, residual: torch.T
 
         return onebit
     if method in spec.BLOCK_METHODS:
-        B, nbits = block_size_for(method, options.get("block_size")), spec.BLOCK_BITS[method]
+        B, nbits = block_size_for(method, options.get("block_size")), spec.method_spec(method).bits
 
         def quant() -> None:
             data, scales = ops.quant_compress(x, residual, nbits, B, -1)

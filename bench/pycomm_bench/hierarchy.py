@@ -63,7 +63,7 @@ def settings(comp: str, cfg: Dict[str, Any]) -> Dict[str, Any]:
     row = spec.method_spec(comp)
     if row.kind == "sparse":
         return {"density": cfg["density"]}
-    return {"block_size": cfg["block_size"]} if row.kind == "block" and row.bits == 1 else {}
+    return {"block_size": cfg["block_size"]} if row.family == "onebit" else {}
 
 
 # --------------------------------------------------------------------------- rank side

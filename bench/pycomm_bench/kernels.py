@@ -540,14 +540,14 @@ def peers(family: str) -> List[str]:
     >>> peers("onebit"), peers("int8")
     (['unfused'], [])
     """
-    own = [PEER] if spec.method_spec(family).kind == "sparse" or spec.BLOCK_BITS.get(family) == 0 else []
+    own = [] if spec.method_spec(family).family == "quant" else [PEER]  # the quant kernels have no unfused peer
     return own + list(EXTRA_PEERS.get(family, {}))
 
 
 # ------------------------------------------------------------ block codecs ---
 @dataclass
 class _Codec:
-    """What the block-codec contenders need of onebit or int8/int4 beside
+    """What the block-codec contenders need of onebit or a quant width beside
     :func:`block_runners`: the pure-torch reference, the bytes an operation
     moves, and the name of the payload's data."""
 
@@ -557,8 +557,8 @@ class _Codec:
 
 
 def _codec(family: str, block: int) -> _Codec:
-    bits = spec.BLOCK_BITS[family]
-    if bits == 0:
+    bits = spec.method_spec(family).bits
+    if spec.method_spec(family).family == "onebit":
         return _Codec(
             (lambda g, r: onebit_ref.compress_reference(g, r, block),
              lambda data, scales, out, acc: onebit_ref.decompress_reference(data, scales, block, out, acc)),
@@ -617,7 +617,7 @@ def block_runners(family: str, impl: str, block: int):
     if impl in extra:
         return extra[impl](block)
     comp = pycomm.get_compressor(family, block_size=block, impl=impl)
-    signs = spec.BLOCK_BITS[family] == 0
+    signs = spec.method_spec(family).family == "onebit"
 
     def compress(g, r):
         p = comp.compress(g, r)

@@ -140,7 +140,9 @@ class Arm:
 #: OneBitSGD and the onebit and int8 hooks; then 1 and 2 replicas at the
 #: 4-rank arms' global batch (16 and 8 sequences per rank), as the anchors
 #: compare them; the onebit hook without error feedback (is the residual
-#: what hurts it under AdamW?).
+#: what hurts it under AdamW?); the int8 and int4 hooks without error
+#: feedback (the table's default for them: does the hook need it?); the
+#: 2-bit (ternary) levels in the hook and as DiLoCo's pseudo-gradient codec.
 ARMS: Tuple[Arm, ...] = (
     Arm(ALLREDUCE), Arm("diloco-H16"), Arm("diloco-H16-int4"), Arm("optim-onebit-v0"), Arm("int8"), Arm("int4"),
     Arm("fp16"), Arm("powersgd-4"), Arm(ALLREDUCE, 2), Arm("diloco-H16-int4", 2), Arm(ALLREDUCE, 1),
@@ -149,7 +151,8 @@ ARMS: Tuple[Arm, ...] = (
     Arm(ALLREDUCE, 4, "sgd"), Arm("optim-onebit", 4, "sgd"), Arm("onebit", 4, "sgd"), Arm("int8", 4, "sgd"),
     Arm(ALLREDUCE, 1, batch_size=16), Arm("diloco-H16", 1, batch_size=16),
     Arm(ALLREDUCE, 2, batch_size=8), Arm("diloco-H16", 2, batch_size=8), Arm("diloco-H16-int4", 2, batch_size=8),
-    Arm("onebit-noef"),
+    Arm("onebit-noef"), Arm("int8-noef"), Arm("int4-noef"), Arm("int2"), Arm("diloco-H16-int2"),
+    Arm("int2-noef"),
 )
 
 

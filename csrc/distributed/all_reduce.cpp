@@ -124,7 +124,7 @@ bool CompressedBackend::run_blocks(const at::Tensor& x, ErrorFeedback* ef, bool 
                                    const Group& g, const std::string& method,
                                    std::vector<at::Tensor>* deferred_checks) {
   const int world = g.world, rank = g.rank;
-  const BlockCodec codec{block_bits(method), block_for(method)};
+  const BlockCodec codec = BlockCodec::of(method, block_for(method));
   const int64_t n = x.numel(), C = chunk_length(n, config_.chunk_numel), B = codec.block;
   const int64_t chunks = ceil_div(n, C);
   const auto int_opts = x.options().dtype(at::kInt);

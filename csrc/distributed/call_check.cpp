@@ -125,7 +125,7 @@ void CompressedBackend::check_call(const at::Tensor& tensor, std::optional<int64
   mine[kApprox] = config_.approx;
   mine[kDevice] = static_cast<int64_t>(tensor.device().type());
   mine[kCollective] = collective_;
-  mine[kRounding] = block_bits(method) ? config_.rounding_seed : -1;  // onebit: no rounding
+  mine[kRounding] = method_rounds(method) ? config_.rounding_seed : -1;
   const int world = getSize();
   const auto opts = tensor.options().dtype(at::kLong);
   at::Tensor in = at::tensor(mine, at::kLong).to(tensor.device());

@@ -7,6 +7,17 @@
 
 namespace pycomm {
 namespace dist {
+namespace {
+
+// A cast's wire dtype, by the name its row gives (spec.h: "float16",
+// "bfloat16").
+at::ScalarType wire_dtype(const std::string& name) {
+  for (at::ScalarType t : {at::kHalf, at::kBFloat16})
+    if (name == (t == at::kHalf ? "float16" : "bfloat16")) return t;
+  TORCH_CHECK(false, "no wire dtype named '", name, "'");
+}
+
+}  // namespace
 
 Float32Views::Float32Views(const at::Tensor& input, const at::Tensor& output)
     : direct(input.scalar_type() == at::kFloat && input.is_contiguous() && output.is_contiguous()) {
@@ -58,7 +69,7 @@ bool CompressedBackend::run_uncompressed(
     // it cannot overflow; an exact one after.
     Span span(profile_.encode_s);
     send = (average && !exact ? views.in / getSize() : views.in)
-               .to(exact ? at::kFloat : m == "fp16" ? at::kHalf : at::kBFloat16);
+               .to(exact ? at::kFloat : wire_dtype(method_row(m)->dtype));
   }
   const at::Tensor result = exchange(send);
   {

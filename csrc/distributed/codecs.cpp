@@ -120,14 +120,14 @@ int64_t padded_nbytes(int64_t n) { return (n + 7) / 8 * 8; }
 std::tuple<at::Tensor, at::Tensor> BlockCodec::compress(const at::Tensor& g,
                                                         const std::optional<at::Tensor>& r,
                                                         int64_t seed) const {
-  return bits ? quant_compress(g, r, bits, block, seed) : onebit_compress(g, r, block);
+  return quant ? quant_compress(g, r, bits, block, seed) : onebit_compress(g, r, block);
 }
 
 std::tuple<at::Tensor, at::Tensor> BlockCodec::compress_into(const at::Tensor& g,
                                                              const at::Tensor& r,
                                                              const at::Tensor& r_out,
                                                              int64_t seed) const {
-  return bits ? quant_compress_into(g, r, r_out, bits, block, seed)
+  return quant ? quant_compress_into(g, r, r_out, bits, block, seed)
               : onebit_compress_into(g, r, r_out, block);
 }
 
@@ -135,10 +135,10 @@ std::vector<at::Tensor> BlockCodec::segment(const at::Tensor& data, const at::Te
                                             int64_t lo, int64_t len) const {
   const int64_t words = BlockLayout::data_words(len, bits);
   at::Tensor d;
-  if (bits == 0) {
+  if (!quant) {
     d = data.narrow(0, lo / kOnebitWordBits, words);
   } else {
-    d = data.narrow(0, lo * bits / 8, quant_num_bytes(len, bits));
+    d = data.narrow(0, lo / quant_per_byte(bits), quant_num_bytes(len, bits));
     if (const int64_t pad = 4 * words - d.numel(); pad > 0) d = at::cat({d, at::zeros({pad}, d.options())});
     d = d.view(at::kInt);
   }
@@ -151,14 +151,14 @@ at::Tensor BlockCodec::scales_at(const at::Tensor& buf, int64_t offset, int64_t 
 }
 
 at::Tensor BlockCodec::finite(const at::Tensor& s) const {
-  return at::isfinite(bits ? s * float(quant_qmax(bits)) : s).all();
+  return at::isfinite(quant ? s * float(quant_qmax(bits)) : s).all();
 }
 
 void BlockCodec::decompress(const at::Tensor& out, const at::Tensor& buf, int64_t offset,
                             bool accumulate) const {
   const int64_t len = out.numel(), words = BlockLayout::data_words(len, bits);
   const at::Tensor d = buf.narrow(0, offset, words), s = scales_at(buf, offset, len);
-  if (bits == 0) {
+  if (!quant) {
     onebit_decompress(out, d, s, block, accumulate);
   } else {
     quant_decompress(out, d.view(at::kByte).narrow(0, 0, quant_num_bytes(len, bits)), s, bits,

@@ -22,16 +22,22 @@ struct Config;
 // Any other method name is a compressor registered in Python.
 inline bool is_plugin(const std::string& m) { return !m.empty() && !known_method(m) && m != "auto"; }
 
-// A block codec (onebit, int8, int4) as the engine uses it: compress a
+// A block codec (a row of kind "block": onebit or a quant width) as the engine uses it: compress a
 // whole chunk, cut a segment's wire words out of its payload, decode a
 // segment's wire words. Segments start at whole blocks (BlockLayout), and
 // blocks at multiples of 32 elements, so a segment's data starts at a whole
 // word or byte of the chunk's.
 struct BlockCodec {
-  int bits;  // 0: onebit
+  bool quant;  // the quant kernels (levels of `bits` bits), else onebit's
+  int bits;
   int64_t block;
 
-  // `seed`: int8/int4's stochastic rounding seed, -1 to nearest (onebit
+  // The codec of block method `m` (its row's family and bits).
+  static BlockCodec of(const std::string& m, int64_t block_size) {
+    return {method_family(m) == "quant", block_bits(m), block_size};
+  }
+
+  // `seed`: a quant codec's stochastic rounding seed, -1 to nearest (onebit
   // has no rounding).
   std::tuple<at::Tensor, at::Tensor> compress(const at::Tensor& g,
                                               const std::optional<at::Tensor>& r,
@@ -45,7 +51,7 @@ struct BlockCodec {
   // The scales of the len-element segment at `offset` of an int32 buffer.
   at::Tensor scales_at(const at::Tensor& buf, int64_t offset, int64_t len) const;
   // Whether segments with these scales decode to finite values only: their
-  // largest value is +-scale (onebit) or qmax * scale (int8/int4; the
+  // largest value is +-scale (onebit) or qmax * scale (quant; the
   // product can overflow even where the scale does not). A 0-dim bool.
   at::Tensor finite(const at::Tensor& s) const;
   // Decodes the len-element segment at `offset` of an int32 buffer into out.
@@ -62,7 +68,7 @@ struct PayloadCodec {
   BlockCodec block;
 
   PayloadCodec(const std::string& m, const Config& c, int64_t block_size)
-      : method(m), cfg(c), block{block_bits(m), block_size} {}
+      : method(m), cfg(c), block(BlockCodec::of(m, block_size)) {}
 
   // The payload of `seg` (with error feedback when `r` is given, updated in
   // place), then `tag` (int32 words). `layout`: a registered compressor's

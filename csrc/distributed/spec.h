@@ -17,32 +17,40 @@
 namespace pycomm {
 namespace dist {
 
-// One row per method (spec.METHOD_TABLE, field by field; pycomm._C.spec()
-// exports the rows and tests/test_spec.py compares them). The row's index is
-// the method's code in call descriptors. `kind`: "block" (a scale per block,
-// all-reduced in two phases: segment j reduced by rank j, then gathered),
-// "sparse" (top-k), "cast" (a ring all-reduce of a narrower float) or
-// "exact". `bits`: bits per element on the wire (0 for top-k, whose payload
-// is per kept entry). `block_size`: the block length when none is given
-// (0: no blocks); onebit's scale is a mean, int8/int4's an absmax, which
-// needs shorter blocks to keep its levels fine. `rounds`: takes stochastic
-// rounding. `residuals`: keeps error-feedback residuals.
+// One row per method: spec.METHOD_TABLE, every field (pycomm._C.spec()
+// exports the rows and tests/test_spec.py compares them field by field).
+// The row's index is the method's code in call descriptors. `kind`: "block"
+// (a scale per block, all-reduced in two phases: segment j reduced by rank
+// j, then gathered), "sparse" (top-k), "cast" (a ring all-reduce of a
+// narrower float) or "exact". `family`: the kernels that code it ("onebit",
+// "quant", "topk"; "" for a cast or the exact all-reduce). `bits`: bits per
+// element on the wire (0 for top-k, whose payload is per kept entry); the
+// quant kernels take it as data. `block_size`: the block length when none
+// is given (0: no blocks). `rounds`: takes stochastic rounding.
+// `residuals`: keeps error-feedback residuals. `error_feedback`: on by
+// default. `dtype`: a cast's wire dtype ("" otherwise). `auto_candidate`:
+// measured by compressor="auto".
 struct MethodRow {
   const char* name;
   const char* kind;
+  const char* family;
   int bits;
   int64_t block_size;
   bool rounds;
   bool residuals;
+  bool error_feedback;
+  const char* dtype;
+  bool auto_candidate;
 };
 inline constexpr MethodRow kMethodTable[] = {
-    {"onebit", "block", 1, 2048, false, true},
-    {"topk", "sparse", 0, 0, false, true},
-    {"fp16", "cast", 16, 0, false, false},
-    {"bf16", "cast", 16, 0, false, false},
-    {"none", "exact", 32, 0, false, false},
-    {"int8", "block", 8, 256, true, true},
-    {"int4", "block", 4, 256, true, true},
+    {"onebit", "block", "onebit", 1, 2048, false, true, true, "", true},
+    {"topk", "sparse", "topk", 0, 0, false, true, true, "", true},
+    {"fp16", "cast", "", 16, 0, false, false, false, "float16", true},
+    {"bf16", "cast", "", 16, 0, false, false, false, "bfloat16", false},
+    {"none", "exact", "", 32, 0, false, false, false, "", true},
+    {"int8", "block", "quant", 8, 256, true, true, false, "", true},
+    {"int4", "block", "quant", 4, 256, true, true, false, "", true},
+    {"int2", "block", "quant", 2, 256, true, true, true, "", false},
 };
 inline constexpr int kNumMethods = sizeof(kMethodTable) / sizeof(kMethodTable[0]);
 
@@ -72,18 +80,27 @@ inline bool method_is(const std::string& m, const char* kind) {
   return r != nullptr && std::string(r->kind) == kind;
 }
 
-// The block codecs (spec.BLOCK_METHODS). block_bits is the kernels' code of
-// a block codec's data (spec.BLOCK_BITS): its bits, 0 for onebit's sign
-// bits (and for any method without blocks).
+// The block codecs (spec.BLOCK_METHODS), and a block codec's bits (0 for
+// any other method).
 inline bool is_block_method(const std::string& m) { return method_is(m, "block"); }
 inline int block_bits(const std::string& m) {
   const MethodRow* r = method_row(m);
-  return r != nullptr && std::string(r->kind) == "block" && r->bits != 1 ? r->bits : 0;
+  return r != nullptr && std::string(r->kind) == "block" ? r->bits : 0;
+}
+// The kernel family of a known method ("" for casts, exact and unknown names).
+inline std::string method_family(const std::string& m) {
+  const MethodRow* r = method_row(m);
+  return r != nullptr ? r->family : "";
 }
 // block_size when none is given (spec.DEFAULT_BLOCK_SIZE); 0 without blocks.
 inline int64_t default_block_size(const std::string& m) {
   const MethodRow* r = method_row(m);
   return r != nullptr ? r->block_size : 0;
+}
+// Takes stochastic rounding (spec.ROUNDING_METHODS).
+inline bool method_rounds(const std::string& m) {
+  const MethodRow* r = method_row(m);
+  return r != nullptr && r->rounds;
 }
 // Keeps error-feedback residuals (spec.EF_METHODS).
 inline bool method_residuals(const std::string& m) {
@@ -170,16 +187,15 @@ inline int64_t chunk_length(int64_t n, int64_t chunk_numel) {
 
 // Segment layout of one chunk of a block codec (spec.block_segments):
 // segment j, a whole number of blocks, is reduced by rank j. Its payload is
-// `words` int32s of data (onebit: sign words; int8/int4: the level bytes,
-// zero-padded to 4) followed by one float32 scale per block.
+// `words` = ceil(len * bits / 32) int32s of data (onebit: sign words; a
+// quant codec: the level bytes, zero-padded to 4) followed by one float32
+// scale per block.
 struct BlockLayout {
   int64_t m, seg, block;
   int bits;
   std::vector<int64_t> len, words, blocks, size;  // per segment; size in int32s
 
-  static int64_t data_words(int64_t len, int bits) {
-    return bits == 0 ? onebit_num_words(len) : ceil_div(quant_num_bytes(len, bits), 4);
-  }
+  static int64_t data_words(int64_t len, int bits) { return ceil_div(len * bits, 32); }
 
   BlockLayout(int64_t m_, int world, int64_t block_size, int bits_)
       : m(m_), block(block_size), bits(bits_) {

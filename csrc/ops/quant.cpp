@@ -1,5 +1,5 @@
 // torch.ops.pycomm.quant_*: schema, input checks, CPU (and CUDA) kernels of
-// int8 / int4 block quantization (rules: kernels/include/pycomm/compress_math.h).
+// block quantization to `bits`-bit levels (rules: kernels/include/pycomm/compress_math.h).
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
@@ -18,11 +18,12 @@ namespace ops {
 namespace {
 
 void check_quant_args(int64_t bits, int64_t block_size, int64_t seed) {
-  TORCH_CHECK(bits == 8 || bits == 4, "bits must be 8 or 4, got ", bits);
+  TORCH_CHECK(quant_bits_ok(int(bits)), "bits must be one of [2, 4, 8], got ", bits);
   TORCH_CHECK(block_size > 0 && block_size <= kMaxBlockSize,
               "block_size must be in [1, 2^30], got ", block_size);
-  TORCH_CHECK(bits == 8 || block_size % 2 == 0,
-              "block_size must be even for int4 (a byte holds two elements), got ", block_size);
+  const int per = quant_per_byte(int(bits));
+  TORCH_CHECK(block_size % per == 0, "block_size must be a multiple of ", per, " for ", bits,
+              "-bit levels (a byte holds ", per, "), got ", block_size);
   TORCH_CHECK(seed >= -1 && seed <= int64_t(UINT32_MAX),
               "seed must be -1 (round to nearest) or in [0, 2^32), got ", seed);
 }

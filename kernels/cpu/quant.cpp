@@ -1,14 +1,19 @@
-// quant CPU kernel: int8 / int4 block quantization with fused error feedback.
+// quant CPU kernel: block quantization to `bits`-bit levels (int8, int4,
+// int2) with fused error feedback.
 //
 // Two passes per block: pass 1 forms c = grad + residual (written to the
 // residual buffer, so pass 2 re-reads it from cache) and its absmax; pass 2
 // quantizes a tile of 256 at a time (levels and new residual in one loop,
-// then packed). Without error feedback pass 2 loads grad into a scratch
+// then packed, per = 8 / bits levels a byte). The width is a template
+// parameter (with_bits), so packing loops have constant shifts and
+// vectorize; nothing below names a width. Without error feedback pass 2 loads grad into a scratch
 // tile instead. The rules are compress_math.h's, element by element, so
 // every block can run on any thread in any order; every loop vectorizes
 // (tests/test_vectorized.py).
 #include <math.h>
 #include <string.h>
+
+#include <type_traits>
 
 #include "pycomm/compress_math.h"
 #include "pycomm/cpu.h"
@@ -18,22 +23,27 @@ namespace pycomm {
 namespace cpu {
 namespace {
 
-// Elements quantized per tile of pass 2 (even, so int4 bytes never straddle
-// two tiles); +1 leaves room for an odd tile's zero high nibble.
+// Elements quantized per tile of pass 2 (a multiple of every per, so bytes
+// never straddle two tiles); + 8 leaves room for the zero levels that fill
+// a partial last byte.
 constexpr int64_t kTile = 256;
 
-// Level i of an int4 payload: its nibble, sign-extended (shifted to the top
-// of an int8, then back).
-inline int int4_at(const uint8_t* data, int64_t i) {
-  const int nib = (data[i / 2] >> ((i & 1) * 4)) & 0xf;
-  return (int8_t)(nib << 4) >> 4;
+// fn(std::integral_constant<int, bits>) for the widths quant_bits_ok
+// accepts (the ops check bits first).
+template <typename Fn>
+void with_bits(int bits, Fn&& fn) {
+  switch (bits) {
+    case 8: return fn(std::integral_constant<int, 8>{});
+    case 4: return fn(std::integral_constant<int, 4>{});
+    default: return fn(std::integral_constant<int, 2>{});
+  }
 }
 
-template <typename Load>
+template <int kBits, typename Load>
 void compress_blocks(Load g, const float* r_in, float* r, uint8_t* data, float* scales, int64_t n,
-                     int bits, int64_t block_size, int64_t seed, int64_t block_begin,
-                     int64_t block_end) {
-  const int qmax = quant_qmax(bits);
+                     int64_t block_size, int64_t seed, int64_t block_begin, int64_t block_end) {
+  constexpr int qmax = (1 << (kBits - 1)) - 1;  // quant_qmax, as a constant
+  constexpr int per = 8 / kBits;
   for (int64_t b = block_begin; b < block_end; ++b) {
     const int64_t begin = b * block_size;
     const int64_t end = begin + block_size < n ? begin + block_size : n;
@@ -64,7 +74,7 @@ void compress_blocks(Load g, const float* r_in, float* r, uint8_t* data, float* 
     scales[b] = scale;
     // Pass 2, a tile at a time: the levels (and the new residual) in a loop
     // without branches that vectorizes, then packed into bytes.
-    int8_t q[kTile + 1];
+    int8_t q[kTile + 8];
     for (int64_t t = begin; t < end; t += kTile) {
       const int64_t len = end - t < kTile ? end - t : kTile;
       // Without error feedback the tile is loaded into a scratch residual
@@ -83,20 +93,53 @@ void compress_blocks(Load g, const float* r_in, float* r, uint8_t* data, float* 
         rt[i] = c - (float)level * scale;
         q[i] = (int8_t)level;
       }
-      if (bits == 8) {
+      if (per == 1) {
         memcpy(data + t, q, (size_t)len);
       } else {
-        // t is even (block_size and kTile are): byte j of the tile holds
-        // levels 2j and 2j+1; an odd last level leaves the high nibble 0.
-        if (len & 1) q[len] = 0;
-        uint8_t* d = data + t / 2;
-        const uint8_t* u = reinterpret_cast<const uint8_t*>(q);
-        const int64_t bytes = (len + 1) / 2;
+        // t is a multiple of per (block_size and kTile are): byte j of the
+        // tile holds levels per*j .. per*j + per - 1; a partial last byte's
+        // missing levels are 0.
+        for (int64_t i = len; i < len + per; ++i) q[i] = 0;
+        uint8_t* d = data + t / per;
+        const int64_t bytes = (len + per - 1) / per;
 #pragma omp simd
         for (int64_t j = 0; j < bytes; ++j) {
-          d[j] = (uint8_t)((u[2 * j] & 0xf) | (u[2 * j + 1] << 4));
+          unsigned byte = 0;
+          for (int k = 0; k < per; ++k) byte |= quant_pack(q[per * j + k], kBits, k * kBits);
+          d[j] = (uint8_t)byte;
         }
       }
+    }
+  }
+}
+
+template <int kBits>
+void decompress_blocks(const uint8_t* data, const float* scales, int64_t n, int64_t block_size,
+                       float* out, bool accumulate, int64_t block_begin, int64_t block_end) {
+  constexpr int per = 8 / kBits;
+  for (int64_t b = block_begin; b < block_end; ++b) {
+    const int64_t begin = b * block_size;
+    const int64_t end = begin + block_size < n ? begin + block_size : n;
+    const float scale = scales[b];
+    // A byte at a time (begin is a multiple of per): all its levels; a
+    // partial last byte level by level.
+    const int64_t whole = (end - begin) / per;
+    const uint8_t* d = data + begin / per;
+    float* o = out + begin;
+    if (accumulate) {
+#pragma omp simd
+      for (int64_t j = 0; j < whole; ++j) {
+        for (int k = 0; k < per; ++k) o[per * j + k] += (float)quant_unpack(d[j], kBits, k * kBits) * scale;
+      }
+    } else {
+#pragma omp simd
+      for (int64_t j = 0; j < whole; ++j) {
+        for (int k = 0; k < per; ++k) o[per * j + k] = (float)quant_unpack(d[j], kBits, k * kBits) * scale;
+      }
+    }
+    for (int64_t i = begin + whole * per; i < end; ++i) {
+      const float v = (float)quant_unpack(data[i / per], kBits, (int)(i % per) * kBits) * scale;
+      out[i] = accumulate ? out[i] + v : v;
     }
   }
 }
@@ -107,54 +150,21 @@ void quant_compress_blocks(const void* grad, DType dtype, const float* residual_
                            float* residual_out, uint8_t* data, float* scales, int64_t n, int bits,
                            int64_t block_size, int64_t seed, int64_t block_begin,
                            int64_t block_end) {
-  with_loader(grad, dtype, [&](auto load) {
-    compress_blocks(load, residual_in, residual_out, data, scales, n, bits, block_size, seed,
-                    block_begin, block_end);
+  with_bits(bits, [&](auto width) {
+    with_loader(grad, dtype, [&](auto load) {
+      compress_blocks<decltype(width)::value>(load, residual_in, residual_out, data, scales, n,
+                                              block_size, seed, block_begin, block_end);
+    });
   });
 }
 
 void quant_decompress_blocks(const uint8_t* data, const float* scales, int64_t n, int bits,
                              int64_t block_size, float* out, bool accumulate, int64_t block_begin,
                              int64_t block_end) {
-  for (int64_t b = block_begin; b < block_end; ++b) {
-    const int64_t begin = b * block_size;
-    const int64_t end = begin + block_size < n ? begin + block_size : n;
-    const float scale = scales[b];
-    if (bits == 8) {
-      const int8_t* q = reinterpret_cast<const int8_t*>(data);
-      if (accumulate) {
-#pragma omp simd
-        for (int64_t i = begin; i < end; ++i) out[i] += (float)q[i] * scale;
-      } else {
-#pragma omp simd
-        for (int64_t i = begin; i < end; ++i) out[i] = (float)q[i] * scale;
-      }
-    } else {
-      // A byte at a time (begin is even): both nibbles, sign-extended by
-      // shifting them to the top of an int8 and back; an odd last element
-      // on its own.
-      const int64_t pairs = (end - begin) / 2;
-      const uint8_t* d = data + begin / 2;
-      float* o = out + begin;
-      if (accumulate) {
-#pragma omp simd
-        for (int64_t j = 0; j < pairs; ++j) {
-          o[2 * j] += (float)((int8_t)(d[j] << 4) >> 4) * scale;
-          o[2 * j + 1] += (float)((int8_t)d[j] >> 4) * scale;
-        }
-      } else {
-#pragma omp simd
-        for (int64_t j = 0; j < pairs; ++j) {
-          o[2 * j] = (float)((int8_t)(d[j] << 4) >> 4) * scale;
-          o[2 * j + 1] = (float)((int8_t)d[j] >> 4) * scale;
-        }
-      }
-      if ((end - begin) & 1) {
-        const float v = (float)int4_at(data, end - 1) * scale;
-        out[end - 1] = accumulate ? out[end - 1] + v : v;
-      }
-    }
-  }
+  with_bits(bits, [&](auto width) {
+    decompress_blocks<decltype(width)::value>(data, scales, n, block_size, out, accumulate,
+                                              block_begin, block_end);
+  });
 }
 
 }  // namespace cpu

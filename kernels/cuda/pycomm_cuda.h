@@ -70,12 +70,14 @@ void topk_decompress(const int32_t* indices, const float* values, int64_t count,
                      bool accumulate, cudaStream_t stream);
 
 // ----------------------------------------------------------------- quant ---
-// int8 (bits = 8) / int4 (bits = 4) block quantization, the rules of
-// compress_math.h: c = grad + residual (residual may be nullptr), per block
-// scales[b] = amax / qmax, data[quant_num_bytes(n, bits)] the levels (int4
-// packed two per byte), residual = c - q * scale. seed < 0: round to
-// nearest; seed >= 0: stochastic rounding with quant_uniform(seed, i).
-// block_size in [1, kMaxBlockSize], even for int4. n == 0 is a no-op.
+// Block quantization to `bits`-bit levels, bits = 8, 4 or 2 (int8 / int4 /
+// int2, quant_bits_ok), the rules of compress_math.h: c = grad + residual
+// (residual may be nullptr), per block scales[b] = amax / qmax,
+// data[quant_num_bytes(n, bits)] the levels (8 / bits per byte, element i
+// at bit (i % per) * bits of byte i / per), residual = c - q * scale.
+// seed < 0: round to nearest; seed >= 0: stochastic rounding with
+// quant_uniform(seed, i). block_size in [1, kMaxBlockSize] and a multiple
+// of 8 / bits (no byte straddles two blocks). n == 0 is a no-op.
 void quant_compress(const void* grad, DType dtype, float* residual, uint8_t* data, float* scales,
                     int64_t n, int bits, int64_t block_size, int64_t seed, cudaStream_t stream);
 

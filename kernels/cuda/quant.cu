@@ -1,12 +1,18 @@
-// quant CUDA kernels: int8 / int4 block quantization with a per-block absmax
-// scale and fused error feedback. The rules and the wire format are
-// compress_math.h's (section "quant"); the oracle is
+// quant CUDA kernels: block quantization to `bits`-bit levels (int8, int4,
+// int2) with a per-block absmax scale and fused error feedback. The rules
+// and the wire format are compress_math.h's (section "quant"); the oracle is
 // pycomm/compressors/quant.py (compress_reference).
 //
-// Threads work on element pairs (2j, 2j+1 of a block): an int4 byte holds
-// one pair, so no two threads ever write the same byte. compress is one pass
-// over memory (c kept in registers while the block's max is reduced) unless a
-// block is longer than a thread block's tile (see kTilePairs).
+// The width is a template parameter (kBits in 8, 4, 2; with_bits is the one
+// place that turns the runtime bits into it). A thread works on a unit of
+// kUnit = max(2, 8 / kBits) consecutive elements of a block: whole bytes
+// (int8: 2 bytes; int4: 1 byte of 2 levels; int2: 1 byte of 4 levels), so
+// no two threads ever write the same byte, and the levels are packed with
+// compress_math.h's quant_pack / quant_unpack for every width: no code path
+// branches on the width, the loops over a unit's elements and bytes have
+// constant trip counts and unroll. compress is one pass over memory (c
+// kept in registers while the block's max is reduced) unless a block is
+// longer than a thread block's tile (see kTileElems).
 //
 // Error feedback reads the residual from `residual_in` and writes the new one
 // to `residual_out`: the same pointer updates in place (quant_compress), two
@@ -26,6 +32,7 @@
 #include <climits>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "common.cuh"
 #include "pycomm/compress_math.h"
@@ -35,6 +42,26 @@ namespace cuda {
 namespace {
 
 constexpr unsigned kFullMask = 0xffffffffu;
+
+// Elements a thread holds in registers at once, for every width: kItems
+// units of kUnit (int8 and int4: 4 pairs, as before; int2: 2 bytes of 4).
+// Fixed in elements, not units, so that int2's wider unit neither raises
+// register pressure nor changes which kernel a block_size gets.
+constexpr int kThreadElems = 8;
+
+// What a width fixes at compile time (kPer is quant_per_byte, as a constant
+// for array sizes). A unit is at least 2 elements so that int8 keeps the pair
+// geometry it always had (more work per thread than a byte per thread),
+// and at least a byte so that bytes are never shared between threads.
+template <int kBits>
+struct Width {
+  static constexpr int kPer = 8 / kBits;                // levels per byte
+  static constexpr int kUnit = kPer > 2 ? kPer : 2;     // elements per thread unit
+  static constexpr int kBytes = kUnit / kPer;           // bytes per unit (int8: 2, else 1)
+  static constexpr int kItems = kThreadElems / kUnit;   // units per thread (per tile)
+  static_assert(kBits == 8 || kBits == 4 || kBits == 2, "quant_bits_ok");
+  static_assert(kUnit % kPer == 0 && kThreadElems % kUnit == 0, "units are whole bytes, items whole units");
+};
 
 // quant_level (inv is finite by quant_inv's rule, so c * inv is too).
 __device__ __forceinline__ int level(float c, float inv, int qmax, int64_t seed, uint32_t i) {
@@ -52,52 +79,72 @@ __device__ __forceinline__ ScaleInv scale_inv(float amax, bool has_nan, int qmax
   return {amax / (float)qmax, quant_inv(amax, qmax)};
 }
 
-// Quantize the pair of elements begin + off, begin + off + 1, where elements
-// before begin + len are in range (off < len; off + 1 may be past it); write
-// levels and, with error feedback (residual_in != nullptr: residual_out is
-// then set too), the new residual to residual_out.
+// Quantize the unit of elements begin + off + k (k < kUnit), of which those
+// before begin + len are in range (off < len, so the first always is); write
+// their levels and, with error feedback (residual_in != nullptr:
+// residual_out is then set too), the new residual to residual_out.
+//
+// begin + off is a multiple of kPer (a block starts at a multiple of
+// block_size, which is one of kPer, and off is one of kUnit), so the unit's
+// bytes start at (begin + off) / kPer and are this thread's alone. Byte b is
+// written when its first element is in range: otherwise it belongs to the
+// next block (int8 with an odd block_size) or lies past the payload. In a
+// written byte, levels past len are 0: that happens only at n, since
+// block_size is a multiple of kPer.
 template <int kBits>
-__device__ __forceinline__ void emit_pair(float c_lo, float c_hi, int64_t begin, int64_t off, int64_t len,
-                                          float scale, float inv, int qmax, int64_t seed,
+__device__ __forceinline__ void emit_unit(const float (&c)[Width<kBits>::kUnit], int64_t begin, int64_t off,
+                                          int64_t len, float scale, float inv, int64_t seed,
                                           const float* residual_in, float* residual_out, uint8_t* data) {
+  using W = Width<kBits>;
   const int64_t i = begin + off;
-  const bool has_hi = off + 1 < len;
-  const int q_lo = level(c_lo, inv, qmax, seed, (uint32_t)i);
-  const int q_hi = has_hi ? level(c_hi, inv, qmax, seed, (uint32_t)(i + 1)) : 0;
+  int q[W::kUnit];
+#pragma unroll
+  for (int k = 0; k < W::kUnit; ++k) {
+    q[k] = k == 0 || off + k < len ? level(c[k], inv, quant_qmax(kBits), seed, (uint32_t)(i + k)) : 0;
+  }
   if (residual_in != nullptr) {
-    // The product is rounded on its own (mul_rn): the subtraction cannot fuse with it.
-    residual_out[i] = c_lo - mul_rn((float)q_lo, scale);
-    if (has_hi) residual_out[i + 1] = c_hi - mul_rn((float)q_hi, scale);
+#pragma unroll
+    for (int k = 0; k < W::kUnit; ++k) {
+      // The product is rounded on its own (mul_rn): the subtraction cannot fuse with it.
+      if (k == 0 || off + k < len) residual_out[i + k] = c[k] - mul_rn((float)q[k], scale);
+    }
   }
-  if constexpr (kBits == 8) {
-    data[i] = (uint8_t)(int8_t)q_lo;
-    if (has_hi) data[i + 1] = (uint8_t)(int8_t)q_hi;
-  } else {
-    // i is even (callers pass even begin and off; block_size is even): byte
-    // i / 2 is this pair's alone.
-    data[i >> 1] = (uint8_t)((q_lo & 0xf) | ((q_hi & 0xf) << 4));
+  uint8_t* d = data + (uint64_t)i / W::kPer;
+#pragma unroll
+  for (int b = 0; b < W::kBytes; ++b) {
+    if (b == 0 || off + b * W::kPer < len) {
+      unsigned byte = 0;
+#pragma unroll
+      for (int k = 0; k < W::kPer; ++k) byte |= quant_pack(q[b * W::kPer + k], kBits, k * kBits);
+      d[b] = (uint8_t)byte;
+    }
   }
 }
 
-template <typename T>
-__device__ __forceinline__ void load_pair(const T* grad, const float* residual, int64_t begin, int64_t off,
-                                          int64_t len, float& c_lo, float& c_hi) {
-  c_lo = off < len ? load_c(grad, residual, begin + off) : 0.0f;
-  c_hi = off + 1 < len ? load_c(grad, residual, begin + off + 1) : 0.0f;
+// c of the unit begin + off + k (k < kUnit); 0.0f past len (no effect on the max).
+template <typename T, int kUnit>
+__device__ __forceinline__ void load_unit(const T* grad, const float* residual, int64_t begin, int64_t off,
+                                          int64_t len, float (&c)[kUnit]) {
+#pragma unroll
+  for (int k = 0; k < kUnit; ++k) c[k] = off + k < len ? load_c(grad, residual, begin + off + k) : 0.0f;
 }
 
-__device__ __forceinline__ void track(float c, float& amax, bool& has_nan) {
-  amax = fmaxf(amax, fabsf(c));  // fmaxf returns the other operand for NaN
-  has_nan |= c != c;
+template <int kUnit>
+__device__ __forceinline__ void track(const float (&c)[kUnit], float& amax, bool& has_nan) {
+#pragma unroll
+  for (int k = 0; k < kUnit; ++k) {
+    amax = fmaxf(amax, fabsf(c[k]));  // fmaxf returns the other operand for NaN
+    has_nan |= c[k] != c[k];
+  }
 }
 
 // ---------------------------------------------------------------------------
-// Small blocks (block_size <= 2 * kGroupMaxPairs): a group of G lanes per
-// compression block, G = next power of two >= the block's pairs, at most 32,
+// Small blocks (block_size <= kGroupMaxElems): a group of G lanes per
+// compression block, G = next power of two >= the block's units, at most 32,
 // so a warp holds 32 / G blocks (block_size 2: 32 blocks per warp) and the
-// max is reduced with shuffles inside the group.
-constexpr int kGroupItems = 4;                   // pairs per lane
-constexpr int kGroupMaxPairs = 32 * kGroupItems;  // block_size <= 256
+// max is reduced with shuffles inside the group. A lane holds kItems units:
+// a group of 32 covers 32 * kThreadElems elements whatever the width.
+constexpr int kGroupMaxElems = 32 * kThreadElems;  // block_size <= 256
 constexpr int kGroupWarps = 8;
 
 template <typename T, int kBits>
@@ -105,7 +152,7 @@ __global__ void __launch_bounds__(kGroupWarps * 32)
     quant_compress_group_kernel(const T* grad, const float* residual_in, float* residual_out, uint8_t* data,
                                 float* scales, int64_t n, int64_t block_size, int64_t num_blocks, int group,
                                 int64_t seed) {
-  const int qmax = quant_qmax(kBits);
+  using W = Width<kBits>;
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int per_warp = 32 / group;
@@ -117,20 +164,19 @@ __global__ void __launch_bounds__(kGroupWarps * 32)
     const int64_t blk = w * per_warp + lane / group;
     const int64_t begin = blk * block_size;
     const int64_t len = blk < num_blocks ? (begin + block_size < n ? block_size : n - begin) : 0;
-    // This lane's pair j is elements mine + at, mine + at + 1 with at = 2 * j *
-    // group, in range below rem. Passed so, no 64-bit 2 * (j * group + t) per
-    // pair stays live: with separate residual buffers that cost ptxas up to
-    // 22 registers.
-    const int64_t mine = begin + 2 * t;
-    const int64_t rem = len - 2 * t;
-    float lo[kGroupItems], hi[kGroupItems];
+    // This lane's unit j is elements mine + at + k with at = kUnit * j *
+    // group, in range below rem. Passed so, no 64-bit kUnit * (j * group +
+    // t) per unit stays live: with separate residual buffers that cost
+    // ptxas up to 22 registers.
+    const int64_t mine = begin + W::kUnit * t;
+    const int64_t rem = len - W::kUnit * t;
+    float c[W::kItems][W::kUnit];
     float amax = 0.0f;
     bool has_nan = false;
 #pragma unroll
-    for (int j = 0; j < kGroupItems; ++j) {
-      load_pair(grad, residual_in, mine, 2 * (int64_t)j * group, rem, lo[j], hi[j]);
-      track(lo[j], amax, has_nan);
-      track(hi[j], amax, has_nan);
+    for (int j = 0; j < W::kItems; ++j) {
+      load_unit(grad, residual_in, mine, W::kUnit * (int64_t)j * group, rem, c[j]);
+      track(c[j], amax, has_nan);
     }
     // Groups are aligned powers of two: xor offsets below G stay inside.
     // max is exact, so every lane of the group ends with the same amax.
@@ -139,14 +185,13 @@ __global__ void __launch_bounds__(kGroupWarps * 32)
       amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, o));
       nan_flag |= __shfl_xor_sync(kFullMask, nan_flag, o);
     }
-    const ScaleInv si = scale_inv(amax, nan_flag != 0, qmax);
+    const ScaleInv si = scale_inv(amax, nan_flag != 0, quant_qmax(kBits));
     if (t == 0 && blk < num_blocks) scales[blk] = si.scale;
 #pragma unroll
-    for (int j = 0; j < kGroupItems; ++j) {
-      const int64_t at = 2 * (int64_t)j * group;
+    for (int j = 0; j < W::kItems; ++j) {
+      const int64_t at = W::kUnit * (int64_t)j * group;
       if (at < rem) {
-        emit_pair<kBits>(lo[j], hi[j], mine, at, rem, si.scale, si.inv, qmax, seed, residual_in, residual_out,
-                         data);
+        emit_unit<kBits>(c[j], mine, at, rem, si.scale, si.inv, seed, residual_in, residual_out, data);
       }
     }
   }
@@ -154,50 +199,47 @@ __global__ void __launch_bounds__(kGroupWarps * 32)
 
 // ---------------------------------------------------------------------------
 // Large blocks: one thread block per compression block, tiles of
-// kBlockThreads * kBlockItems pairs (pair j * kBlockThreads + t of a tile goes
-// to thread t). Blocks longer than a tile are read twice: c is recomputed
-// bit-identically in pass 2 from grad + residual_in: in place (residual_in ==
-// residual_out) each thread rereads only elements it read itself and has
-// not written yet, so that is race-free; with separate buffers residual_in is
-// never written.
+// kBlockThreads * kThreadElems elements (unit j * kBlockThreads + t of a
+// tile goes to thread t). Blocks longer than a tile are read twice: c is
+// recomputed bit-identically in pass 2 from grad + residual_in: in place
+// (residual_in == residual_out) each thread rereads only elements it read
+// itself and has not written yet, so that is race-free; with separate
+// buffers residual_in is never written.
 constexpr int kBlockThreads = 256;
-constexpr int kBlockItems = 4;
-constexpr int64_t kTilePairs = (int64_t)kBlockThreads * kBlockItems;  // 2048 elements
+constexpr int64_t kTileElems = (int64_t)kBlockThreads * kThreadElems;  // 2048 elements
 
 template <typename T, int kBits>
 __global__ void __launch_bounds__(kBlockThreads)
     quant_compress_block_kernel(const T* grad, const float* residual_in, float* residual_out, uint8_t* data,
                                 float* scales, int64_t n, int64_t block_size, int64_t num_blocks, int64_t seed) {
+  using W = Width<kBits>;
   __shared__ float warp_max[kBlockThreads / 32];
   __shared__ ScaleInv block_si;
-  const int qmax = quant_qmax(kBits);
   const int t = threadIdx.x;
 
   for (int64_t blk = blockIdx.x; blk < num_blocks; blk += gridDim.x) {  // uniform per thread block
     const int64_t begin = blk * block_size;
     const int64_t len = begin + block_size < n ? block_size : n - begin;
-    // Pair j of a tile at `tile` is elements mine + at, mine + at + 1 with at =
-    // tile + 2 * j * kBlockThreads, in range below rem (as in the group kernel).
-    const int64_t mine = begin + 2 * t;
-    const int64_t rem = len - 2 * t;
+    // Unit j of a tile at `tile` is elements mine + at + k with at = tile +
+    // kUnit * j * kBlockThreads, in range below rem (as in the group kernel).
+    const int64_t mine = begin + W::kUnit * t;
+    const int64_t rem = len - W::kUnit * t;
 
     // Pass 1: max |c| and NaN. The first tile stays in registers.
-    float lo[kBlockItems], hi[kBlockItems];
+    float c[W::kItems][W::kUnit];
     float amax = 0.0f;
     bool has_nan = false;
 #pragma unroll
-    for (int j = 0; j < kBlockItems; ++j) {
-      load_pair(grad, residual_in, mine, 2 * (int64_t)j * kBlockThreads, rem, lo[j], hi[j]);
-      track(lo[j], amax, has_nan);
-      track(hi[j], amax, has_nan);
+    for (int j = 0; j < W::kItems; ++j) {
+      load_unit(grad, residual_in, mine, W::kUnit * (int64_t)j * kBlockThreads, rem, c[j]);
+      track(c[j], amax, has_nan);
     }
-    for (int64_t tile = 2 * kTilePairs; tile < len; tile += 2 * kTilePairs) {
+    for (int64_t tile = kTileElems; tile < len; tile += kTileElems) {
 #pragma unroll
-      for (int j = 0; j < kBlockItems; ++j) {
-        float a, b;
-        load_pair(grad, residual_in, mine, tile + 2 * (int64_t)j * kBlockThreads, rem, a, b);
-        track(a, amax, has_nan);
-        track(b, amax, has_nan);
+      for (int j = 0; j < W::kItems; ++j) {
+        float u[W::kUnit];
+        load_unit(grad, residual_in, mine, tile + W::kUnit * (int64_t)j * kBlockThreads, rem, u);
+        track(u, amax, has_nan);
       }
     }
     for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, o));
@@ -206,7 +248,7 @@ __global__ void __launch_bounds__(kBlockThreads)
     if (t == 0) {
       float m = warp_max[0];
       for (int w = 1; w < kBlockThreads / 32; ++w) m = fmaxf(m, warp_max[w]);
-      block_si = scale_inv(m, has_nan, qmax);
+      block_si = scale_inv(m, has_nan, quant_qmax(kBits));
       scales[blk] = block_si.scale;
     }
     __syncthreads();
@@ -214,22 +256,20 @@ __global__ void __launch_bounds__(kBlockThreads)
 
     // Pass 2: levels and residual.
 #pragma unroll
-    for (int j = 0; j < kBlockItems; ++j) {
-      const int64_t at = 2 * (int64_t)j * kBlockThreads;
+    for (int j = 0; j < W::kItems; ++j) {
+      const int64_t at = W::kUnit * (int64_t)j * kBlockThreads;
       if (at < rem) {
-        emit_pair<kBits>(lo[j], hi[j], mine, at, rem, si.scale, si.inv, qmax, seed, residual_in, residual_out,
-                         data);
+        emit_unit<kBits>(c[j], mine, at, rem, si.scale, si.inv, seed, residual_in, residual_out, data);
       }
     }
-    for (int64_t tile = 2 * kTilePairs; tile < len; tile += 2 * kTilePairs) {
+    for (int64_t tile = kTileElems; tile < len; tile += kTileElems) {
 #pragma unroll
-      for (int j = 0; j < kBlockItems; ++j) {
-        const int64_t at = tile + 2 * (int64_t)j * kBlockThreads;
+      for (int j = 0; j < W::kItems; ++j) {
+        const int64_t at = tile + W::kUnit * (int64_t)j * kBlockThreads;
         if (at < rem) {
-          float a, b;
-          load_pair(grad, residual_in, mine, at, rem, a, b);
-          emit_pair<kBits>(a, b, mine, at, rem, si.scale, si.inv, qmax, seed, residual_in, residual_out,
-                           data);
+          float u[W::kUnit];
+          load_unit(grad, residual_in, mine, at, rem, u);
+          emit_unit<kBits>(u, mine, at, rem, si.scale, si.inv, seed, residual_in, residual_out, data);
         }
       }
     }
@@ -239,8 +279,9 @@ __global__ void __launch_bounds__(kBlockThreads)
 }
 
 // ---------------------------------------------------------------------------
-// Decompress: a thread per element pair (an int4 byte), grid-stride. The
-// block index needs a division per element: 32-bit when n < 2^31 (then no
+// Decompress: a thread per unit (kUnit elements, whole bytes), grid-stride.
+// The block index needs a division per element (a unit may straddle two
+// blocks: int8 with an odd block_size): 32-bit when n < 2^31 (then no
 // index, nor index + stride, overflows; block_size <= 2^30 always fits).
 constexpr int kDecompressThreads = 256;
 
@@ -248,25 +289,23 @@ template <int kBits, typename Index>
 __global__ void __launch_bounds__(kDecompressThreads)
     quant_decompress_kernel(const uint8_t* data, const float* scales, Index n, Index block_size, float* out,
                             bool accumulate) {
-  const Index pairs = n / 2 + (n & 1);
-  for (Index p = (Index)blockIdx.x * kDecompressThreads + threadIdx.x; p < pairs;
+  using W = Width<kBits>;
+  const Index units = n / W::kUnit + (n % W::kUnit != 0);
+  for (Index p = (Index)blockIdx.x * kDecompressThreads + threadIdx.x; p < units;
        p += (Index)gridDim.x * kDecompressThreads) {
-    const Index i = 2 * p;
-    int q[2];
-    if constexpr (kBits == 8) {
-      q[0] = (int8_t)data[i];
-      q[1] = i + 1 < n ? (int8_t)data[i + 1] : 0;
-    } else {
-      // Sign-extend each nibble: shift it to the top of an int8, then back.
-      const uint8_t byte = data[p];
-      q[0] = (int8_t)(uint8_t)(byte << 4) >> 4;
-      q[1] = (int8_t)(byte & 0xf0) >> 4;
+    const Index i = W::kUnit * p;  // a multiple of kPer: its bytes start at i / kPer
+    uint8_t bytes[W::kBytes];
+#pragma unroll
+    for (int b = 0; b < W::kBytes; ++b) {
+      // A byte past the payload (int8's second one at odd n) is not read.
+      bytes[b] = b == 0 || i + b * W::kPer < n ? data[i / W::kPer + b] : 0;
     }
 #pragma unroll
-    for (int k = 0; k < 2; ++k) {
+    for (int k = 0; k < W::kUnit; ++k) {
       const Index e = i + k;
       if (e < n) {
-        const float v = mul_rn((float)q[k], scales[e / block_size]);
+        const int q = quant_unpack(bytes[k / W::kPer], kBits, (k % W::kPer) * kBits);
+        const float v = mul_rn((float)q, scales[e / block_size]);
         out[e] = accumulate ? out[e] + v : v;
       }
     }
@@ -277,14 +316,27 @@ int grid_for(int64_t work_units) {
   return (int)(work_units < (int64_t)INT_MAX ? work_units : (int64_t)INT_MAX);
 }
 
+// fn(std::integral_constant<int, kBits>{}) for the runtime bits: the one
+// place where a width becomes a template argument, for compress and
+// decompress alike (check_args has accepted bits first).
+template <typename Fn>
+void with_bits(int bits, Fn&& fn) {
+  switch (bits) {
+    case 8: fn(std::integral_constant<int, 8>{}); return;
+    case 4: fn(std::integral_constant<int, 4>{}); return;
+    case 2: fn(std::integral_constant<int, 2>{}); return;
+    default: throw std::invalid_argument("pycomm quant: no kernel for bits " + std::to_string(bits));
+  }
+}
+
 template <typename T, int kBits>
 void launch_compress(const T* grad, const float* residual_in, float* residual_out, uint8_t* data, float* scales,
                      int64_t n, int64_t block_size, int64_t seed, cudaStream_t stream) {
   const int64_t num_blocks = ceil_div(n, block_size);
-  const int64_t pairs = (block_size + 1) / 2;
-  if (pairs <= kGroupMaxPairs) {
+  if (block_size <= kGroupMaxElems) {
+    const int64_t units = ceil_div(block_size, Width<kBits>::kUnit);
     int group = 1;
-    while (group < pairs && group < 32) group <<= 1;
+    while (group < units && group < 32) group <<= 1;
     const int64_t warps = ceil_div(num_blocks, 32 / group);
     quant_compress_group_kernel<T, kBits><<<grid_for(ceil_div(warps, kGroupWarps)), kGroupWarps * 32, 0, stream>>>(
         grad, residual_in, residual_out, data, scales, n, block_size, num_blocks, group, seed);
@@ -298,23 +350,29 @@ void launch_compress(const T* grad, const float* residual_in, float* residual_ou
 template <typename T>
 void launch_compress_bits(const T* grad, const float* residual_in, float* residual_out, uint8_t* data,
                           float* scales, int64_t n, int bits, int64_t block_size, int64_t seed, cudaStream_t stream) {
-  if (bits == 8) {
-    launch_compress<T, 8>(grad, residual_in, residual_out, data, scales, n, block_size, seed, stream);
-  } else {
-    launch_compress<T, 4>(grad, residual_in, residual_out, data, scales, n, block_size, seed, stream);
-  }
+  with_bits(bits, [&](auto width) {
+    launch_compress<T, decltype(width)::value>(grad, residual_in, residual_out, data, scales, n, block_size, seed,
+                                               stream);
+  });
 }
 
+// The messages of csrc/ops/quant.cpp's check_quant_args.
 void check_args(const char* fn, int bits, int64_t block_size) {
-  if (bits != 8 && bits != 4) {
-    throw std::invalid_argument(std::string("pycomm ") + fn + ": bits must be 8 or 4, got " + std::to_string(bits));
+  if (!quant_bits_ok(bits)) {
+    throw std::invalid_argument(std::string("pycomm ") + fn + ": bits must be one of [2, 4, 8], got " +
+                                std::to_string(bits));
   }
   if (block_size <= 0 || block_size > kMaxBlockSize) {
     throw std::invalid_argument(std::string("pycomm ") + fn + ": block_size must be in [1, 2^30], got " +
                                 std::to_string(block_size));
   }
-  if (bits == 4 && block_size % 2 != 0) {
-    throw std::invalid_argument(std::string("pycomm ") + fn + ": block_size must be even for int4, got " +
+  // No byte may straddle two blocks: the kernels give each block's bytes to
+  // its own threads.
+  const int per = quant_per_byte(bits);
+  if (block_size % per != 0) {
+    throw std::invalid_argument(std::string("pycomm ") + fn + ": block_size must be a multiple of " +
+                                std::to_string(per) + " for " + std::to_string(bits) +
+                                "-bit levels (a byte holds " + std::to_string(per) + "), got " +
                                 std::to_string(block_size));
   }
 }
@@ -322,7 +380,7 @@ void check_args(const char* fn, int bits, int64_t block_size) {
 template <int kBits>
 void launch_decompress(const uint8_t* data, const float* scales, int64_t n, int64_t block_size, float* out,
                        bool accumulate, cudaStream_t stream) {
-  const int grid = grid_for(ceil_div(ceil_div(n, 2), kDecompressThreads));
+  const int grid = grid_for(ceil_div(ceil_div(n, Width<kBits>::kUnit), kDecompressThreads));
   if (n <= (int64_t)INT_MAX) {
     quant_decompress_kernel<kBits, uint32_t><<<grid, kDecompressThreads, 0, stream>>>(
         data, scales, (uint32_t)n, (uint32_t)block_size, out, accumulate);
@@ -370,11 +428,9 @@ void quant_decompress(const uint8_t* data, const float* scales, int64_t n, int b
   check_args("quant_decompress", bits, block_size);
   if (n < 0) throw std::invalid_argument("pycomm quant_decompress: n must be >= 0");
   if (n == 0) return;
-  if (bits == 8) {
-    launch_decompress<8>(data, scales, n, block_size, out, accumulate, stream);
-  } else {
-    launch_decompress<4>(data, scales, n, block_size, out, accumulate, stream);
-  }
+  with_bits(bits, [&](auto width) {
+    launch_decompress<decltype(width)::value>(data, scales, n, block_size, out, accumulate, stream);
+  });
 }
 
 }  // namespace cuda

@@ -1,10 +1,12 @@
-"""int8 / int4: symmetric block quantization with fused error feedback.
+"""Block quantization to ``bits``-bit levels (the method table's rows of the
+"quant" family: int8, int4, int2) with fused error feedback.
 
 Per block of ``block_size`` elements of ``c = grad + residual`` (the last
 block partial):
 
 * ``amax = max |c|`` (NaN if any element is NaN);
-* ``scale = amax / qmax`` with ``qmax`` 127 (int8) or 7 (int4), sent as float32;
+* ``scale = amax / qmax`` with ``qmax = 2**(bits-1) - 1`` (127, 7, 1), sent as
+  float32;
 * ``inv = qmax / amax`` if ``amax > 0`` and that quotient is finite, else 0
   (NaN or Inf blocks, and blocks so tiny that the quotient overflows: they
   send zeros and keep everything in the residual);
@@ -14,15 +16,17 @@ block partial):
   ``i`` the element's index in the tensor;
 * decoded ``= q * scale``, new residual ``= c - decoded``.
 
+At 2 bits the levels are TernGrad's -1/0/+1 times the block's absmax.
 A block holding NaN or Inf sends ``q = 0`` with a non-finite scale, so it
 decodes to NaN (never to a silently finite value). Every step is one float32
 operation, rounded once: the impls agree bit for bit.
 
-Wire: ``data`` (uint8) holds one two's-complement byte per element for int8;
-for int4 two levels per byte, element ``2j`` in the low nibble and ``2j + 1``
-in the high one (a missing last high nibble is 0); ``scales`` holds one
-float32 per block. int4 needs an even ``block_size`` so that no byte
-straddles two blocks.
+Wire: ``data`` (uint8) holds ``per = 8 / bits`` levels a byte, two's
+complement in ``bits`` bits, element ``i`` at bit ``(i % per) * bits`` of byte
+``i // per`` (missing last levels are 0); ``scales`` holds one float32 per
+block. ``block_size`` must be a multiple of ``per`` so that no byte straddles
+two blocks. The width is data: every function here takes ``bits``, and a
+row of the method table with a new width needs nothing else.
 
 The rules are defined once in ``kernels/include/pycomm/compress_math.h``
 (section "quant") and ``pycomm/wire.py``; the reference functions below
@@ -38,8 +42,8 @@ from typing import Optional, Tuple
 import torch
 
 from .. import _ext
-from ..wire import MASK32, MAX_BLOCK_SIZE, quant_hash, quant_num_bytes, quant_qmax
-from .base import Compressor, Impl, check_positive_int, register
+from ..wire import MASK32, MAX_BLOCK_SIZE, QUANT_BITS, quant_hash, quant_num_bytes, quant_per_byte, quant_qmax
+from .base import Compressor, Impl, check_positive_int
 
 #: Largest finite float32 (FLT_MAX): quant_inv's bound for a finite amax.
 FLOAT32_MAX = 3.4028234663852886e38
@@ -64,11 +68,13 @@ class QuantPayload:
 
 
 def check_block_size(bits: int, block_size: object) -> int:
-    """block_size: a positive int up to MAX_BLOCK_SIZE, even for int4."""
+    """block_size: a positive int up to MAX_BLOCK_SIZE, a multiple of the
+    levels a byte holds."""
     check_positive_int("block_size", block_size, MAX_BLOCK_SIZE)
-    if bits == 4 and block_size % 2:
+    per = quant_per_byte(bits)
+    if block_size % per:
         raise ValueError(
-            f"block_size must be even for int4 (a byte holds two elements), got {block_size}"
+            f"block_size must be a multiple of {per} for {bits}-bit levels (a byte holds {per}), got {block_size}"
         )
     return block_size
 
@@ -146,28 +152,30 @@ def levels_reference(
 
 
 def pack_reference(q: torch.Tensor, bits: int) -> torch.Tensor:
-    """int32 levels -> the wire bytes (uint8)."""
-    if bits == 8:
-        return q.to(torch.int8).view(torch.uint8)
-    nib = (q & 0xF).to(torch.uint8)
-    if nib.numel() % 2:
-        nib = torch.cat([nib, nib.new_zeros(1)])  # the missing last high nibble is 0
-    return nib[0::2] | (nib[1::2] << 4)
+    """int32 levels -> the wire bytes (uint8): ``per`` levels a byte, level
+    ``k`` of a byte at bit ``k * bits``."""
+    per = quant_per_byte(bits)
+    fields = q & ((1 << bits) - 1)
+    pad = -q.numel() % per
+    if pad:
+        fields = torch.cat([fields, fields.new_zeros(pad)])  # missing last levels are 0
+    shifts = torch.arange(per, dtype=torch.int32, device=q.device) * bits
+    return (fields.view(-1, per) << shifts).sum(dim=1).to(torch.uint8)
 
 
 def unpack_reference(data: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     """The wire bytes -> int32 levels of n elements (sign-extended)."""
-    if bits == 8:
-        return data.view(torch.int8)[:n].to(torch.int32)
-    d = data.to(torch.int32)
-    nib = torch.stack([d & 0xF, d >> 4], dim=1).reshape(-1)[:n]
-    return torch.where(nib >= 8, nib - 16, nib)
+    per = quant_per_byte(bits)
+    shifts = torch.arange(per, dtype=torch.int32, device=data.device) * bits
+    fields = ((data.to(torch.int32).view(-1, 1) >> shifts) & ((1 << bits) - 1)).reshape(-1)[:n]
+    half = 1 << (bits - 1)
+    return torch.where(fields >= half, fields - (half << 1), fields)
 
 
 def compress_reference(
     grad: torch.Tensor, residual: Optional[torch.Tensor], bits: int, block_size: int, seed: int
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Pure-torch int8/int4 compress of a flat contiguous tensor -> (data, scales).
+    """Pure-torch compress of a flat contiguous tensor to ``bits``-bit levels -> (data, scales).
 
     ``seed < 0`` rounds to nearest; ``seed >= 0`` rounds stochastically with
     ``quant_uniform(seed mod 2^32, i)``. Updates ``residual`` in place."""
@@ -235,8 +243,9 @@ IMPLS = {
 
 
 class QuantCompressor(Compressor):
-    """Block quantization to ``bits``-bit levels (int8 or int4) with a
-    float32 absmax scale per block; subclasses set ``bits``.
+    """Block quantization to ``bits``-bit levels with a float32 absmax scale
+    per block; the class of each width is :func:`quant_class` (a row of the
+    method table: int8, int4, int2).
 
     ``rounding="nearest"`` rounds half to even (deterministic).
     ``rounding="stochastic"`` rounds up with probability equal to the
@@ -245,9 +254,32 @@ class QuantCompressor(Compressor):
     ``(seed + k) mod 2**32``, element i from ``quant_uniform(that seed, i)``.
     Two compressors built with the same seed and called in the same order
     therefore produce the same payloads.
+
+    About ``n * bits / 8 + 4 n / block_size`` bytes on the wire.
+
+    Example::
+
+        >>> import torch, pycomm
+        >>> c = pycomm.get_compressor("int8", block_size=4)
+        >>> g = torch.tensor([1.0, -2.0, 0.5, 254.0, 3.0])
+        >>> r = torch.zeros(5)
+        >>> p = c.compress(g, r)            # r now holds what was not sent
+        >>> p.data.view(torch.int8).tolist(), p.scales.tolist()
+        ([0, -1, 0, 127, 127], [2.0, 0.023622047156095505])
+        >>> out = c.decompress(p)
+        >>> torch.equal(out + r, g)         # exact here: nothing lost, only deferred
+        True
+        >>> c.payload_nbytes(5)             # 5 levels + 2 scales
+        13
+        >>> c4 = pycomm.get_compressor("int4", block_size=4)
+        >>> p = c4.compress(torch.tensor([7.0, -3.0, 1.0, 0.5, 14.0]))
+        >>> p.data.tolist()                 # (7, -3) -> 0xd7, (1, 0) -> 0x01, (7, pad 0)
+        [215, 1, 7]
+        >>> c4.decompress(p).tolist()
+        [7.0, -3.0, 1.0, 0.0, 14.0]
     """
 
-    bits: int  # 8 or 4, set by each subclass
+    bits: int  # set by quant_class
     impls = IMPLS
 
     def __init__(
@@ -323,53 +355,30 @@ class QuantCompressor(Compressor):
         return out
 
 
-@register("int8")
-class Int8Compressor(QuantCompressor):
-    """int8 block quantization: levels -127..127, one float32 scale per block.
+_CLASSES = {}
 
-    About ``n + 4 n / block_size`` bytes on the wire (a quarter of float32).
 
-    Example::
+def quant_class(bits: int) -> type:
+    """The :class:`QuantCompressor` of ``bits``-bit levels (one class per
+    width, ``Int<bits>Compressor``); the method table registers one under
+    each of its quant rows' names (pycomm.distributed.spec).
 
-        >>> import torch, pycomm
-        >>> c = pycomm.get_compressor("int8", block_size=4)
-        >>> g = torch.tensor([1.0, -2.0, 0.5, 254.0, 3.0])
-        >>> r = torch.zeros(5)
-        >>> p = c.compress(g, r)            # r now holds what was not sent
-        >>> p.data.view(torch.int8).tolist(), p.scales.tolist()
-        ([0, -1, 0, 127, 127], [2.0, 0.023622047156095505])
-        >>> out = c.decompress(p)
-        >>> torch.equal(out + r, g)         # exact here: nothing lost, only deferred
-        True
-        >>> c.payload_nbytes(5)             # 5 levels + 2 scales
-        13
+    >>> quant_class(4).__name__, quant_class(4)().bits
+    ('Int4Compressor', 4)
     """
+    if bits not in QUANT_BITS:
+        raise ValueError(f"bits must be one of {list(QUANT_BITS)}, got {bits!r}")
+    if bits not in _CLASSES:
+        name = f"Int{bits}Compressor"
+        _CLASSES[bits] = type(name, (QuantCompressor,), {
+            "bits": bits, "__module__": __name__, "__qualname__": name,
+            "__doc__": f"Block quantization to {bits}-bit levels (-{quant_qmax(bits)}..{quant_qmax(bits)}), "
+                       "one float32 scale per block: :class:`QuantCompressor`."})
+    return _CLASSES[bits]
 
-    bits = 8
 
-
-@register("int4")
-class Int4Compressor(QuantCompressor):
-    """int4 block quantization: levels -7..7 packed two per byte, one float32
-    scale per (even-sized) block.
-
-    About ``n / 2 + 4 n / block_size`` bytes on the wire (an eighth of float32).
-
-    Example::
-
-        >>> import torch, pycomm
-        >>> c = pycomm.get_compressor("int4", block_size=4)
-        >>> g = torch.tensor([7.0, -3.0, 1.0, 0.5, 14.0])
-        >>> p = c.compress(g)
-        >>> p.data.tolist()                 # (7, -3) -> 0xd7, (1, 0) -> 0x01, (7, pad 0)
-        [215, 1, 7]
-        >>> c.decompress(p).tolist()
-        [7.0, -3.0, 1.0, 0.0, 14.0]
-        >>> c.payload_nbytes(5)             # 3 bytes + 2 scales
-        11
-    """
-
-    bits = 4
+#: The classes pycomm exported by name before the widths were data.
+Int8Compressor, Int4Compressor = quant_class(8), quant_class(4)
 
 
 # Shapes of the op outputs without running the kernel (torch.compile, meta

@@ -60,8 +60,8 @@ import torch.distributed as dist
 from .. import distributed as pd
 from ..compressors.base import check_density
 from ..distributed.spec import is_plugin
-from ..distributed.session import KEY_SPAN, EngineSession, agree, check_residuals, residual_methods
-from ..distributed.spec import EF_METHODS, GROUP_METHODS, ROUNDING_METHODS, check_mode
+from ..distributed.session import KEY_SPAN, EngineSession, agree, check_residuals, check_world, residual_methods
+from ..distributed.spec import EF_METHODS, GROUP_METHODS, ROUNDING_METHODS, check_mode, error_feedback_for
 
 __all__ = ["CompressionState", "compressed_hook"]
 
@@ -119,7 +119,9 @@ class CompressionState:
         start_iter: iterations before this one use an exact all-reduce; must
             be >= 2 (bucket indices are only stable once DDP has rebuilt its
             buckets after the first iteration).
-        error_feedback: keep residuals (onebit, topk; fp16/bf16 have none).
+        error_feedback: keep residuals; None: the method's default
+            (``spec.error_feedback_for``: on for onebit, topk, int2 and
+            registered compressors, off for int8/int4, none for fp16/bf16).
         rounding: how int8/int4 round, "nearest" or "stochastic" (unbiased;
             seeded from ``seed``, the bucket and its call count, which the
             residuals' state saves), as
@@ -170,7 +172,7 @@ class CompressionState:
         block_size: Optional[int] = None,
         chunk_numel: Optional[int] = None,
         start_iter: int = 10,
-        error_feedback: bool = True,
+        error_feedback: Optional[bool] = None,
         rounding: str = "nearest",
         seed: int = 0,
         private_group: bool = False,
@@ -191,6 +193,8 @@ class CompressionState:
         known = compressor in GROUP_METHODS or is_plugin(compressor)  # else _checked_config names it
         pd.check_options(hierarchy=hierarchy, calibration=calibration,
                          **(dict(compressor=compressor, compressor_options=compressor_options) if known else {}))
+        if known:  # the one rule: None is the method's default (spec.error_feedback_for)
+            error_feedback = error_feedback_for(compressor, error_feedback)
         self.compressor_options = compressor_options
         self.process_group = process_group
         self._set_config(_checked_config(
@@ -419,15 +423,8 @@ class CompressionState:
         return tuple(out)
 
     def _check_world(self) -> None:
-        if self._saved_world is None:
-            return
-        world, rank = self._world()
-        if self._saved_world != (world, rank):
-            raise ValueError(
-                f"CompressionState was loaded from a state of rank {self._saved_world[1]} of "
-                f"{self._saved_world[0]}, but this is rank {rank} of {world}; load it with "
-                f"reset_error_feedback=True to start the residuals over"
-            )
+        if self._saved_world is not None:
+            check_world("CompressionState", self._saved_world, self._world())
         self._saved_world = None
 
 
@@ -490,8 +487,8 @@ def _checked_config(cfg: Dict[str, Any], where: Optional[str] = None) -> Dict[st
     _labelled(label("rounding"), lambda: pd.check_options(rounding=rounding))
     _labelled(label("seed"), lambda: pd.check_options(seed=seed))
     if rounding == "stochastic" and compressor not in (*ROUNDING_METHODS, "auto"):
-        raise ValueError(f"{label('rounding') or 'rounding'}: rounding='stochastic' is for the int8 and int4 "
-                         f"compressors (or 'auto'); {compressor!r} does not round")
+        raise ValueError(f"{label('rounding') or 'rounding'}: rounding='stochastic' is for the "
+                         f"{', '.join(ROUNDING_METHODS)} compressors (or 'auto'); {compressor!r} does not round")
     return dict(compressor=compressor, density=density, approx=cfg["approx"], block_size=block_size,
                 chunk_numel=chunk_numel, start_iter=start_iter, error_feedback=cfg["error_feedback"],
                 rounding=rounding, seed=seed)

@@ -162,7 +162,7 @@ def check_options(**settings: Any) -> Dict[str, Any]:
         # "auto" may choose a method that rounds.
         if (settings["rounding"] == "stochastic" and compressor is not None
                 and compressor not in ROUNDING_METHODS + (AUTO_METHOD,)):
-            raise ValueError(f"rounding='stochastic' is for the {' and '.join(ROUNDING_METHODS)} methods "
+            raise ValueError(f"rounding='stochastic' is for the {', '.join(ROUNDING_METHODS)} methods "
                              f"(or 'auto'); {compressor!r} does not round")
     seed = get("seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MASK32:

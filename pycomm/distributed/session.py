@@ -229,6 +229,24 @@ def agree(owner: str, settings: Dict[str, Any], group: dist.ProcessGroup, device
 
 
 # -------------------------------------------------------------- session ---
+def check_world(owner: str, saved: Optional[Tuple[int, int]], here: Tuple[int, int]) -> None:
+    """The world/rank check of every client's loaded state, defined once:
+    residuals saved by rank ``saved[1]`` of ``saved[0]`` (None: none to
+    check) belong to that rank of that world; ``here`` is ``(world size,
+    rank)`` now. A client checks once the group exists, and forgets
+    ``saved`` only after the check passed (a retried step checks again).
+
+    >>> check_world("DiLoCo", (2, 1), (2, 0))
+    Traceback (most recent call last):
+    ...
+    ValueError: DiLoCo was loaded from the state of rank 1 of 2, but this is rank 0 of 2; every rank loads its own state, or load with reset_error_feedback=True to start the residuals over
+    """
+    if saved is not None and tuple(saved) != tuple(here):
+        raise ValueError(f"{owner} was loaded from the state of rank {saved[1]} of {saved[0]}, but this is "
+                         f"rank {here[1]} of {here[0]}; every rank loads its own state, or load with "
+                         f"reset_error_feedback=True to start the residuals over")
+
+
 class EngineSession:
     """The engine as one client uses it.
 

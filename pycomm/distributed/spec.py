@@ -10,8 +10,8 @@ two, so neither can drift.
 Example::
 
     >>> from pycomm.distributed import spec
-    >>> spec.METHODS
-    ('onebit', 'topk', 'fp16', 'bf16', 'none', 'int8', 'int4')
+    >>> spec.METHODS[:5]
+    ('onebit', 'topk', 'fp16', 'bf16', 'none')
     >>> spec.chunk_bounds(2_500_000, 1 << 20)   # round(2.38) = 2 chunks
     [(0, 1250000), (1250000, 2500000)]
     >>> spec.block_segments(1000, 4, 64)        # 4 segments of 256 (4 blocks)
@@ -27,8 +27,9 @@ from typing import Any, Callable, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ..compressors.base import compressor_names
-from ..wire import WORD_BITS, quant_num_bytes, topk_capacity, topk_k
+from ..compressors.base import compressor_names, register
+from ..compressors.quant import quant_class
+from ..wire import WORD_BITS, topk_capacity, topk_k
 
 
 @dataclass(frozen=True)
@@ -43,15 +44,21 @@ class MethodSpec:
       all-reduce of a narrower float) or ``"exact"`` (the inner backend's
       all-reduce). A registered compressor has kind ``"plugin"``
       (:func:`method_spec`).
+    - ``family``: the kernel family that codes it (the name of its files in
+      every layer: ``kernels/cpu/<family>.cpp``, ``pycomm/compressors/<family>.py``,
+      ...): ``"onebit"``, ``"quant"`` (block quantization to ``bits``-bit
+      levels), ``"topk"``; None for a cast or the exact all-reduce.
     - ``bits``: bits per element of the data on the wire (0: top-k, whose
-      payload is per kept entry, not per element).
+      payload is per kept entry, not per element). A quant row's kernels take
+      it as data: a new width is a new row.
     - ``block_size``: the block length when none is given (0: no blocks).
       onebit's scale is a mean; int8/int4's an absmax, which needs shorter
       blocks to keep its levels fine.
     - ``rounds``: takes ``rounding="stochastic"``.
     - ``residuals``: can keep error-feedback residuals.
-    - ``error_feedback``: biased enough that error feedback is on by default
-      where a user does not choose (FSDP; docs/fsdp.md).
+    - ``error_feedback``: error feedback is on by default where a user does
+      not choose, in every entry point (the DDP hook, FSDP, DiLoCo): the
+      methods biased enough to need it (onebit, topk, the 2-bit levels).
     - ``dtype``: the wire dtype of a cast, else None.
     - ``auto_candidate``: measured by ``compressor="auto"`` (docs/auto.md).
       bf16 is not: it costs what fp16 costs and keeps fewer mantissa bits.
@@ -62,6 +69,7 @@ class MethodSpec:
 
     name: str
     kind: str
+    family: Optional[str]
     bits: int
     block_size: int = 0
     rounds: bool = False
@@ -79,14 +87,26 @@ class MethodSpec:
 #: a block codec: its kernels, a row here and in spec.h, its tests
 #: (docs/architecture.md).
 METHOD_TABLE = (
-    MethodSpec("onebit", "block", 1, block_size=2048, residuals=True, error_feedback=True),
-    MethodSpec("topk", "sparse", 0, residuals=True, error_feedback=True),
-    MethodSpec("fp16", "cast", 16, dtype=torch.float16),
-    MethodSpec("bf16", "cast", 16, dtype=torch.bfloat16, auto_candidate=False),
-    MethodSpec("none", "exact", 32),
-    MethodSpec("int8", "block", 8, block_size=256, rounds=True, residuals=True),
-    MethodSpec("int4", "block", 4, block_size=256, rounds=True, residuals=True),
+    MethodSpec("onebit", "block", "onebit", 1, block_size=2048, residuals=True, error_feedback=True),
+    MethodSpec("topk", "sparse", "topk", 0, residuals=True, error_feedback=True),
+    MethodSpec("fp16", "cast", None, 16, dtype=torch.float16),
+    MethodSpec("bf16", "cast", None, 16, dtype=torch.bfloat16, auto_candidate=False),
+    MethodSpec("none", "exact", None, 32),
+    MethodSpec("int8", "block", "quant", 8, block_size=256, rounds=True, residuals=True),
+    MethodSpec("int4", "block", "quant", 4, block_size=256, rounds=True, residuals=True),
+    # TernGrad's levels -1/0/+1 (scaled by the block's absmax): biased enough
+    # to need error feedback; not a candidate of "auto", which chooses by
+    # speed alone.
+    MethodSpec("int2", "block", "quant", 2, block_size=256, rounds=True, residuals=True, error_feedback=True,
+               auto_candidate=False),
 )
+
+
+# Every quant row is the compressor of its width under the row's name
+# (``pycomm.get_compressor(name)``): a new width is a new row, nothing else.
+for _row in METHOD_TABLE:
+    if _row.family == "quant":
+        register(_row.name)(quant_class(_row.bits))
 
 
 def methods(**where: Any) -> Tuple[str, ...]:
@@ -94,7 +114,7 @@ def methods(**where: Any) -> Tuple[str, ...]:
     order.
 
     >>> methods(kind="block"), methods(rounds=True), methods(kind="cast")
-    (('onebit', 'int8', 'int4'), ('int8', 'int4'), ('fp16', 'bf16'))
+    (('onebit', 'int8', 'int4', 'int2'), ('int8', 'int4', 'int2'), ('fp16', 'bf16'))
     """
     bad = set(where) - {f.name for f in fields(MethodSpec)}
     if bad:
@@ -131,9 +151,6 @@ def is_plugin(name: str) -> bool:
 AUTO_METHODS = tuple(m.name for m in sorted(METHOD_TABLE, key=lambda m: -m.bits) if m.auto_candidate)
 #: The block codecs.
 BLOCK_METHODS = methods(kind="block")
-#: The engine's code for a block codec's data (kernels and
-#: :func:`block_wire_numel`): its bits, 0 for onebit's sign bits.
-BLOCK_BITS = {m.name: (0 if m.bits == 1 else m.bits) for m in METHOD_TABLE if m.kind == "block"}
 #: block_size when none is given.
 DEFAULT_BLOCK_SIZE = {m.name: m.block_size for m in METHOD_TABLE if m.block_size}
 #: The methods that keep error-feedback residuals.
@@ -152,17 +169,44 @@ def method_spec(name: str) -> MethodSpec:
 
     >>> method_spec("topk").kind
     'sparse'
-    >>> method_spec("int3")
+    >>> method_spec("int3")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    ValueError: unknown method 'int3'; choose one of ['onebit', 'topk', 'fp16', 'bf16', 'none', 'int8', 'int4'] or a registered compressor
+    ValueError: unknown method 'int3'; choose one of [...] or a registered compressor
     """
     for m in METHOD_TABLE:
         if m.name == name:
             return m
     if is_plugin(name):
-        return MethodSpec(name, "plugin", 0, residuals=True, error_feedback=True, auto_candidate=False)
+        return MethodSpec(name, "plugin", None, 0, residuals=True, error_feedback=True, auto_candidate=False)
     raise ValueError(f"unknown method {name!r}; choose one of {list(METHODS)} or a registered compressor")
+
+
+def error_feedback_for(method: str, error_feedback: Optional[bool]) -> bool:
+    """The one error-feedback rule of every entry point (the DDP hook, FSDP,
+    DiLoCo): ``error_feedback`` as given, or None for the method's default
+    (its row's ``error_feedback``; "auto" keeps residuals for the buckets it
+    sends by a method that keeps them). True needs a method that keeps
+    residuals.
+
+    >>> error_feedback_for("onebit", None), error_feedback_for("int8", None), error_feedback_for("int8", True)
+    (True, False, True)
+    >>> error_feedback_for("fp16", True)
+    Traceback (most recent call last):
+    ...
+    ValueError: error_feedback=True: compressor 'fp16' keeps no residuals; pass error_feedback=False (or None)
+    """
+    if error_feedback is not None and not isinstance(error_feedback, bool):
+        raise TypeError(f"error_feedback must be a bool or None, got {error_feedback!r}")
+    if method == AUTO_METHOD:
+        return True if error_feedback is None else error_feedback
+    row = method_spec(method)
+    if error_feedback is None:
+        return row.error_feedback
+    if error_feedback and not row.residuals:
+        raise ValueError(f"error_feedback=True: compressor {method!r} keeps no residuals; "
+                         f"pass error_feedback=False (or None)")
+    return error_feedback
 
 
 #: Chunk length (elements) of the engine's pipeline when none is given: 1 Mi
@@ -323,19 +367,18 @@ def block_segments(m: int, world_size: int, block_size: int) -> Tuple[int, List[
     return seg, bounds
 
 
-def block_wire_numel(length: int, block_size: int, bits: int = 0) -> int:
+def block_wire_numel(length: int, block_size: int, bits: int) -> int:
     """int32 elements of a block codec's segment payload of ``length``
-    elements: the data (onebit: ``ceil(L/32)`` sign words; int8/int4: the
-    level bytes zero-padded to a multiple of 4), then ``ceil(L/B)`` scales;
-    0 for an empty segment.
+    elements of ``bits`` bits: the data (``ceil(L * bits / 32)`` words: onebit's
+    sign words, a quant codec's level bytes zero-padded to a multiple of 4),
+    then ``ceil(L/B)`` scales; 0 for an empty segment.
 
-    >>> block_wire_numel(100, 64), block_wire_numel(100, 64, 8), block_wire_numel(99, 64, 4)
+    >>> block_wire_numel(100, 64, 1), block_wire_numel(100, 64, 8), block_wire_numel(99, 64, 4)
     (6, 27, 15)
     """
     if length == 0:
         return 0
-    data = _cdiv(length, WORD_BITS) if bits == 0 else _cdiv(quant_num_bytes(length, bits), 4)
-    return data + _cdiv(length, block_size)
+    return _cdiv(length * bits, WORD_BITS) + _cdiv(length, block_size)
 
 
 def topk_wire_numel(m: int, density: float, approx: bool) -> int:
@@ -388,7 +431,7 @@ def wire_bytes(method: str, numel: int, world_size: int, *, chunk_numel: int = D
         m = end - begin
         if spec_.kind == "block":
             _, segs = block_segments(m, world_size, block)
-            sizes = [block_wire_numel(e - b, block, BLOCK_BITS[method]) for b, e in segs]
+            sizes = [block_wire_numel(e - b, block, spec_.bits) for b, e in segs]
             for r in range(world_size):
                 total[r] += 4 * (sum(sizes[j] for j in range(world_size) if j != r)
                                  + (world_size - 1) * (sizes[0] + TAG_WORDS))

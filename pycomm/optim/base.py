@@ -91,7 +91,8 @@ from torch.optim import Optimizer
 from .. import distributed as pd
 from ..compressors.plugin import payload_nbytes
 from ..distributed import spec
-from ..distributed.session import KEY_SPAN, EngineSession, agree, check_key_base, check_residuals, residual_methods
+from ..distributed.session import (KEY_SPAN, EngineSession, agree, check_key_base, check_residuals, check_world,
+                                   residual_methods)
 from ._checks import _all_finite, _check_compressor, _check_int, _unscale_
 from .ddp import DDPAttach
 
@@ -332,17 +333,9 @@ class _CompressedMomentum(DDPAttach, Optimizer):
         self._saved_overlap = None
 
     def _check_world(self) -> None:
-        if self._saved_world is None:
-            return
-        pg = self._plain_group()
-        world, rank = dist.get_world_size(pg), dist.get_rank(pg)
-        saved = self._saved_world
-        if saved != (world, rank):
-            raise ValueError(
-                f"{type(self).__name__} was loaded from the state of rank {saved[1]} of {saved[0]}, but this "
-                f"is rank {rank} of {world}; every rank loads its own state, or load with "
-                f"reset_error_feedback=True to start the residuals over"
-            )
+        if self._saved_world is not None:
+            pg = self._plain_group()
+            check_world(type(self).__name__, self._saved_world, (dist.get_world_size(pg), dist.get_rank(pg)))
         self._saved_world = None
 
     def _ef(self) -> Dict[int, Any]:

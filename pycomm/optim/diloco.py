@@ -39,7 +39,7 @@ from torch.optim import Optimizer
 from .. import distributed as pd
 from ..compressors.plugin import payload_nbytes
 from ..distributed import spec
-from ..distributed.session import KEY_SPAN, EngineSession, check_residuals, residual_methods
+from ..distributed.session import KEY_SPAN, EngineSession, check_residuals, check_world, residual_methods
 from ._checks import _all_finite, _check_compressor, _check_float, _check_int, _unscale_
 
 __all__ = ["DILOCO_KEY_BASE", "DiLoCo"]
@@ -184,13 +184,7 @@ class DiLoCo:
             # "auto" picks a method per size: its bytes and residuals are not one method's.
             raise ValueError(f"compressor must be one of {list(spec.METHODS)} or a registered compressor, "
                              f"got {compressor!r}") from None
-        if error_feedback is None:
-            error_feedback = method.error_feedback
-        if not isinstance(error_feedback, bool):
-            raise TypeError(f"error_feedback must be a bool or None, got {error_feedback!r}")
-        if error_feedback and not method.residuals:
-            raise ValueError(f"error_feedback=True: compressor {compressor!r} keeps no residuals; "
-                             f"use one of {list(spec.EF_METHODS)} or error_feedback=False")
+        error_feedback = spec.error_feedback_for(method.name, error_feedback)
         self.compressor = compressor
         self.error_feedback = error_feedback
         self.compressor_settings = dict(compressor_settings)
@@ -320,12 +314,8 @@ class DiLoCo:
     def _check_world(self) -> None:
         """Residuals loaded before torch.distributed was up: the rank they
         belong to is checked at the first sync."""
-        saved, self._saved_world = self._saved_world, None
-        here = self._session.world()
-        if saved is not None and saved != here:
-            raise ValueError(f"DiLoCo was loaded from the state of rank {saved[1]} of {saved[0]}, but this is "
-                             f"rank {here[1]} of {here[0]}; every rank loads its own state, or load with "
-                             f"reset_error_feedback=True")
+        check_world("DiLoCo", self._saved_world, self._session.world())
+        self._saved_world = None
 
     def _send(self, f: int) -> None:
         """Start the average of fragment ``f``'s pseudo-gradient."""

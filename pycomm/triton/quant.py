@@ -1,4 +1,5 @@
-"""Triton int8 / int4: block quantization with a per-block absmax scale,
+"""Triton int8 / int4 / int2: block quantization to ``bits``-bit levels
+(``bits`` in :data:`pycomm.wire.QUANT_BITS`) with a per-block absmax scale,
 fused error feedback.
 
 Importing this module registers the ops
@@ -23,6 +24,10 @@ float32 operation rounded once, which the kernels keep that way:
   would skip the rounding of ``c * inv`` (stochastic rounding) and of
   ``q * scale`` (residual, accumulate);
 * NaN is tracked explicitly: a GPU max reduction may drop it.
+
+The kernels are generic in the width: ``BITS`` is a compile-time constant
+and every width-dependent step (levels per byte, field shifts, sign
+extension) is computed from it, so no code path names a width.
 """
 
 from __future__ import annotations
@@ -38,13 +43,24 @@ from torch.library import wrap_triton
 from ._common import check, check_compress_inputs, check_out, device_guard, load_c, register_op
 
 # The rules shared with the reference (pycomm/wire.py imports nothing of pycomm).
-from ..wire import MASK32, MAX_BLOCK_SIZE, quant_hash, quant_num_bytes, quant_qmax  # noqa: E402
+from ..wire import (  # noqa: E402
+    MASK32,
+    MAX_BLOCK_SIZE,
+    QUANT_BITS,
+    quant_hash,
+    quant_num_bytes,
+    quant_per_byte,
+    quant_qmax,
+)
 
-# Elements one program holds at once. A tile is [ROWS, HALF] element pairs
-# (2j, 2j+1): int4 packs a pair into one byte, int8 stores them side by side.
-# Small blocks share a program (ROWS blocks, one per row); a block longer
-# than a tile gets a program of its own that loops over tiles, so register
-# pressure does not depend on block_size.
+# Elements one program holds at once. A tile is [ROWS, NBYTES, PER]: row r
+# is a block, byte j of it holds elements PER * j + k, k < PER = 8 // BITS,
+# at bit k * BITS (the wire's order), so packing is a reduction over the
+# last axis and every byte is whole in one program (int8: PER = 1, the last
+# axis has one element). Small blocks share a program (ROWS blocks, one per
+# row); a block longer than a tile gets a program of its own that loops
+# over tiles, so register pressure depends neither on block_size nor on the
+# width.
 MAX_TILE = 2048
 DECOMPRESS_TILE = 2048
 
@@ -95,29 +111,38 @@ def _scale_inv(amax, has_nan, QMAX: tl.constexpr):
 
 
 @triton.jit
+def _offsets(base, NBYTES: tl.constexpr, PER: tl.constexpr):
+    """Element offsets of the tile whose rows start at ``base`` ([ROWS, 1],
+    multiples of PER since block_size is one): ``first`` [ROWS, NBYTES],
+    each byte's first element, and ``offs`` [ROWS, NBYTES, PER], element
+    PER * j + k of the row at byte j, field k."""
+    first = base + PER * tl.arange(0, NBYTES).to(tl.int64)[None, :]
+    offs = first[:, :, None] + tl.arange(0, PER).to(tl.int64)[None, None, :]
+    return first, offs
+
+
+@triton.jit
 def _emit(
-    c_lo, c_hi, lo, hi, end, scale, inv, seed_key, res_ptr, data_ptr,
-    HAS_RES: tl.constexpr, BITS: tl.constexpr, QMAX: tl.constexpr, STOCHASTIC: tl.constexpr,
+    c, first, offs, end, scale, inv, seed_key, res_ptr, data_ptr,
+    HAS_RES: tl.constexpr, BITS: tl.constexpr, QMAX: tl.constexpr, PER: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
 ):  # fmt: skip
-    """Quantize one tile of pairs (elements lo = 2j and hi = 2j + 1 of the
-    tile): store their levels and, with error feedback, c - q * scale."""
-    m_lo = lo < end
-    m_hi = hi < end
-    q_lo = _level(c_lo, inv, lo, seed_key, QMAX, STOCHASTIC)
-    q_hi = _level(c_hi, inv, hi, seed_key, QMAX, STOCHASTIC)
+    """Quantize one tile (c at ``offs``, from :func:`_offsets`; elements
+    below ``end`` [ROWS, 1] in range): store the levels packed into bytes
+    and, with error feedback, c - q * scale."""
+    mask = offs < end[:, :, None]
+    q = _level(c, inv, offs, seed_key, QMAX, STOCHASTIC)
     if HAS_RES:
-        tl.store(res_ptr + lo, c_lo - q_lo * scale, mask=m_lo)
-        tl.store(res_ptr + hi, c_hi - q_hi * scale, mask=m_hi)
-    i_lo = q_lo.to(tl.int32)
-    i_hi = q_hi.to(tl.int32)
-    if BITS == 8:
-        tl.store(data_ptr + lo, (i_lo & 0xFF).to(tl.uint8), mask=m_lo)
-        tl.store(data_ptr + hi, (i_hi & 0xFF).to(tl.uint8), mask=m_hi)
-    else:
-        # Blocks start at even offsets (block_size is even): lo is even.
-        i_hi = tl.where(m_hi, i_hi, 0)  # a missing last high nibble is 0
-        byte = (i_lo & 0xF) | ((i_hi & 0xF) << 4)
-        tl.store(data_ptr + lo // 2, byte.to(tl.uint8), mask=m_lo)
+        tl.store(res_ptr + offs, c - q * scale, mask=mask)
+    # Two's complement in BITS bits at bit k * BITS; a missing last level
+    # (past n) is 0. The fields are disjoint, so their sum is their OR.
+    field = tl.where(mask, q.to(tl.int32), 0) & ((1 << BITS) - 1)
+    shift = (BITS * tl.arange(0, PER))[None, None, :]
+    byte = tl.sum(field << shift, axis=2)
+    # A byte is the block's when its first element is (blocks start at
+    # multiples of PER): past `end` it belongs to the next block (int8 with
+    # an odd block_size) or lies past the payload.
+    tl.store(data_ptr + first // PER, byte.to(tl.uint8), mask=first < end)
 
 
 @triton.jit
@@ -131,53 +156,51 @@ def _abs_no_nan(c):
 def _compress_kernel(
     grad_ptr, res_ptr, data_ptr, scales_ptr, n, block_size, num_blocks, seed_key_i32,
     HAS_RES: tl.constexpr, BITS: tl.constexpr, QMAX: tl.constexpr, STOCHASTIC: tl.constexpr,
-    ROWS: tl.constexpr, HALF: tl.constexpr, ONE_TILE: tl.constexpr,
+    ROWS: tl.constexpr, NBYTES: tl.constexpr, ONE_TILE: tl.constexpr,
 ):  # fmt: skip
+    PER: tl.constexpr = 8 // BITS
     seed_key = seed_key_i32.to(tl.uint32, bitcast=True)
     # int64: element offsets may pass 2^31 in intermediate products.
     blk = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)  # [ROWS]
-    begin = blk[:, None] * block_size
+    begin = blk[:, None] * block_size  # [ROWS, 1]
     end = tl.minimum(begin + block_size, n)  # < begin for rows past the last block: all masked
-    pair = 2 * tl.arange(0, HALF).to(tl.int64)[None, :]
 
     if ONE_TILE:
         # Every block fits in a row: c stays in registers, one read in all.
-        lo = begin + pair
-        hi = lo + 1
-        c_lo = load_c(grad_ptr, res_ptr, lo, lo < end, HAS_RES)
-        c_hi = load_c(grad_ptr, res_ptr, hi, hi < end, HAS_RES)
+        first, offs = _offsets(begin, NBYTES, PER)
+        end3 = end[:, :, None]
+        c = load_c(grad_ptr, res_ptr, offs, offs < end3, HAS_RES)
         # Lanes past the block load 0.0: no effect on the max.
-        amax = tl.max(tl.maximum(_abs_no_nan(c_lo), _abs_no_nan(c_hi)), axis=1)
-        has_nan = tl.max(((c_lo != c_lo) | (c_hi != c_hi)).to(tl.int32), axis=1) > 0
+        amax = tl.max(tl.max(_abs_no_nan(c), axis=2), axis=1)
+        has_nan = tl.max(tl.max((c != c).to(tl.int32), axis=2), axis=1) > 0
         scale, inv = _scale_inv(amax, has_nan, QMAX)
         tl.store(scales_ptr + blk, scale, mask=blk < num_blocks)
-        _emit(c_lo, c_hi, lo, hi, end, scale[:, None], inv[:, None], seed_key, res_ptr, data_ptr,
-              HAS_RES, BITS, QMAX, STOCHASTIC)  # fmt: skip
+        _emit(c, first, offs, end, scale[:, None, None], inv[:, None, None], seed_key, res_ptr, data_ptr,
+              HAS_RES, BITS, QMAX, PER, STOCHASTIC)  # fmt: skip
     else:
         # One block (ROWS == 1) longer than a tile. The loop runs over the
         # block's actual length, which may be far below block_size (the last
         # or only block of a small tensor).
         length = tl.minimum(block_size, n - tl.program_id(0).to(tl.int64) * block_size)
-        acc = tl.zeros([ROWS, HALF], dtype=tl.float32)
-        nan_acc = tl.zeros([ROWS, HALF], dtype=tl.int32)
-        for start in tl.range(0, length, 2 * HALF):
-            lo = begin + start + pair
-            hi = lo + 1
-            c_lo = load_c(grad_ptr, res_ptr, lo, lo < end, HAS_RES)
-            c_hi = load_c(grad_ptr, res_ptr, hi, hi < end, HAS_RES)
-            acc = tl.maximum(acc, tl.maximum(_abs_no_nan(c_lo), _abs_no_nan(c_hi)))
-            nan_acc |= ((c_lo != c_lo) | (c_hi != c_hi)).to(tl.int32)
-        scale, inv = _scale_inv(tl.max(acc, axis=1), tl.max(nan_acc, axis=1) > 0, QMAX)
+        end3 = end[:, :, None]
+        acc = tl.zeros([ROWS, NBYTES, PER], dtype=tl.float32)
+        nan_acc = tl.zeros([ROWS, NBYTES, PER], dtype=tl.int32)
+        for start in tl.range(0, length, NBYTES * PER):
+            first, offs = _offsets(begin + start, NBYTES, PER)
+            c = load_c(grad_ptr, res_ptr, offs, offs < end3, HAS_RES)
+            acc = tl.maximum(acc, _abs_no_nan(c))
+            nan_acc |= (c != c).to(tl.int32)
+        amax = tl.max(tl.max(acc, axis=2), axis=1)
+        has_nan = tl.max(tl.max(nan_acc, axis=2), axis=1) > 0
+        scale, inv = _scale_inv(amax, has_nan, QMAX)
         tl.store(scales_ptr + blk, scale, mask=blk < num_blocks)
         # The scale needs the whole block first: c is recomputed (bit for bit;
         # the residual is not written before this pass reads it).
-        for start in tl.range(0, length, 2 * HALF):
-            lo = begin + start + pair
-            hi = lo + 1
-            c_lo = load_c(grad_ptr, res_ptr, lo, lo < end, HAS_RES)
-            c_hi = load_c(grad_ptr, res_ptr, hi, hi < end, HAS_RES)
-            _emit(c_lo, c_hi, lo, hi, end, scale[:, None], inv[:, None], seed_key, res_ptr, data_ptr,
-                  HAS_RES, BITS, QMAX, STOCHASTIC)  # fmt: skip
+        for start in tl.range(0, length, NBYTES * PER):
+            first, offs = _offsets(begin + start, NBYTES, PER)
+            c = load_c(grad_ptr, res_ptr, offs, offs < end3, HAS_RES)
+            _emit(c, first, offs, end, scale[:, None, None], inv[:, None, None], seed_key, res_ptr, data_ptr,
+                  HAS_RES, BITS, QMAX, PER, STOCHASTIC)  # fmt: skip
 
 
 @triton.jit
@@ -185,15 +208,14 @@ def _decompress_kernel(
     data_ptr, scales_ptr, out_ptr, n, block_size,
     BITS: tl.constexpr, ACCUMULATE: tl.constexpr, TILE: tl.constexpr,
 ):  # fmt: skip
+    PER: tl.constexpr = 8 // BITS
     offs = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
     mask = offs < n
     scale = tl.load(scales_ptr + offs // block_size, mask=mask, other=0.0)
-    if BITS == 8:
-        q = tl.load(data_ptr + offs, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.int32)
-    else:
-        byte = tl.load(data_ptr + offs // 2, mask=mask, other=0).to(tl.int32)
-        nib = (byte >> ((offs & 1) * 4).to(tl.int32)) & 0xF
-        q = tl.where(nib >= 8, nib - 16, nib)  # sign-extend the nibble
+    # Element i is the BITS-bit field at bit (i % PER) * BITS of byte i // PER.
+    byte = tl.load(data_ptr + offs // PER, mask=mask, other=0).to(tl.int32)
+    field = (byte >> ((offs % PER) * BITS).to(tl.int32)) & ((1 << BITS) - 1)
+    q = tl.where(field >= (1 << (BITS - 1)), field - (1 << BITS), field)  # sign-extend the field
     decoded = q.to(tl.float32) * scale
     if ACCUMULATE:
         decoded = tl.load(out_ptr + offs, mask=mask, other=0.0) + decoded
@@ -203,24 +225,30 @@ def _decompress_kernel(
 # ------------------------------------------------------------------- ops ---
 # The messages of csrc/ops/quant.cpp's checks.
 def _check_args(bits: int, block_size: int, seed: int) -> None:
-    check(bits in (8, 4), f"bits must be 8 or 4, got {bits}")
+    check(bits in QUANT_BITS, f"bits must be one of {sorted(QUANT_BITS)}, got {bits}")
     check(0 < block_size <= MAX_BLOCK_SIZE, f"block_size must be in [1, 2^30], got {block_size}")
+    # No byte may straddle two blocks: a block's bytes are written by its
+    # own program (row) alone.
+    per = quant_per_byte(bits)
     check(
-        bits == 8 or block_size % 2 == 0,
-        f"block_size must be even for int4 (a byte holds two elements), got {block_size}",
+        block_size % per == 0,
+        f"block_size must be a multiple of {per} for {bits}-bit levels (a byte holds {per}), got {block_size}",
     )
     check(-1 <= seed <= MASK32, f"seed must be -1 (round to nearest) or in [0, 2^32), got {seed}")
 
 
-def _tile(n: int, block_size: int) -> Tuple[int, int, bool]:
-    """(ROWS, HALF, ONE_TILE) of the compress kernel."""
+def _tile(n: int, block_size: int, bits: int) -> Tuple[int, int, bool]:
+    """(ROWS, NBYTES, ONE_TILE) of the compress kernel: a row of a tile is
+    NBYTES bytes of PER elements (a power of two, at most MAX_TILE)."""
+    per = quant_per_byte(bits)
     longest = min(block_size, n)  # the longest block actually present
-    half = min(triton.next_power_of_2(-(-longest // 2)), MAX_TILE // 2)
-    one_tile = longest <= 2 * half
-    rows = MAX_TILE // (2 * half) if one_tile else 1
+    nbytes = min(triton.next_power_of_2(-(-longest // per)), MAX_TILE // per)
+    width = nbytes * per  # elements per row
+    one_tile = longest <= width
+    rows = MAX_TILE // width if one_tile else 1
     # No more rows than blocks: a small tensor should not pay for a full tile.
     rows = min(rows, triton.next_power_of_2(-(-n // block_size)))
-    return rows, half, one_tile
+    return rows, nbytes, one_tile
 
 
 def _launch_compress(
@@ -230,7 +258,7 @@ def _launch_compress(
     blocks = triton.cdiv(n, block_size)
     data = torch.empty(quant_num_bytes(n, bits), dtype=torch.uint8, device=grad.device)
     scales = torch.empty(blocks, dtype=torch.float32, device=grad.device)
-    rows, half, one_tile = _tile(n, block_size)
+    rows, nbytes, one_tile = _tile(n, block_size, bits)
     # quant_hash(seed) once on the host, passed as int32 bits (a kernel int
     # argument >= 2^31 would change its type).
     key = quant_hash(seed & MASK32) if seed >= 0 else 0
@@ -250,9 +278,9 @@ def _launch_compress(
             QMAX=quant_qmax(bits),
             STOCHASTIC=seed >= 0,
             ROWS=rows,
-            HALF=half,
+            NBYTES=nbytes,
             ONE_TILE=one_tile,
-            num_warps=max(1, min(8, rows * half // 128)),
+            num_warps=max(1, min(8, rows * nbytes * quant_per_byte(bits) // 256)),
             enable_fp_fusion=False,
         )
     return data, scales
@@ -364,7 +392,8 @@ def quant_decompress_triton(
 def compress(
     grad: Tensor, residual: Optional[Tensor], bits: int, block_size: int, seed: int = -1
 ) -> Tuple[Tensor, Tensor]:
-    """Quantize ``c = grad + residual`` to int8 (``bits=8``) or int4 (``bits=4``).
+    """Quantize ``c = grad + residual`` to ``bits``-bit levels: int8, int4 or
+    int2 (``bits`` = 8, 4 or 2; ``block_size`` a multiple of ``8 // bits``).
 
     ``grad``: contiguous float32/float16/bfloat16 of n elements;
     ``residual``: contiguous float32 of n elements, or None (no error

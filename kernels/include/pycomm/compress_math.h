@@ -142,29 +142,45 @@ PYCOMM_HD bool topk_accept(int64_t count, int64_t k) {
 }
 
 // ----------------------------------------------------------------- quant ---
-// int8 / int4 block quantization (compressors "int8" and "int4"). Per block
-// of block_size elements of c = grad + residual (the last one partial):
+// Block quantization to `bits`-bit levels (the block codecs of the method
+// table whose kernel family is "quant": int8, int4, int2). bits is data, not
+// a branch: every rule below is a function of it, for any bits dividing 8
+// from 2 up (quant_bits_ok). Per block of block_size elements of
+// c = grad + residual (the last one partial):
 //   amax  = max |c|, NaN if any c is NaN
-//   scale = amax / qmax                         (qmax = 127 or 7; sent)
+//   scale = amax / qmax       (qmax = 2^(bits-1) - 1: 127, 7, 1; sent)
 //   inv   = qmax / amax if amax > 0 and that quotient is finite, else 0
 //           (0 for NaN or Inf blocks, and for blocks so tiny, amax below
 //           qmax / FLT_MAX, that the quotient overflows: they send zeros
 //           and keep everything in the residual)
 //   q     = inv == 0 ? 0 : clamp(round(c * inv), -qmax, qmax)
 //   decoded = q * scale, residual = c - decoded
-// round is round-half-to-even, or with a seed (stochastic rounding)
-// floor(c * inv + u) with u = quant_uniform(seed, i) in [0, 1), i the
-// element's index in the tensor. A block holding NaN or Inf sends q = 0 and
-// a non-finite scale, so it decodes to NaN: never a silently finite result.
-// Wire: `data` bytes, int8 one two's-complement byte per element; int4 two
-// per byte, element 2j in the low nibble, 2j+1 in the high one (a missing
-// last high nibble is 0); then one float32 scale per block. int4 needs an
-// even block_size so that no byte straddles two blocks.
+// (2 bits: the ternary levels -1/0/+1 of TernGrad, scaled by the block's
+// absmax.) round is round-half-to-even, or with a seed (stochastic
+// rounding) floor(c * inv + u) with u = quant_uniform(seed, i) in [0, 1), i
+// the element's index in the tensor. A block holding NaN or Inf sends q = 0
+// and a non-finite scale, so it decodes to NaN: never a silently finite
+// result.
+// Wire: `data` bytes holding quant_per_byte(bits) = 8 / bits levels each,
+// two's complement in `bits` bits, element i at bit (i % per) * bits of
+// byte i / per (int8: one byte per element; int4: element 2j in the low
+// nibble; missing last levels are 0); then one float32 scale per block.
+// block_size must be a multiple of per so that no byte straddles two blocks.
 
-PYCOMM_HD int quant_qmax(int bits) { return bits == 8 ? 127 : 7; }
-PYCOMM_HD int64_t quant_num_bytes(int64_t n, int bits) { return bits == 8 ? n : (n + 1) / 2; }
+PYCOMM_HD bool quant_bits_ok(int bits) { return bits == 2 || bits == 4 || bits == 8; }
+PYCOMM_HD int quant_qmax(int bits) { return (1 << (bits - 1)) - 1; }
+PYCOMM_HD int quant_per_byte(int bits) { return 8 / bits; }
+PYCOMM_HD int64_t quant_num_bytes(int64_t n, int bits) { return ceil_div(n, (int64_t)quant_per_byte(bits)); }
 PYCOMM_HD int64_t quant_payload_nbytes(int64_t n, int bits, int64_t block_size) {
   return quant_num_bytes(n, bits) + 4 * ceil_div(n, block_size);
+}
+// Level q in its `bits`-bit field at `shift` of a byte, and back
+// (sign-extended by shifting the field to the top of an int8, then down).
+PYCOMM_HD uint8_t quant_pack(int q, int bits, int shift) {
+  return (uint8_t)(((unsigned)q & ((1u << bits) - 1u)) << shift);
+}
+PYCOMM_HD int quant_unpack(uint8_t byte, int bits, int shift) {
+  return (int8_t)(uint8_t)(byte << (8 - bits - shift)) >> (8 - bits);
 }
 
 // A 32-bit integer hash with good avalanche (Chris Wellons' lowbias32),

@@ -56,7 +56,7 @@ bool topk_decompress(const int32_t* indices, const float* values, int64_t count,
                      int64_t n, bool accumulate, const ParallelFor& parallel_for);
 
 // ---- quant (kernels/cpu/quant.cpp) ----
-// int8 (bits 8) / int4 (bits 4) block quantization of c = grad + residual_in
+// block quantization to bits 8, 4 or 2 (quant_bits_ok) of c = grad + residual_in
 // for the blocks in [block_begin, block_end) (rules: compress_math.h).
 // residual_in/out: both null (no error feedback), or both non-null, equal
 // or not overlapping; c and then the new residual are written to
