@@ -58,6 +58,14 @@ def _flat(model):
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
+def _train(model, opt, rank, steps):
+    for step in range(steps):
+        x, y = _batch(rank, step)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+
 def _collectives(rank, world):
     out = {}
     x = _inputs(rank)
@@ -75,11 +83,6 @@ def _collectives(rank, world):
         kept = sorted(pd.error_feedback_state(group))
         out[m] = dict(all_reduce=ar, reduce_scatter=rs, all_gather=ag, keys=kept)
     return out
-
-
-@pytest.fixture(scope="module")
-def collectives():
-    return run_ranks(_collectives, WORLD, timeout=240)
 
 
 @pytest.mark.parametrize("method", COMPRESSED)
@@ -114,29 +117,34 @@ def _entry_points(rank, world):
         model = DDP(_model())
         state = CompressionState(compressor=m, start_iter=2, **_settings(m))
         model.register_comm_hook(state, compressed_hook)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        for step in range(6):
-            x, y = _batch(rank, step)
-            opt.zero_grad()
-            nn.functional.mse_loss(model(x), y).backward()
-            opt.step()
+        _train(model, torch.optim.AdamW(model.parameters(), lr=1e-2), rank, 6)
         hook = (_flat(model.module), state.iteration, state.error_feedback, sorted(state.state_dict()["error_feedback"]))
         # DiLoCo, every fragment synced once more at the end.
         model = _model()
         opt = DiLoCo(model, torch.optim.AdamW(model.parameters(), lr=1e-2), sync_every=2, compressor=m,
                      **({"block_size": 64} if spec.method_spec(m).kind == "block" else {}))
-        for step in range(4):
-            x, y = _batch(rank, step)
-            opt.zero_grad()
-            nn.functional.mse_loss(model(x), y).backward()
-            opt.step()
+        _train(model, opt, rank, 4)
         out[m] = dict(hook=hook, diloco=(_flat(model), opt.error_feedback))
     return out
 
 
+def _every_entry(rank, world):
+    return {"collectives": _collectives(rank, world), "entry_points": _entry_points(rank, world)}
+
+
 @pytest.fixture(scope="module")
-def entry_points():
-    return run_ranks(_entry_points, WORLD, timeout=300)
+def runs():
+    return run_ranks(_every_entry, WORLD, timeout=480)
+
+
+@pytest.fixture(scope="module")
+def collectives(runs):
+    return [r["collectives"] for r in runs]
+
+
+@pytest.fixture(scope="module")
+def entry_points(runs):
+    return [r["entry_points"] for r in runs]
 
 
 @pytest.mark.parametrize("method", COMPRESSED)

@@ -35,6 +35,7 @@ mirror them line by line and are the oracle of every test.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Optional, Tuple
@@ -355,9 +356,7 @@ class QuantCompressor(Compressor):
         return out
 
 
-_CLASSES = {}
-
-
+@functools.lru_cache(maxsize=None)
 def quant_class(bits: int) -> type:
     """The :class:`QuantCompressor` of ``bits``-bit levels (one class per
     width, ``Int<bits>Compressor``); the method table registers one under
@@ -368,13 +367,13 @@ def quant_class(bits: int) -> type:
     """
     if bits not in QUANT_BITS:
         raise ValueError(f"bits must be one of {list(QUANT_BITS)}, got {bits!r}")
-    if bits not in _CLASSES:
-        name = f"Int{bits}Compressor"
-        _CLASSES[bits] = type(name, (QuantCompressor,), {
-            "bits": bits, "__module__": __name__, "__qualname__": name,
-            "__doc__": f"Block quantization to {bits}-bit levels (-{quant_qmax(bits)}..{quant_qmax(bits)}), "
-                       "one float32 scale per block: :class:`QuantCompressor`."})
-    return _CLASSES[bits]
+    name = f"Int{bits}Compressor"
+    # A module attribute too, so that instances pickle by reference.
+    globals()[name] = cls = type(name, (QuantCompressor,), {
+        "bits": bits, "__module__": __name__, "__qualname__": name,
+        "__doc__": f"Block quantization to {bits}-bit levels (-{quant_qmax(bits)}..{quant_qmax(bits)}), "
+                   "one float32 scale per block: :class:`QuantCompressor`."})
+    return cls
 
 
 #: The classes pycomm exported by name before the widths were data.
