@@ -15,24 +15,18 @@ namespace {
 
 py::dict error_feedback_to_dict(const ErrorFeedback& ef) {
   py::dict d;
-  d["numel"] = ef.numel;
-  d["world_size"] = ef.world_size;
-  d["chunk_numel"] = ef.chunk_numel;
-  d["method"] = ef.method;
-  d["worker"] = ef.worker;
-  d["server"] = ef.server;
+#define PYCOMM_PUT(field) d[#field] = ef.field;
+  PYCOMM_EF_SAVED_FIELDS(PYCOMM_PUT)
+#undef PYCOMM_PUT
   d["calls"] = ef.calls;
   return d;
 }
 
 ErrorFeedback error_feedback_from_dict(const py::dict& d) {
   ErrorFeedback ef;
-  ef.numel = d["numel"].cast<int64_t>();
-  ef.world_size = d["world_size"].cast<int>();
-  ef.chunk_numel = d["chunk_numel"].cast<int64_t>();
-  ef.method = d["method"].cast<std::string>();
-  ef.worker = d["worker"].cast<at::Tensor>();
-  ef.server = d["server"].cast<std::vector<at::Tensor>>();
+#define PYCOMM_GET(field) ef.field = d[#field].cast<decltype(ef.field)>();
+  PYCOMM_EF_SAVED_FIELDS(PYCOMM_GET)
+#undef PYCOMM_GET
   // States saved before keys counted their calls start the count at 0.
   ef.calls = d.contains("calls") ? d["calls"].cast<int64_t>() : 0;
   return ef;
@@ -136,17 +130,9 @@ PYBIND11_MODULE(_C, m) {
                              [](const CompressedBackend& b) {
                                const auto& c = b.config();
                                py::dict d;
-                               d["method"] = c.method;
-                               d["min_compress_numel"] = c.min_compress_numel;
-                               d["chunk_numel"] = c.chunk_numel;
-                               d["block_size"] = c.block_size;
-                               d["density"] = c.density;
-                               d["approx"] = c.approx;
-                               d["check_calls"] = c.check_calls;
-                               d["size_methods"] = c.size_methods;
-                               d["calibration"] = c.calibration;
-                               d["plugin_options"] = c.plugin_options;
-                               d["rounding_seed"] = c.rounding_seed;
+#define PYCOMM_PUT(field) d[#field] = c.field;
+                               PYCOMM_CONFIG_FIELDS(PYCOMM_PUT)
+#undef PYCOMM_PUT
                                d["ranks_per_node"] = b.ranks_per_node();
                                return d;
                              })

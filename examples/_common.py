@@ -1,6 +1,7 @@
 """What the example scripts share: a tiny model, deterministic data, and a
 report (printed by rank 0; with ``--out DIR``, one JSON file per rank)."""
 
+import argparse
 import hashlib
 import json
 import os
@@ -37,6 +38,20 @@ def add_run_options(parser) -> None:
     parser.add_argument("--out", help="folder for each rank's JSON report")
 
 
+def parse_epoch_args(doc: str, checkpoint_help: str, resume_help: str) -> argparse.Namespace:
+    """The command line of the examples that train by epochs through a
+    framework (Accelerate, Lightning; ``doc``: the script's docstring): the
+    backend, the epochs, a checkpoint to save (``checkpoint_help`` says
+    when) or to resume from (``resume_help`` says what), the reports' folder."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--backend", choices=["gloo", "pycomm"], default="gloo")
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--checkpoint", help=checkpoint_help)
+    parser.add_argument("--resume", help=resume_help)
+    parser.add_argument("--out", help="folder for each rank's JSON report")
+    return parser.parse_args()
+
+
 def train(args, rank, net, opt, start, checkpoint):
     """Steps ``start`` to ``args.steps`` of the regression on ``net`` (the
     DDP model or the module), rank ``rank``'s rows of each step's batch, the
@@ -71,7 +86,7 @@ def report(out_dir, rank, model, loss, state) -> dict:
         "backend": dist.get_backend() if dist.is_initialized() else None,
         "loss": float(loss),
         "hook_iteration": iterations,
-        "residual_buckets": sorted(saved["error_feedback"]),
+        "residual_buckets": sorted(saved["engine"]["residuals"]),
         "params_sha256": hashlib.sha256(params.numpy().tobytes()).hexdigest(),
     }
     if rank == 0:

@@ -15,8 +15,6 @@ initializes the default group as a pycomm group first
 (``pycomm.integrations.init_process_group``), which Accelerate then uses.
 """
 
-import argparse
-
 import torch
 import torch.nn as nn
 from accelerate import Accelerator
@@ -25,7 +23,7 @@ from accelerate.utils import DistributedDataParallelKwargs
 from pycomm.integrations import init_process_group
 from pycomm.integrations.accelerate import register_hook
 
-from _common import dataset, make_model, report
+from _common import dataset, make_model, parse_epoch_args, report
 
 # Exact all-reduce for 5 iterations, then int8 with error feedback: the
 # setup for momentum SGD (onebit on gradients costs final loss under
@@ -48,13 +46,8 @@ class Progress:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backend", choices=["gloo", "pycomm"], default="gloo")
-    parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--checkpoint", help="folder to save the state in after the first epoch")
-    parser.add_argument("--resume", help="folder to resume from")
-    parser.add_argument("--out", help="folder for each rank's JSON report")
-    args = parser.parse_args()
+    args = parse_epoch_args(__doc__, checkpoint_help="folder to save the state in after the first epoch",
+                            resume_help="folder to resume from")
     torch.set_num_threads(1)  # the ranks share the machine's cores
 
     if args.backend == "pycomm":

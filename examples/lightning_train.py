@@ -14,8 +14,6 @@ backend that carries pycomm's settings (``pycomm.integrations.backend``), as
 ``DDPStrategy`` takes only a name.
 """
 
-import argparse
-
 import lightning.pytorch as L
 import torch
 import torch.nn as nn
@@ -25,7 +23,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from pycomm.integrations import backend
 from pycomm.integrations.lightning import CompressionCallback
 
-from _common import dataset, make_model, report
+from _common import dataset, make_model, parse_epoch_args, report
 
 # Exact all-reduce for 5 iterations, then int8 with error feedback: the
 # setup for momentum SGD (onebit on gradients costs final loss under
@@ -50,13 +48,8 @@ class Regressor(L.LightningModule):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backend", choices=["gloo", "pycomm"], default="gloo")
-    parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--checkpoint", help="folder for a checkpoint at the end of every epoch")
-    parser.add_argument("--resume", help="checkpoint file to resume from")
-    parser.add_argument("--out", help="folder for each rank's JSON report")
-    args = parser.parse_args()
+    args = parse_epoch_args(__doc__, checkpoint_help="folder for a checkpoint at the end of every epoch",
+                            resume_help="checkpoint file to resume from")
     torch.set_num_threads(1)  # the ranks share the machine's cores
 
     compression = CompressionCallback(**HOOK)

@@ -44,11 +44,9 @@ from torch.distributed.fsdp import FSDPModule
 from .distributed.spec import is_plugin
 from .distributed import BACKEND_NAME, PycommOptions
 from .distributed import all_gather as _pd_all_gather
-from .distributed import error_feedback_state as _pd_ef_state
-from .distributed import load_error_feedback_state as _pd_load_ef_state
 from .distributed import reduce_scatter as _pd_reduce_scatter
 from .distributed import spec
-from .distributed.session import check_residuals
+from .distributed.session import EngineSession, nest_legacy
 from .distributed.spec import GROUP_METHODS
 
 log = logging.getLogger(__name__)
@@ -271,6 +269,9 @@ class FSDPCompression:
         #: bytes handed to the compressed reduce-scatter on this rank (before compression).
         self.bytes_in = 0
         self._warned: set = set()
+        #: The engine client of the gradients' reduce-scatter: its group
+        #: (made by compress()), the keys (one per module) and the residuals.
+        self._session = EngineSession("pycomm.fsdp", compressor, settings, collective=spec.REDUCE_SCATTER_SUFFIX)
 
     # -- groups ----------------------------------------------------------------
     def _engine_group(self, group: dist.ProcessGroup, role: str) -> dist.ProcessGroup | None:
@@ -281,9 +282,6 @@ class FSDPCompression:
         if (fqn, what, why) not in self._warned:
             self._warned.add((fqn, what, why))
             log.warning("pycomm.fsdp: %s of module %r runs exact (%s)", what, fqn, why)
-
-    def _grad_group(self) -> dist.ProcessGroup | None:
-        return next((g for (role, _), g in self.groups.items() if role == "grad"), None)
 
     # -- state -----------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -296,11 +294,8 @@ class FSDPCompression:
         both world sizes apart. Empty without error feedback."""
         if not self.error_feedback:
             return {}
-        pg = self._grad_group()
-        state = _pd_ef_state(pg, device=self._device, keys=sorted(self.keys.values())) if pg is not None else {}
         buf = io.BytesIO()
-        torch.save({"world_size": dist.get_world_size(), "keys": dict(self.keys),
-                    "residuals": {k: dict(v) for k, v in state.items()}}, buf)
+        torch.save({"keys": dict(self.keys), "engine": self._session.state_dict()}, buf)
         return {_state_key(): buf.getvalue()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -314,26 +309,20 @@ class FSDPCompression:
                              f"residuals are per rank, and resume at the world size they were saved at")
         data = state[name]
         saved = torch.load(io.BytesIO(data), weights_only=False) if isinstance(data, (bytes, bytearray)) else data
-        if saved["world_size"] != dist.get_world_size():
-            raise ValueError(f"pycomm.fsdp: residuals saved at world size {saved['world_size']}, "
-                             f"this run has {dist.get_world_size()}")
-        if saved["keys"] != self.keys:
+        if isinstance(saved, dict) and "residuals" in saved:  # saved before the engine state had an entry
+            saved = nest_legacy({"world_size": saved.get("world_size"), "rank": dist.get_rank(),
+                                 "error_feedback": saved["residuals"], "keys": saved.get("keys")}, self.compressor)
+        if not isinstance(saved, dict) or saved.get("keys") != self.keys:
             raise ValueError("pycomm.fsdp: the saved residuals belong to other FSDP modules "
-                             f"({sorted(saved['keys'])} vs {sorted(self.keys)})")
-        residuals = check_residuals("the saved residuals", saved["residuals"],
-                                    (self.compressor + spec.REDUCE_SCATTER_SUFFIX,))
-        pg = self._grad_group()
-        if pg is not None and residuals:
-            _pd_load_ef_state(residuals, pg, device=self._device, replace=False)
+                             f"({sorted(saved.get('keys') or {}) if isinstance(saved, dict) else saved!r} vs "
+                             f"{sorted(self.keys)})")
+        self._session.load_state(self._session.check_state(saved.get("engine"), f"state[{name!r}]['engine']",
+                                                           span=len(self.keys)))
 
     def residual_bytes(self) -> int:
         """Bytes of error-feedback residuals this rank holds now (one buffer
         of each; the engine keeps a second of the same size for rollback)."""
-        if not self.error_feedback or self._grad_group() is None:
-            return 0
-        state = _pd_ef_state(self._grad_group(), device=self._device, keys=sorted(self.keys.values()))
-        return sum(s["worker"].numel() * s["worker"].element_size()
-                   + sum(t.numel() * t.element_size() for t in s["server"]) for s in state.values())
+        return self._session.residual_nbytes() if self.error_feedback else 0
 
     _device = "cpu"
 
@@ -507,6 +496,8 @@ def compress(
             pg = dist.new_group(ranks=list(ranks), backend=BACKEND_NAME, pg_options=opts)
             if me in ranks:
                 comp.groups[(role, ranks)] = pg
+                if role == "grad":
+                    comp._session.adopt(pg, torch.device(comp._device))
 
     for key, ((fqn, m), g) in enumerate(zip(modules, param_groups)):
         comp.keys[fqn] = key

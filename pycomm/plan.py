@@ -73,31 +73,36 @@ _IB_ALPHA = 2e-6  # adapter < 1 us (ConnectX datasheets) + switch hop + NCCL pro
 _ROCE_ALPHA = 3e-6  # assumed: as IB plus an Ethernet switch
 _TCP_ALPHA = 30e-6  # assumed: kernel TCP stack, 10-50 us per message
 
+def _bidirectional(name: str, quoted_gb_s: float, alpha_s: float, source: str) -> Link:
+    """A link its vendor quotes as both directions together (NVLink, PCIe):
+    each direction carries half of the quoted GB/s."""
+    quoted = quoted_gb_s * 1e9
+    return Link(name, quoted / 2, alpha_s, quoted, f"{quoted_gb_s} GB/s bidirectional", source)
+
+
+def _per_direction(name: str, gbit_s: float, alpha_s: float, source: str) -> Link:
+    """A full-duplex port quoted in Gbit/s per direction (InfiniBand,
+    Ethernet): the quoted rate is what each direction carries."""
+    rate = gbit_s * 1e9 / 8
+    return Link(name, rate, alpha_s, rate, f"{gbit_s} Gbit/s per direction", source)
+
+
+# One line a link: its vendor figure, once; the per-direction rate and the
+# quoted text derive from it.
 LINKS: Dict[str, Link] = {
     l.name: l
     for l in (
-        Link("nvlink3", 300e9, _NVLINK_ALPHA, 600e9, "600 GB/s bidirectional",
-             "NVIDIA A100 datasheet: NVLink 600 GB/s (12 links x 50 GB/s, both directions)"),
-        Link("nvlink4", 450e9, _NVLINK_ALPHA, 900e9, "900 GB/s bidirectional",
-             "NVIDIA H100 SXM datasheet: NVLink 900 GB/s (18 links x 50 GB/s, both directions)"),
-        Link("pcie4", 32e9, _PCIE_ALPHA, 64e9, "64 GB/s bidirectional",
-             "PCIe 4.0 spec: 16 GT/s x16, 128b/130b = 31.5 GB/s per direction, quoted 32 / 64 bidirectional"),
-        Link("pcie5", 64e9, _PCIE_ALPHA, 128e9, "128 GB/s bidirectional",
-             "PCIe 5.0 spec: 32 GT/s x16 = 63 GB/s per direction, quoted 64 / 128 bidirectional"),
-        Link("ib-hdr", 25e9, _IB_ALPHA, 25e9, "200 Gbit/s per direction",
-             "InfiniBand HDR (NVIDIA ConnectX-6 datasheet): 200 Gb/s per port, full duplex"),
-        Link("ib-ndr400", 50e9, _IB_ALPHA, 50e9, "400 Gbit/s per direction",
-             "InfiniBand NDR (NVIDIA ConnectX-7 datasheet): 400 Gb/s per port, full duplex"),
-        Link("roce100", 12.5e9, _ROCE_ALPHA, 12.5e9, "100 Gbit/s per direction",
-             "100 Gigabit Ethernet (IEEE 802.3) with RoCE v2, full duplex"),
-        Link("roce400", 50e9, _ROCE_ALPHA, 50e9, "400 Gbit/s per direction",
-             "400 Gigabit Ethernet (IEEE 802.3bs) with RoCE v2, full duplex"),
-        Link("eth25", 25e9 / 8, _TCP_ALPHA, 25e9 / 8, "25 Gbit/s per direction",
-             "25 Gigabit Ethernet (IEEE 802.3by), TCP, full duplex"),
-        Link("eth10", 10e9 / 8, _TCP_ALPHA, 10e9 / 8, "10 Gbit/s per direction",
-             "10 Gigabit Ethernet (IEEE 802.3ae), TCP, full duplex"),
-        Link("eth1", 1e9 / 8, _TCP_ALPHA, 1e9 / 8, "1 Gbit/s per direction",
-             "Gigabit Ethernet (IEEE 802.3ab), TCP, full duplex"),
+        _bidirectional("nvlink3", 600, _NVLINK_ALPHA, "NVIDIA A100 datasheet: NVLink 600 GB/s (12 links x 50 GB/s, both directions)"),
+        _bidirectional("nvlink4", 900, _NVLINK_ALPHA, "NVIDIA H100 SXM datasheet: NVLink 900 GB/s (18 links x 50 GB/s, both directions)"),
+        _bidirectional("pcie4", 64, _PCIE_ALPHA, "PCIe 4.0 spec: 16 GT/s x16, 128b/130b = 31.5 GB/s per direction, quoted 32 / 64 bidirectional"),
+        _bidirectional("pcie5", 128, _PCIE_ALPHA, "PCIe 5.0 spec: 32 GT/s x16 = 63 GB/s per direction, quoted 64 / 128 bidirectional"),
+        _per_direction("ib-hdr", 200, _IB_ALPHA, "InfiniBand HDR (NVIDIA ConnectX-6 datasheet): 200 Gb/s per port, full duplex"),
+        _per_direction("ib-ndr400", 400, _IB_ALPHA, "InfiniBand NDR (NVIDIA ConnectX-7 datasheet): 400 Gb/s per port, full duplex"),
+        _per_direction("roce100", 100, _ROCE_ALPHA, "100 Gigabit Ethernet (IEEE 802.3) with RoCE v2, full duplex"),
+        _per_direction("roce400", 400, _ROCE_ALPHA, "400 Gigabit Ethernet (IEEE 802.3bs) with RoCE v2, full duplex"),
+        _per_direction("eth25", 25, _TCP_ALPHA, "25 Gigabit Ethernet (IEEE 802.3by), TCP, full duplex"),
+        _per_direction("eth10", 10, _TCP_ALPHA, "10 Gigabit Ethernet (IEEE 802.3ae), TCP, full duplex"),
+        _per_direction("eth1", 1, _TCP_ALPHA, "Gigabit Ethernet (IEEE 802.3ab), TCP, full duplex"),
     )
 }
 
@@ -227,14 +232,14 @@ def predict_allreduce_time(
 
     - ``allreduce``: ring all-reduce of ``numel`` x bytes of ``dtype``,
       ``2(W-1)`` messages;
-    - a block codec (``onebit``, ``int8``, ``int4``): all-to-all +
-      all-gather, each ``(W-1)`` messages and ``(W-1)/W`` x the payload (the
-      method's bits per element + a float32 scale per block, ``block_size``
-      elements, None: the method's default), and the call's tag;
-    - ``topk``: all-gather of the ``4 + 8 cap`` byte payloads and the tag,
-      ``(W-1)`` messages and ``(W-1)`` x per rank (``cap = k``, or
+    - a block codec (a method of kind ``block``, e.g. ``onebit``):
+      all-to-all + all-gather, each ``(W-1)`` messages and ``(W-1)/W`` x the
+      payload (the method's bits per element + a float32 scale per block,
+      ``block_size`` elements, None: the method's default), and the call's tag;
+    - a sparse method (e.g. ``topk``): all-gather of the ``4 + 8 cap`` byte
+      payloads and the tag, ``(W-1)`` messages and ``(W-1)`` x per rank (``cap = k``, or
       ``floor(1.25 k)`` approximate; ``k = ceil(density n)``);
-    - a cast (``fp16`` / ``bf16``): ring all-reduce of its 2 bytes per element.
+    - a cast (e.g. ``bf16``): ring all-reduce of its 2 bytes per element.
 
     ``chunks``: separate collectives the tensor is cut into (DDP buckets x
     pycomm chunks); each pays the latency term. ``compress_throughput``: kernel

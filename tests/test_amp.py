@@ -45,7 +45,7 @@ def _eval(module):
 
 def _residuals(state, pg):
     # Over a plain group, the engine group the hook made holds them.
-    return {k: v["worker"].clone() for k, v in state.state_dict()["error_feedback"].items()}
+    return {k: v["worker"].clone() for k, v in state.state_dict()["engine"]["residuals"].items()}
 
 
 def _run(rank, path, inject):

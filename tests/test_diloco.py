@@ -181,7 +181,7 @@ def _converge(rank, world):
             first = float(_loss(model, 0, 999))
         _train(model, opt, rank, 64)
         with torch.no_grad():
-            residuals = sorted(opt.state_dict()["pycomm"]["error_feedback"])
+            residuals = sorted(opt.state_dict()["pycomm"]["engine"]["residuals"])
             losses[name] = (first, float(_loss(model, 0, 999)), opt.error_feedback, residuals)
         assert torch.equal(_flat(model), torch.cat([a.reshape(-1) for a in opt.anchor]))
     return losses
@@ -239,10 +239,10 @@ def test_resume_bit_exact_with_a_sync_in_flight(scenarios):
     saved = [s for s, _, _ in full]
     for r, s in enumerate(saved):
         extra = s["opt"]["pycomm"]
-        assert extra["step_count"] == 6 and extra["rank"] == r
+        assert extra["step_count"] == 6 and extra["engine"]["rank"] == r
         assert extra["pending"]["fragment"] == 0 and extra["pending"]["apply_at"] == 7
-        assert sorted(extra["error_feedback"]) == [0, 1]  # both fragments' residuals
-        assert extra["error_feedback"][0]["calls"] == 2  # stochastic rounding's count, saved
+        assert sorted(extra["engine"]["residuals"]) == [0, 1]  # both fragments' residuals
+        assert extra["engine"]["residuals"][0]["calls"] == 2  # stochastic rounding's count, saved
     resumed = run_ranks(_resumed_run, 2, saved, timeout=60)
     for rank, ((_, params, syncs), (params2, syncs2, wrong)) in enumerate(zip(full, resumed)):
         assert torch.equal(params, params2)
@@ -263,7 +263,7 @@ def _nonfinite(rank, world):
     _train(model, opt, rank, 3)
     anchor = [a.clone() for a in opt.anchor]
     outer = [opt.outer.state[a]["momentum_buffer"].clone() for a in opt.anchor]
-    ef = opt.state_dict()["pycomm"]["error_feedback"]
+    ef = opt.state_dict()["pycomm"]["engine"]["residuals"]
     if rank == 1:
         with torch.no_grad():
             model[0].weight[0, 0] = float("nan")
@@ -272,9 +272,9 @@ def _nonfinite(rank, world):
         _train(model, opt, rank, 4, start=3)  # the sync at step 4
     same = (all(torch.equal(a, b) for a, b in zip(anchor, opt.anchor))
             and all(torch.equal(opt.outer.state[a]["momentum_buffer"], m) for a, m in zip(opt.anchor, outer))
-            and torch.equal(ef[0]["worker"], opt.state_dict()["pycomm"]["error_feedback"][0]["worker"])
+            and torch.equal(ef[0]["worker"], opt.state_dict()["pycomm"]["engine"]["residuals"][0]["worker"])
             and all(torch.equal(x, y) for x, y in zip(ef[0]["server"],
-                                                      opt.state_dict()["pycomm"]["error_feedback"][0]["server"])))
+                                                      opt.state_dict()["pycomm"]["engine"]["residuals"][0]["server"])))
     warned = any("not finite" in str(w.message) for w in caught)
     result = {"skipped": opt.skipped_syncs, "syncs": opt.syncs, "same": same, "warned": warned,
               "memory": opt.memory_bytes()}
@@ -338,9 +338,9 @@ def _mismatch(rank, world):
 def test_settings_that_differ_across_ranks_raise_on_every_rank(scenarios):
     for messages in scenarios["mismatch"]:
         assert len(messages) == 3
-        assert "sync_every is 2 on rank 0 and 4 on rank 1" in messages[0]
-        assert "compressor is 'int8' on rank 0 and 'int4' on rank 1" in messages[1]
-        assert "delay is 0 on rank 0 and 1 on rank 1" in messages[2]
+        assert "the ranks disagree on sync_every (rank 0: 2, rank 1: 4)" in messages[0]
+        assert "the ranks disagree on compressor (rank 0: 'int8', rank 1: 'int4')" in messages[1]
+        assert "the ranks disagree on delay (rank 0: 0, rank 1: 1)" in messages[2]
 
 
 def test_on_a_pycomm_group(scenarios):

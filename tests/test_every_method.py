@@ -118,7 +118,7 @@ def _entry_points(rank, world):
         state = CompressionState(compressor=m, start_iter=2, **_settings(m))
         model.register_comm_hook(state, compressed_hook)
         _train(model, torch.optim.AdamW(model.parameters(), lr=1e-2), rank, 6)
-        hook = (_flat(model.module), state.iteration, state.error_feedback, sorted(state.state_dict()["error_feedback"]))
+        hook = (_flat(model.module), state.iteration, state.error_feedback, sorted(state.state_dict()["engine"]["residuals"]))
         # DiLoCo, every fragment synced once more at the end.
         model = _model()
         opt = DiLoCo(model, torch.optim.AdamW(model.parameters(), lr=1e-2), sync_every=2, compressor=m,

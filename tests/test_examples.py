@@ -111,8 +111,8 @@ def test_lightning_example(tmp_path):
 
     saved = torch.load(ckpt / "epoch=0.ckpt", weights_only=True)["callbacks"]["pycomm.CompressionCallback"]
     assert sorted(saved["ranks"]) == [0, 1]  # every rank's hook state, in the one file rank 0 wrote
-    assert [saved["ranks"][r]["rank"] for r in (0, 1)] == [0, 1]
-    assert all(saved["ranks"][r]["iteration"] == 8 and bool(saved["ranks"][r]["error_feedback"]) == HOOK_EF
+    assert [saved["ranks"][r]["engine"]["rank"] for r in (0, 1)] == [0, 1]
+    assert all(saved["ranks"][r]["iteration"] == 8 and bool(saved["ranks"][r]["engine"]["residuals"]) == HOOK_EF
                for r in (0, 1))
 
 

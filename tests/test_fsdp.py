@@ -134,7 +134,7 @@ def _rank(rank, world, names, ckpt):
     out["resume/residual_bytes"] = comp.residual_bytes()
     # Non-finite input through the module's ReduceScatter: residuals stay.
     key = comp.keys["0"]
-    pg = comp._grad_group()
+    pg = comp._session.group
     before = pd.error_feedback_state(pg, keys=[key])[key]["worker"].clone()
     x = torch.randn(before.numel())
     if rank == world - 1:

@@ -460,7 +460,7 @@ def _hook_run(device, method):
         loss.backward()
         opt.step()
         losses.append(float(loss))
-        states.append({k: _cpu(v) for k, v in state.state_dict()["error_feedback"].items()})
+        states.append({k: _cpu(v) for k, v in state.state_dict()["engine"]["residuals"].items()})
     options = pd.options_of(state._engine, device)
     # The same steps with the hook's outputs as the gradients.
     rparams = list(replica.parameters())

@@ -247,7 +247,7 @@ def _rank_four(rank, world, directory):
         model, opt, state = _restore(rank, "onebit", directory, reset=True)
         _steps(model, opt, rank, RESUME_N, RESUME_N + 5, teacher)
     out["reset"] = {"iteration": state.iteration, "params": _flat_params(model),
-                    "buckets": sorted(state.state_dict()["error_feedback"])}
+                    "buckets": sorted(state.state_dict()["engine"]["residuals"])}
     return out
 
 
@@ -362,13 +362,13 @@ def test_state_pickles_without_process_group():
     saved = state.state_dict()
     residual = {"numel": 100, "world_size": 2, "chunk_numel": 64, "method": "onebit",
                 "worker": torch.randn(100), "server": [torch.randn(32), torch.randn(18)]}
-    state.load_state_dict(dict(saved, iteration=7, error_feedback={2: residual}))
+    state.load_state_dict(dict(saved, iteration=7, engine=dict(saved["engine"], residuals={2: residual})))
     with pytest.raises(TypeError):
         pickle.dumps(group)
     copy = pickle.loads(pickle.dumps(state))  # the group could not be pickled
     assert copy.process_group is None
     assert copy.iteration == 7 and copy.config() == state.config()
-    kept = copy.state_dict()["error_feedback"][2]
+    kept = copy.state_dict()["engine"]["residuals"][2]
     assert torch.equal(kept["worker"], residual["worker"])
     assert all(torch.equal(a, b) for a, b in zip(kept["server"], residual["server"]))
 
@@ -393,12 +393,12 @@ def test_rounding_settings():
     residual = {"numel": 100, "world_size": 2, "chunk_numel": 64, "method": "int4", "calls": -1,
                 "worker": torch.randn(100), "server": [torch.randn(32), torch.randn(18)]}
     with pytest.raises(ValueError, match=r"\['calls'\] must be a non-negative int"):
-        state.load_state_dict(dict(saved, error_feedback={0: residual}))
+        state.load_state_dict(dict(saved, engine=dict(saved["engine"], residuals={0: residual})))
 
 
 def test_state_refuses_other_versions_and_impls():
     state = CompressionState(compressor="onebit", start_iter=3)
-    with pytest.raises(ValueError, match="version 2"):
+    with pytest.raises(ValueError, match="version 3 or 2"):
         state.load_state_dict(dict(state.state_dict(), version=1))
     with pytest.raises(TypeError, match="impl"):  # the hook runs the engine's compiled kernels, no choice
         CompressionState(compressor="onebit", impl="reference")

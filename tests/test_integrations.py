@@ -80,7 +80,7 @@ def _rank_backends(rank, world):
     model.register_comm_hook(state, compressed_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     _train(model, opt, rank, 0, 4)
-    out["keys"] = sorted(state.state_dict()["error_feedback"])
+    out["keys"] = sorted(state.state_dict()["engine"]["residuals"])
     out["init again"] = init_process_group("onebit")  # a pycomm group is up: nothing to do
     reinit_on_a_new_port(rank)
 
@@ -132,13 +132,14 @@ def _rank_per_rank_state(rank, world):
     fresh = CompressionState(compressor="onebit", block_size=64, start_iter=2)
     PerRankState(fresh).load_state_dict(everything[0])
     mine = fresh.state_dict()
-    out["loaded rank"], out["loaded iteration"] = mine["rank"], mine["iteration"]
+    out["loaded rank"], out["loaded iteration"] = mine["engine"]["rank"], mine["iteration"]
     out["same residuals"] = all(
         torch.equal(a["worker"], b["worker"])
-        for a, b in zip(mine["error_feedback"].values(), state.state_dict()["error_feedback"].values())
-    ) and sorted(mine["error_feedback"]) == sorted(state.state_dict()["error_feedback"])
+        for a, b in zip(mine["engine"]["residuals"].values(), state.state_dict()["engine"]["residuals"].values())
+    ) and sorted(mine["engine"]["residuals"]) == sorted(state.state_dict()["engine"]["residuals"])
     # A checkpoint of one rank only: refused for rank 1, unless the residuals start over.
-    alone = dict(everything[0]["ranks"][0], world_size=1, rank=0)  # as if saved by one process
+    r0 = everything[0]["ranks"][0]
+    alone = dict(r0, engine=dict(r0["engine"], world_size=1, rank=0))  # as if saved by one process
     one = {"format": PerRankState.FORMAT, "world_size": 1, "ranks": {0: alone}}
     try:
         PerRankState(CompressionState(compressor="onebit", start_iter=2)).load_state_dict(one)
@@ -147,7 +148,7 @@ def _rank_per_rank_state(rank, world):
         out["fewer ranks"] = str(exc)
     reset = CompressionState(compressor="onebit", start_iter=2)
     PerRankState(reset, reset_error_feedback=True).load_state_dict(one)
-    out["reset"] = (reset.iteration, reset.state_dict()["error_feedback"])
+    out["reset"] = (reset.iteration, reset.state_dict()["engine"]["residuals"])
     return out
 
 
@@ -215,7 +216,7 @@ def _rank_lightning(rank, world):
     cb = CompressionCallback(compressor="onebit", block_size=64, start_iter=2)
     trainer = fit(DDPStrategy(bucket_cap_mb=0.01), [cb])
     out["callback iterations"] = cb.state.iteration
-    out["callback keys"] = sorted(cb.state.state_dict()["error_feedback"])
+    out["callback keys"] = sorted(cb.state.state_dict()["engine"]["residuals"])
     saved = trainer._checkpoint_connector.dump_checkpoint()["callbacks"]["pycomm.CompressionCallback"]
     out["checkpoint ranks"] = sorted(saved["ranks"])
     # Both ways at once would register two hooks.
@@ -276,16 +277,16 @@ def _rank_accelerate(rank, world, directory):
     accelerator.save_state(directory)
     accelerator.wait_for_everyone()  # each rank writes its own file: list them once all have
     out["files"] = sorted(f for f in os.listdir(directory) if f.startswith("pycomm_hook"))
-    out["own file rank"] = torch.load(state_file(directory, rank), weights_only=True)["rank"]
+    out["own file rank"] = torch.load(state_file(directory, rank), weights_only=True)["engine"]["rank"]
     saved = state.state_dict()
     _train(model, opt, rank, 4, 7, backward=accelerator.backward)
     accelerator.load_state(directory)
     back = state.state_dict()
     out["restored"] = back["iteration"] == 4 and all(
-        torch.equal(back["error_feedback"][k]["worker"], saved["error_feedback"][k]["worker"])
-        for k in saved["error_feedback"]
-    ) and sorted(back["error_feedback"]) == sorted(saved["error_feedback"])
-    out["keys"] = sorted(saved["error_feedback"])
+        torch.equal(back["engine"]["residuals"][k]["worker"], saved["engine"]["residuals"][k]["worker"])
+        for k in saved["engine"]["residuals"]
+    ) and sorted(back["engine"]["residuals"]) == sorted(saved["engine"]["residuals"])
+    out["keys"] = sorted(saved["engine"]["residuals"])
     # A folder without rank 1's file: refused, unless the residuals start over.
     if rank == 1:
         os.rename(state_file(directory, 1), state_file(directory, 1) + ".away")

@@ -263,6 +263,18 @@ def _rank_uninterrupted(rank, world, directory):
         if use_ddp:
             opt.attach(model)
         scaler = torch.amp.GradScaler("cpu", growth_interval=1000)
+        if not use_ddp:
+            # A GradScaler the optimizer was not given: refused, nothing changed.
+            before = _snapshot(net, opt)
+            opt.zero_grad()
+            scaler.scale(_loss(net, rank, 0)).backward()
+            try:
+                scaler.step(opt)
+                out["unknown scaler"] = None
+            except ValueError as exc:
+                out["unknown scaler"] = (str(exc), _same(before, _snapshot(net, opt)))
+            scaler = torch.amp.GradScaler("cpu", growth_interval=1000)
+        opt.scaler = scaler
         record = []
         for step in range(STEPS):
             if name == "ddp-scaler" and step == DDP_SAVE:
@@ -301,8 +313,9 @@ def _rank_resumed(rank, world, directory):
     net = Net(unused=False)
     model = DDP(net)
     opt = _make("adam", ADAM, "onebit", net=net)
-    opt.attach(model)
     scaler = torch.amp.GradScaler("cpu", growth_interval=1000)
+    opt.scaler = scaler
+    opt.attach(model)
     ck = torch.load(f"{directory}/ddp-scaler_{rank}.pt", weights_only=True)
     net.load_state_dict(ck["model"])
     opt.load_state_dict(ck["opt"])
@@ -319,7 +332,7 @@ def _rank_resumed(rank, world, directory):
     except ValueError as exc:
         out["other-rank"] = str(exc)
     opt.load_state_dict(other, reset_error_feedback=True)
-    out["other-rank-reset"] = opt.state_dict()["pycomm"]["error_feedback"]
+    out["other-rank-reset"] = opt.state_dict()["pycomm"]["engine"]["residuals"]
     return out
 
 
@@ -490,7 +503,7 @@ def test_matches_the_simulation(runs, name):
         for i, st in ref_state.items():
             assert torch.equal(res["state"][i][key], st[key]), (name, rank, i)
         assert res["pycomm"]["step_count"] == STEPS
-        ef = res["pycomm"]["error_feedback"][0]
+        ef = res["pycomm"]["engine"]["residuals"][0]
         assert ef["method"] == method and ef["world_size"] == WORLD
         assert torch.equal(ef["worker"], efs[rank].worker)
         assert torch.equal(torch.cat(list(ef["server"])), efs[rank].server)
@@ -527,7 +540,7 @@ def test_ddp_attach_is_the_optimizer_alone(runs):
                 got = runs[0][rank][name]
                 _assert_params_equal(got["params"], alone["params"], f"rank {rank} {name}")
                 assert _same(got["state"], alone["state"]), (rank, name)
-                assert _same(got["pycomm"]["error_feedback"], alone["pycomm"]["error_feedback"]), (rank, name)
+                assert _same(got["pycomm"]["engine"]["residuals"], alone["pycomm"]["engine"]["residuals"]), (rank, name)
         # The variance moved after the warm-up (at steps 5 and 8): not the frozen one.
         frozen, updated = runs[0][rank]["alone"]["state"], runs[0][rank]["alone-variance"]["state"]
         assert all(updated[i]["variance_step"] == STEPS - 1 for i in updated)
@@ -576,6 +589,12 @@ def test_nonfinite_step_without_scaler_is_skipped_with_a_warning(runs):
         same, messages = runs[0][rank]["no-scaler"]
         assert same
         assert any("not finite" in m and "skipped on every rank" in m for m in messages), messages
+
+
+def test_a_scaler_must_be_handed_over(runs):
+    for rank in range(WORLD):
+        message, unchanged = runs[0][rank]["unknown scaler"]
+        assert "scaler=scaler" in message and "Nothing was changed" in message and unchanged, message
 
 
 @pytest.mark.parametrize("name", [n for n, c in SIM_CONFIGS.items() if c[3] is not None] + ["ddp-scaler"])

@@ -67,13 +67,13 @@ def _setup(kind, hyper, method, extra=None):
 
 
 def _buckets(opt, net):
-    """The optimizer's buckets (saved as positions in its parameter groups)
+    """The optimizer's buckets (saved as their element count and positions in its parameter groups)
     as lists of indices into ``net.parameters()``, by bucket index."""
     index = {id(p): i for i, p in enumerate(net.parameters())}
     order = [index[id(p)] for g in opt.param_groups for p in g["params"]]
     saved = opt.state_dict()["pycomm"]["buckets"]
     assert sorted(saved) == list(range(len(saved)))
-    return [[order[i] for i in saved[b]] for b in sorted(saved)]
+    return [[order[i] for i in saved[b][1]] for b in sorted(saved)]  # (numel, positions)
 
 
 def _rank_overlap(rank, world, directory):
@@ -109,7 +109,7 @@ def _rank_overlap(rank, world, directory):
         _loss(model, rank, step).backward()
         opt.step()
     out["no_sync"] = ([p.detach().clone() for p in net.parameters()], opt.step_count,
-                      sorted(opt.state_dict()["pycomm"]["error_feedback"]))
+                      sorted(opt.state_dict()["pycomm"]["engine"]["residuals"]))
 
     errors = {}
     # A GradScaler the optimizer was not given: refused, nothing changed.
@@ -216,7 +216,7 @@ def test_matches_the_per_bucket_simulation(runs, name):
         _assert_params_equal(res["params"], want, f"rank {rank} {name}")
         for i, st in ref.state_dict()["state"].items():
             assert torch.equal(res["state"][i][key], st[key]), (name, rank, i)
-        saved = res["pycomm"]["error_feedback"]
+        saved = res["pycomm"]["engine"]["residuals"]
         assert sorted(saved) == [1 + b for b in range(len(buckets))]  # relative keys: 1 + bucket index
         for b in range(len(buckets)):
             ef = saved[1 + b]
@@ -231,7 +231,7 @@ def test_scaler_run_is_the_same_and_nonfinite_steps_change_nothing(runs):
         plain, scaled = runs[0][rank]["adam-onebit"], runs[0][rank]["scaler"]
         _assert_params_equal(scaled["params"], plain["params"], f"rank {rank} scaler")
         assert _same(scaled["state"], plain["state"])
-        assert _same(scaled["pycomm"]["error_feedback"], plain["pycomm"]["error_feedback"])
+        assert _same(scaled["pycomm"]["engine"]["residuals"], plain["pycomm"]["engine"]["residuals"])
     assert_skipped_unchanged(runs, "scaler")  # every bucket's residuals too
 
 

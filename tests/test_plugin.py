@@ -55,7 +55,7 @@ def _rank(rank, world):
         loss.backward()
         opt.step()
     out["hook_params"] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    out["hook_keys"] = sorted(state.state_dict()["error_feedback"])
+    out["hook_keys"] = sorted(state.state_dict()["engine"]["residuals"])
     out["loss"] = loss.item()
     # A rank whose options differ is named on every rank, with the options,
     # when the group is made: not a hang, not two hashes at the first call.

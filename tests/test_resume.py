@@ -163,7 +163,7 @@ def _named_uninterrupted(rank, world, directory):
         model, opt, scaler, state = _named_setup(how)
         _steps(model, opt, scaler, rank, 0, N)
         saved = state.state_dict()
-        out[how + " keys"] = sorted(saved["error_feedback"])
+        out[how + " keys"] = sorted(saved["engine"]["residuals"])
         torch.save({"model": model.module.state_dict(), "opt": opt.state_dict(), "scaler": scaler.state_dict(),
                     "hook": saved}, f"{directory}/{how}_{rank}.pt")
         _steps(model, opt, scaler, rank, N, 2 * N)
@@ -207,10 +207,10 @@ def _named_resumed(rank, world, directory):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # first iteration: uncompressed
             model, opt, scaler, state = _restore_named(how, "none", rank, directory, reset=True)
-            out[f"reset {how} keys at load"] = sorted(state.state_dict()["error_feedback"])
+            out[f"reset {how} keys at load"] = sorted(state.state_dict()["engine"]["residuals"])
             _steps(model, opt, scaler, rank, N, 2 * N)
         out[f"reset {how}"] = _params(model)
-        out[f"reset {how} keys"] = sorted(state.state_dict()["error_feedback"])
+        out[f"reset {how} keys"] = sorted(state.state_dict()["engine"]["residuals"])
     return out
 
 

@@ -111,7 +111,7 @@ def _overlapping_clients(rank, world):
     params[0].grad = torch.ones(200)
     c.step()
     c.step()
-    out["c keys"] = sorted(c.state_dict()["pycomm"]["error_feedback"])
+    out["c keys"] = sorted(c.state_dict()["pycomm"]["engine"]["residuals"])
     return out
 
 
@@ -165,11 +165,11 @@ def _optimizer_loads(rank, world):
         after = opt.state_dict()
         out[name + " unchanged"] = (after["pycomm"]["step_count"] == before[1]["pycomm"]["step_count"]
                                     and _same(after["state"], before[1]["state"])
-                                    and _same(after["pycomm"]["error_feedback"], before[1]["pycomm"]["error_feedback"]))
+                                    and _same(after["pycomm"]["engine"]["residuals"], before[1]["pycomm"]["engine"]["residuals"]))
 
-    nan = {**good, "pycomm": {**good["pycomm"], "error_feedback": {
-        0: {**good["pycomm"]["error_feedback"][0], "worker": torch.full_like(
-            good["pycomm"]["error_feedback"][0]["worker"], math.nan)}}}}
+    nan = {**good, "pycomm": {**good["pycomm"], "engine": {**good["pycomm"]["engine"], "residuals": {
+        0: {**good["pycomm"]["engine"]["residuals"][0], "worker": torch.full_like(
+            good["pycomm"]["engine"]["residuals"][0]["worker"], math.nan)}}}}}
     nan["state"] = {0: {k: (v + 1 if k == "exp_avg" else v) for k, v in good["state"][0].items()}}
     attempt("nan", nan)
     missing = {**good, "pycomm": {k: v for k, v in good["pycomm"].items() if k != "step_count"}}
@@ -191,8 +191,8 @@ def _same(a, b):
 
 def test_an_optimizer_load_refuses_whole():
     for out in run_ranks(_optimizer_loads, WORLD, timeout=120):
-        assert "['error_feedback'][0]['worker'] holds a NaN or Inf" in out["nan"]
-        assert "lacks the fields ['step_count']" in out["missing"]
+        assert "['engine']['residuals'][0]['worker'] holds a NaN or Inf" in out["nan"]
+        assert "missing ['step_count']" in out["missing"]
         assert out["nan unchanged"] and out["missing unchanged"]
         assert out["good"] is None
 
@@ -227,7 +227,7 @@ def _refusal_stays(rank, world, path):
 
 def test_a_rank_mismatch_refusal_stays_a_refusal(tmp_path):
     for rank, out in enumerate(run_ranks(_refusal_stays, WORLD, str(tmp_path), timeout=120)):
-        assert all(m is not None and f"state of rank {1 - rank} of 2" in m for m in out), out
+        assert all(m is not None and f"rank {1 - rank} of 2's residuals" in m for m in out), out
 
 
 def _hook_disagrees(rank, world, over_pycomm):

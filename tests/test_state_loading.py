@@ -31,14 +31,13 @@ def _residual(numel=100, method="onebit", chunk_numel=64, server=(50, 0), world_
 def _good_state(iteration=7, start_iter=3, block_size=64):
     """A valid saved state (onebit, two buckets, residuals for both)."""
     return {
-        "version": 2,
+        "version": 3,
         "config": {"compressor": "onebit", "density": 0.01, "approx": True, "block_size": block_size,
                    "chunk_numel": 64, "start_iter": start_iter, "error_feedback": True},
         "iteration": iteration,
-        "world_size": None,
-        "rank": None,
         "bucket_layouts": {0: (100, [2, 3]), 1: (30, [0, 1])},
-        "error_feedback": {0: _residual(100), 1: _residual(30, server=(30,))},
+        "engine": {"version": 1, "world_size": None, "rank": None, "method": "onebit",
+                   "residuals": {0: _residual(100), 1: _residual(30, server=(30,))}},
     }
 
 
@@ -95,9 +94,12 @@ BAD = [
     ("iteration-float", _set(["iteration"], 7.0), ValueError, "state['iteration']"),
     ("iteration-bool", _set(["iteration"], True), ValueError, "state['iteration']"),
     ("iteration-str", _set(["iteration"], "7"), ValueError, "state['iteration']"),
-    ("world-without-rank", _set(["world_size"], 2), ValueError, "state['world_size'] and state['rank']"),
-    ("rank-out-of-range", lambda s: s.update(world_size=2, rank=2), ValueError, "state['rank']"),
-    ("world-zero", lambda s: s.update(world_size=0, rank=0), ValueError, "state['world_size']"),
+    ("world-without-rank", _set(["engine", "world_size"], 2), ValueError,
+     "state['engine']['world_size'] and state['engine']['rank']"),
+    ("rank-out-of-range", lambda s: s["engine"].update(world_size=2, rank=2), ValueError, "state['engine']['rank']"),
+    ("world-zero", lambda s: s["engine"].update(world_size=0, rank=0), ValueError, "state['engine']['world_size']"),
+    ("engine-version", _set(["engine", "version"], 0), ValueError, "state['engine']['version']"),
+    ("engine-method", _set(["engine", "method"], "topk"), ValueError, "its residuals are 'topk''s"),
     ("layouts-type", _set(["bucket_layouts"], [1]), TypeError, "state['bucket_layouts'] must be a dict"),
     ("layout-key", _set(["bucket_layouts", -1], (3, [9])), ValueError, "state['bucket_layouts'][-1]"),
     ("layout-shape", _set(["bucket_layouts", 1], (30,)), ValueError, "state['bucket_layouts'][1]"),
@@ -105,28 +107,28 @@ BAD = [
     ("layout-empty", _set(["bucket_layouts", 1], (30, [])), ValueError, "state['bucket_layouts'][1]"),
     ("layout-position", _set(["bucket_layouts", 1], (30, [0, "a"])), ValueError, "parameter position"),
     ("layout-overlap", _set(["bucket_layouts", 1], (30, [0, 3])), ValueError, "parameter 3 is also in bucket"),
-    ("ef-type", _set(["error_feedback"], []), TypeError, "state['error_feedback']"),
-    ("ef-key", _set(["error_feedback", "a"], _residual(10)), ValueError, "state['error_feedback']['a']"),
-    ("ef-entry", _set(["error_feedback", 1], 5), TypeError, "state['error_feedback'][1] must be a dict"),
-    ("ef-missing", _set(["error_feedback", 1, "server"], _DELETE), ValueError, "missing ['server']"),
-    ("ef-numel", _set(["error_feedback", 1, "numel"], 0), ValueError, "state['error_feedback'][1]['numel']"),
-    ("ef-world", _set(["error_feedback", 1, "world_size"], None), ValueError,
-     "state['error_feedback'][1]['world_size']"),
-    ("ef-method", _set(["error_feedback", 1, "method"], "topk"), ValueError,
-     "state['error_feedback'][1]['method']"),
-    ("worker-numel", _set(["error_feedback", 1, "worker"], torch.zeros(29)), ValueError,
-     "state['error_feedback'][1]['worker'] must be a 1-D float32 tensor of numel=30"),
-    ("worker-dtype", _set(["error_feedback", 1, "worker"], torch.zeros(30, dtype=torch.float64)), ValueError,
+    ("ef-type", _set(["engine", "residuals"], []), TypeError, "state['engine']['residuals']"),
+    ("ef-key", _set(["engine", "residuals", "a"], _residual(10)), ValueError, "state['engine']['residuals']['a']"),
+    ("ef-entry", _set(["engine", "residuals", 1], 5), TypeError, "state['engine']['residuals'][1] must be a dict"),
+    ("ef-missing", _set(["engine", "residuals", 1, "server"], _DELETE), ValueError, "missing ['server']"),
+    ("ef-numel", _set(["engine", "residuals", 1, "numel"], 0), ValueError, "state['engine']['residuals'][1]['numel']"),
+    ("ef-world", _set(["engine", "residuals", 1, "world_size"], None), ValueError,
+     "state['engine']['residuals'][1]['world_size']"),
+    ("ef-method", _set(["engine", "residuals", 1, "method"], "topk"), ValueError,
+     "state['engine']['residuals'][1]['method']"),
+    ("worker-numel", _set(["engine", "residuals", 1, "worker"], torch.zeros(29)), ValueError,
+     "state['engine']['residuals'][1]['worker'] must be a 1-D float32 tensor of numel=30"),
+    ("worker-dtype", _set(["engine", "residuals", 1, "worker"], torch.zeros(30, dtype=torch.float64)), ValueError,
      "torch.float64"),
-    ("worker-shape", _set(["error_feedback", 1, "worker"], torch.zeros(5, 6)), ValueError, "shape (5, 6)"),
-    ("worker-type", _set(["error_feedback", 1, "worker"], [0.0] * 30), ValueError, "got list"),
-    ("server-type", _set(["error_feedback", 1, "server"], torch.zeros(30)), TypeError,
-     "state['error_feedback'][1]['server'] must be a list"),
-    ("server-count", _set(["error_feedback", 0, "server"], [torch.zeros(50)]), ValueError,
+    ("worker-shape", _set(["engine", "residuals", 1, "worker"], torch.zeros(5, 6)), ValueError, "shape (5, 6)"),
+    ("worker-type", _set(["engine", "residuals", 1, "worker"], [0.0] * 30), ValueError, "got list"),
+    ("server-type", _set(["engine", "residuals", 1, "server"], torch.zeros(30)), TypeError,
+     "state['engine']['residuals'][1]['server'] must be a list"),
+    ("server-count", _set(["engine", "residuals", 0, "server"], [torch.zeros(50)]), ValueError,
      "one tensor per chunk (2 chunks"),
-    ("server-length", _set(["error_feedback", 0, "server"], [torch.zeros(51), torch.zeros(0)]), ValueError,
-     "state['error_feedback'][0]['server'][0]"),
-    ("server-dtype", _set(["error_feedback", 0, "server"], [torch.zeros(50).half(), torch.zeros(0)]), ValueError,
+    ("server-length", _set(["engine", "residuals", 0, "server"], [torch.zeros(51), torch.zeros(0)]), ValueError,
+     "state['engine']['residuals'][0]['server'][0]"),
+    ("server-dtype", _set(["engine", "residuals", 0, "server"], [torch.zeros(50).half(), torch.zeros(0)]), ValueError,
      "torch.float16"),
 ]
 
@@ -151,10 +153,10 @@ def test_refused_state_changes_nothing_and_names_the_field(name, mutate, exc, te
 def test_topk_residuals_have_no_server_part():
     state = CompressionState(compressor="topk", start_iter=3)
     good = _good_state()
-    good["config"]["compressor"] = "topk"
-    good["error_feedback"] = {1: _residual(30, method="topk", server=())}
+    good["config"]["compressor"] = good["engine"]["method"] = "topk"
+    good["engine"]["residuals"] = {1: _residual(30, method="topk", server=())}
     state.load_state_dict(good)
-    good["error_feedback"][1]["server"] = [torch.zeros(3)]
+    good["engine"]["residuals"][1]["server"] = [torch.zeros(3)]
     before = _snapshot(state)
     with pytest.raises(ValueError, match=r"\['server'\] must be empty for 'topk'"):
         state.load_state_dict(good)
@@ -173,10 +175,10 @@ def test_a_valid_state_loads_whole():
     state.load_state_dict(good)
     assert state.iteration == 7 and state.compressor == "onebit" and state.block_size == 64
     assert state.bucket_layouts == {0: (100, (2, 3)), 1: (30, (0, 1))}
-    assert _same(state.state_dict()["error_feedback"], good["error_feedback"])
+    assert _same(state.state_dict()["engine"]["residuals"], good["engine"]["residuals"])
     # reset: the iteration and configuration, no residuals, no layout
     state.load_state_dict(good, reset_error_feedback=True)
-    assert state.iteration == 7 and state.state_dict()["error_feedback"] == {} and state.bucket_layouts == {}
+    assert state.iteration == 7 and state.state_dict()["engine"]["residuals"] == {} and state.bucket_layouts == {}
 
 
 def test_loaded_residuals_are_copies():
@@ -185,18 +187,18 @@ def test_loaded_residuals_are_copies():
     a, b = CompressionState(compressor="onebit", start_iter=3), CompressionState(compressor="onebit", start_iter=3)
     a.load_state_dict(good)
     b.load_state_dict(good)
-    held = a.state_dict()["error_feedback"]
-    assert held[0]["worker"].data_ptr() != good["error_feedback"][0]["worker"].data_ptr()
+    held = a.state_dict()["engine"]["residuals"]
+    assert held[0]["worker"].data_ptr() != good["engine"]["residuals"][0]["worker"].data_ptr()
     # The caller changes its tensors: the states keep what was loaded.
-    for ef in good["error_feedback"].values():
+    for ef in good["engine"]["residuals"].values():
         ef["worker"].add_(1.0)
         for s in ef["server"]:
             s.mul_(-1.0)
-    assert _same(a.state_dict()["error_feedback"], kept["error_feedback"])
-    assert _same(b.state_dict()["error_feedback"], kept["error_feedback"])
+    assert _same(a.state_dict()["engine"]["residuals"], kept["engine"]["residuals"])
+    assert _same(b.state_dict()["engine"]["residuals"], kept["engine"]["residuals"])
     # ... and the state's own dict does not change the state either.
     held[0]["worker"].zero_()
-    assert _same(a.state_dict()["error_feedback"], kept["error_feedback"])
+    assert _same(a.state_dict()["engine"]["residuals"], kept["engine"]["residuals"])
 
 
 # ------------------------------------------------ with an engine attached ---
@@ -228,18 +230,18 @@ def _rank_engine(rank, world):
     _train(model, opt, rank, 0, 5)
     saved = state.state_dict()
     pristine = copy.deepcopy(saved)
-    out["keys"] = sorted(saved["error_feedback"])
+    out["keys"] = sorted(saved["engine"]["residuals"])
     before = copy.deepcopy(state.state_dict())
 
     refusals = {
         # the engine refuses: residuals of another world size
-        "engine": lambda s: [ef.update(world_size=3) for ef in s["error_feedback"].values()],
+        "engine": lambda s: [ef.update(world_size=3) for ef in s["engine"]["residuals"].values()],
         # the hook refuses: another engine setting once buckets have run
         "block_size": lambda s: s["config"].update(block_size=128),
         # saved by the other rank
-        "rank": lambda s: s.update(rank=1 - rank),
+        "rank": lambda s: s["engine"].update(rank=1 - rank),
         # a malformed residual
-        "worker": lambda s: s["error_feedback"][0].update(worker=torch.zeros(3)),
+        "worker": lambda s: s["engine"]["residuals"][0].update(worker=torch.zeros(3)),
     }
     for name, mutate in refusals.items():
         bad = copy.deepcopy(saved)
@@ -257,9 +259,9 @@ def _rank_engine(rank, world):
     # much the engine trained in between (onebit swaps its buffers in place).
     state.load_state_dict(saved)
     _train(model, opt, rank, 5, 9)
-    out["trained differs"] = not _same(state.state_dict()["error_feedback"], pristine["error_feedback"])
+    out["trained differs"] = not _same(state.state_dict()["engine"]["residuals"], pristine["engine"]["residuals"])
     state.load_state_dict(saved)
-    out["reloaded"] = _same(state.state_dict()["error_feedback"], pristine["error_feedback"])
+    out["reloaded"] = _same(state.state_dict()["engine"]["residuals"], pristine["engine"]["residuals"])
     out["caller's dict untouched"] = _same(saved, pristine)
 
     # Two runs from the same loaded object in fresh states are identical.
@@ -285,7 +287,7 @@ def test_refusals_with_an_engine_change_nothing(engine_runs):
         assert r["engine"].startswith("RuntimeError: ") and "world size 3" in r["engine"], r["engine"]
         assert r["block_size"].startswith("ValueError: ") and "state['config']['block_size']" in r["block_size"]
         assert r["rank"].startswith("ValueError: ") and "residuals, this is rank" in r["rank"]
-        assert r["worker"].startswith("ValueError: ") and "state['error_feedback'][0]['worker']" in r["worker"]
+        assert r["worker"].startswith("ValueError: ") and "state['engine']['residuals'][0]['worker']" in r["worker"]
         for name in ("engine", "block_size", "rank", "worker"):
             assert r[name + " unchanged"], name
 
@@ -297,3 +299,19 @@ def test_loading_twice_restores_the_same_residuals(engine_runs):
         assert r["caller's dict untouched"]
         assert r["same twice"]
         assert r["caller's dict untouched after runs"]
+
+
+def test_a_state_of_the_previous_version_loads_as_the_same_state():
+    """Version 2 kept the engine state's fields (world_size, rank,
+    error_feedback) at the top level: it loads as the same state."""
+    good = _good_state()
+    engine = good.pop("engine")
+    old = dict(good, version=2, world_size=engine["world_size"], rank=engine["rank"],
+               error_feedback=engine["residuals"])
+    a, b = CompressionState(compressor="onebit", start_iter=3), CompressionState(compressor="onebit", start_iter=3)
+    a.load_state_dict(old)
+    b.load_state_dict(dict(good, engine=engine))
+    assert _same(a.state_dict(), b.state_dict())
+    assert sorted(a.state_dict()["engine"]["residuals"]) == [0, 1]
+    with pytest.raises(ValueError, match=r"state\['engine'\]\['residuals'\]\[1\]\['numel'\]"):
+        a.load_state_dict(dict(old, error_feedback={1: _residual(0)}))

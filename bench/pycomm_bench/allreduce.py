@@ -16,7 +16,7 @@ taken per repeat (an all-reduce is done when its last rank is).
 For every compressed method two more contenders are timed in the same rounds:
 
 * compress: the compressor kernels alone on this rank's data, chunk by chunk
-  as the backend runs them (a block codec, onebit, int8 or int4: worker
+  as the backend runs them (a block codec, e.g. onebit: worker
   compress of the chunk, decode of the W payloads of this rank's segment,
   server compress of the segment, decode of the W segment payloads into the
   chunk; topk: compress, zero the chunk, decode-accumulate W payloads; a

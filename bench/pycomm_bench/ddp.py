@@ -15,17 +15,18 @@ Methods, side by side in the same rank processes (same seed, same batches):
   warm start on), run through :func:`pycomm.ddp.serialized_hook` (the
   unwrapped hook fails on Gloo with more than one bucket:
   docs/powersgd_on_gloo.md);
-* ``onebit``, ``topk-D`` (density D), ``int8``, ``int4`` (block
-  quantization, an absmax scale per block): pycomm's :func:`compressed_hook`
-  over the plain Gloo group; ``-noef`` turns error feedback off;
-  ``-backend`` runs the same hook over a ``"pycomm"`` process group, so the
-  C++ backend compresses (e.g. ``onebit-noef-backend``); ``-sr`` (int8,
-  int4, and ``optim-int8``/``optim-int4``, before the other suffixes) rounds
-  stochastically (e.g. ``int4-sr-noef``, ``optim-int4-sr``);
+* each method of the table that keeps residuals (``spec.EF_METHODS``;
+  ``topk-D``: density D; a quant row such as ``int8``: block quantization,
+  an absmax scale per block): pycomm's :func:`compressed_hook` over the
+  plain Gloo group; ``-noef`` turns error feedback off; ``-backend`` runs
+  the same hook over a ``"pycomm"`` process group, so the C++ backend
+  compresses (e.g. ``onebit-noef-backend``); ``-sr`` (a method that rounds,
+  and ``optim-`` of one, before the other suffixes) rounds stochastically
+  (e.g. ``int4-sr-noef``, ``optim-int4-sr``);
 * ``auto`` (``auto-noef``): the hook over a ``compressor="auto"`` pycomm
   group, which calibrates itself when created and then runs, per bucket
   size, the method it predicts fastest (docs/auto.md);
-* ``optim-C`` (C one of onebit, int8, int4; ``optim-C-overlap``: the
+* ``optim-C`` (C a block codec; ``optim-C-overlap``: the
   momenta sent per DDP bucket during backward): no gradient compression but
   pycomm's compressed-momentum optimizer matching ``--optimizer``
   (:class:`pycomm.optim.OneBitAdam` for adamw, :class:`pycomm.optim.OneBitSGD`
@@ -91,19 +92,18 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import math
-import os
 import sys
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from pycomm.distributed import spec
 
-from .launch import Rank, RanksFailed, run_ranks, threads_per_rank
+from .launch import Rank, RanksFailed
 from .methods import ALLREDUCE, AUTO, DDP_BASES, Method, parse_method as _parse_method, vocabulary
-from .report import finish, fmt_number, machine_info, progress_bar, table
+from .report import fail, finish, fmt_number, machine_info, progress_bar, table
 from .sweep import (DEFAULT_LR, EVAL_BATCHES, EVAL_RANK, FINAL_LOSS_WINDOW,
-                    add_sweep_options, cluster_for, effective_bw, error_feedback_suffix, eval_batch_fn, json_key, mean,
-                    parse_bandwidths, per_rank_bytes, plot, set_lr, step_progress, workload)
+                    add_sweep_options, effective_bw, error_feedback_suffix, eval_batch_fn, json_key, mean,
+                    parse_bandwidths, per_rank_bytes, plot, set_lr, train_at, with_baseline, workload, write_plots)
 from .sweep import combine_seeds as combine_seed_records
 from .timing import median, summarize
 
@@ -648,11 +648,7 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
             if parse_method(name).variance_every is not None:
                 raise ValueError(f"--methods: {name}: -v<K> sets OneBitAdam's variance updates "
                                  f"(--optimizer adamw), not {args.optimizer}'s")
-    if ALLREDUCE not in methods and getattr(args, "baseline", True):
-        methods = [ALLREDUCE, *methods]  # every ratio is against it
-    if len(set(methods)) != len(methods):
-        raise ValueError(f"--methods: repeated method in {methods}")
-    args.methods = methods
+    args.methods = with_baseline(methods, ALLREDUCE, add=getattr(args, "baseline", True))
     if args.steps is None:
         args.steps = QUICK_STEPS if args.quick else DEFAULT_STEPS
     if args.start_iter is None:
@@ -763,8 +759,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run_ddp(args: argparse.Namespace, out=sys.stdout) -> List[Dict[str, Any]]:
     """Run the sweep; the list of records (one per method and bandwidth,
     each holding every seed's results)."""
-    from .links import link_report
-
     order = [args.train_rate] + [r for r in args.rates if r != args.train_rate]
     plans = {r: run_plan(args, r == args.train_rate and not getattr(args, "time_only", False)) for r in order}
     seeds = list(range(args.seed, args.seed + args.seeds))
@@ -785,13 +779,7 @@ def run_ddp(args: argparse.Namespace, out=sys.stdout) -> List[Dict[str, Any]]:
                 "text_bytes": getattr(args, "text_bytes", 2_000_000), "bucket_cap_mb": args.bucket_cap_mb, "plan": plan,
                 "outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum,
             }
-            with cluster_for(args, rate, cfg) as cluster:
-                busbw, line = link_report(cluster)
-                bar.write(line, file=out)
-                # The timeout bounds each collective and the wait for any progress alike.
-                events = run_ranks(_rank_main, cluster, cfg, timeout=args.timeout, stall=args.timeout,
-                                   threads=threads_per_rank(args.ranks, args.threads),
-                                   on_event=step_progress(bar, rate))
+            events, cluster, busbw = train_at(_rank_main, args, rate, cfg, bar, out)
             baselines = next(({k: v for k, v in e.items() if k not in ("event", "rank")}
                               for e in events if e["event"] == "compute"), {})
             runs = {run["method"]: run for run in plan}
@@ -1226,11 +1214,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         records = merge_files(args.merge) if args.merge else run_ddp(args)
     except RanksFailed as exc:
-        print(f"pycomm-bench ddp: {exc}", file=sys.stderr)
-        return 1
+        return fail("ddp", exc, 1)
     except (OSError, ValueError) as exc:  # unreadable or incompatible --merge files; bad settings
-        print(f"pycomm-bench ddp: {'--merge: ' if args.merge else ''}{exc}", file=sys.stderr)
-        return 2
+        return fail("ddp", f"{'--merge: ' if args.merge else ''}{exc}", 2)
     print()
     bad = sorted({r["method"] for r in records if not r["params_identical"]})
     text = format_table(records)
@@ -1240,11 +1226,7 @@ def run(args: argparse.Namespace) -> int:
     status = finish(records, args.json, "\n\n".join([text] + extra),
                     [f"{m}: ranks ended with different parameters" for m in bad], t0)
     if args.plots:
-        try:
-            for p in plot(records, os.path.splitext(args.json)[0]):
-                print(f"wrote {p}")
-        except ImportError:
-            print("matplotlib is not installed: no plots", file=sys.stderr)
+        write_plots(records, args.json)
     return status
 
 

@@ -4,12 +4,12 @@ One process, one rank over NCCL (world size 1: NCCL refuses two ranks on
 one GPU), so what is timed is what the engine itself costs on the device,
 next to what its kernels cost and what NCCL's own all-reduce costs:
 
-* per method (onebit, int8, int4, topk, fp16, bf16, and plain NCCL as the
-  baseline): the keyed all-reduce ``pd.all_reduce(x, key=0, op="avg")`` of a
-  64M-element float32 tensor at the group's default settings, the bare
-  kernels on the same tensor (onebit/int8/int4: compress with a residual,
-  then decompress; topk: compress, then decompress; fp16/bf16: the two
-  casts), and the same all-reduce at ``chunk_numel`` 2^20 (Gloo's default,
+* per method (:data:`METHODS`: every block codec, top-k and every cast of
+  the method table, and plain NCCL as the baseline): the keyed all-reduce
+  ``pd.all_reduce(x, key=0, op="avg")`` of a 64M-element float32 tensor at
+  the group's default settings, the bare kernels on the same tensor (a
+  block codec: compress with a residual, then decompress; top-k: compress,
+  then decompress; a cast: the two casts), and the same all-reduce at ``chunk_numel`` 2^20 (Gloo's default,
   the setting of the first GPU measurements) and at the whole tensor;
   CUDA events, median of the repeats after the warm-up, all contenders
   interleaved round by round; ``engine_over_kernels`` is engine / kernels;
@@ -19,13 +19,13 @@ next to what its kernels cost and what NCCL's own all-reduce costs:
   call to return to its caller (synchronous and asynchronous);
 * the DDP step time of the benchmark GPT (pycomm_bench.models: 4 layers,
   d_model 512, batch 16 x 128, AdamW) with plain NCCL and with the DDP hook
-  (onebit, int8, int4, topk), and the overhead over plain.
+  (every block codec and top-k), and the overhead over plain.
 
 Every group is verified before it is timed: one keyed call's result must be
 finite and equal the single-process simulation
 (``pycomm.distributed.simulate``, reference compressors, on the device):
-bit for bit for int8, int4, topk, fp16 and bf16, to float32 rounding of the
-block scales for onebit (the simulation's docstring). A group that fails is
+bit for bit for every method of :data:`EXACT_METHODS`, to float32 rounding
+of the block scales for onebit (the simulation's docstring). A group that fails is
 reported (exit status 1) and not timed.
 
 The core, :func:`run_engine`, takes a world of one rank that is already set
@@ -59,7 +59,7 @@ from pycomm.distributed import spec
 from pycomm.distributed.spec import chunk_bounds
 
 from .methods import PLAIN, SPARSE
-from .report import clean, default_json_path, finish, fmt_number, machine_info, size_label, table
+from .report import clean, default_json_path, fail, finish, fmt_number, machine_info, size_label, table
 
 HELP = "the engine on one GPU (one rank over NCCL): keyed all-reduce vs its kernels vs NCCL, buckets, DDP"
 
@@ -371,10 +371,10 @@ def ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
 # ---------------------------------------------------------------- kernels ---
 def kernel_fn(method: str, x: torch.Tensor, out: torch.Tensor, residual: torch.Tensor,
               options: Dict[str, Any]) -> Callable[[], None]:
-    """The bare kernels of ``method`` on all of ``x`` (no chunks): onebit,
-    int8, int4 compress ``x`` with ``residual`` then decompress into
+    """The bare kernels of ``method`` on all of ``x`` (no chunks): a block
+    codec compresses ``x`` with ``residual`` then decompresses into
     ``out``; topk compresses (k of the whole tensor at the group's density)
-    then decompresses; fp16/bf16 cast to 16 bits and back into ``out``.
+    then decompresses; a cast goes to 16 bits and back into ``out``.
 
     >>> x, out = torch.randn(1000), torch.empty(1000)
     >>> kernel_fn("bf16", x, out, torch.zeros(1000), {})()
@@ -961,8 +961,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         a = resolve_args(args)
     except ValueError as exc:
-        print(f"pycomm-bench allreduce: error: {exc}", file=sys.stderr)
-        return 2
+        return fail("allreduce", f"error: {exc}", 2)
     doc = run_from_args(a)
     return finish(doc, a.json, format_table(doc), failed(doc), t0)
 

@@ -9,14 +9,14 @@ same batches, AdamW):
 * ``plain``: FSDP2 as is (float32 reduce-scatter and all-gather);
 * ``bf16``: FSDP2 with ``MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)``
   (gradients reduce-scattered in bf16, compute in float32);
-* ``int8``, ``int4``: :func:`pycomm.fsdp.compress` with that compressor and
-  its default settings (no error feedback, buffers below
-  ``min_compress_numel`` exact);
-* ``int8-weights``, ``int4-weights``: the same with ``weights=`` that
-  compressor (the parameter all-gather compressed too);
-* ``int8-ef``, ``int4-ef``: int8/int4 gradients with error feedback (a
-  float32 residual of each module's unsharded gradient and its rollback
-  buffer: ``residual_bytes`` in the record, and in the peak memory).
+* ``C``, each of :data:`COMPRESSORS` (e.g. ``int8``):
+  :func:`pycomm.fsdp.compress` with that compressor and its default
+  settings (no error feedback, buffers below ``min_compress_numel`` exact);
+* ``C-weights``: the same with ``weights=`` that compressor (the parameter
+  all-gather compressed too);
+* ``C-ef``: C's gradients with error feedback (a float32 residual of each
+  module's unsharded gradient and its rollback buffer: ``residual_bytes``
+  in the record, and in the peak memory).
 
 Links are emulated as in ``pycomm-bench ddp`` (:mod:`pycomm_bench.netem`:
 one namespace per rank, tbf-shaped; loopback without root, labelled so).
@@ -54,26 +54,27 @@ import argparse
 import datetime as _dt
 import gc
 import math
-import os
 import sys
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
 from pycomm.distributed import spec
 
-from .launch import Rank, RanksFailed, run_ranks, threads_per_rank
+from .launch import Rank, RanksFailed
 from .methods import PLAIN
-from .report import finish, fmt_number, machine_info, progress_bar, table
-from .sweep import (DEFAULT_LR, EVAL_RANK, FINAL_LOSS_WINDOW, add_sweep_options, cluster_for, error_feedback_suffix,
-                    eval_batch_fn, mean, parse_bandwidths, per_rank_bytes, plot, set_lr, step_progress, workload)
+from .report import fail, finish, fmt_number, machine_info, progress_bar, table
+from .sweep import (DEFAULT_LR, EVAL_RANK, FINAL_LOSS_WINDOW, add_sweep_options, error_feedback_suffix,
+                    eval_batch_fn, mean, parse_bandwidths, per_rank_bytes, set_lr, train_at, with_baseline, workload,
+                    write_plots)
 from .sweep import combine_seeds as combine_seed_records
 from .timing import summarize
 
-HELP = "end-to-end FSDP2 training on emulated slow links: pycomm.fsdp int8/int4 vs plain and bf16 reduce"
+HELP = "end-to-end FSDP2 training on emulated slow links: pycomm.fsdp's block codecs vs plain and bf16 reduce"
 
 #: The block codecs pycomm.fsdp runs without error feedback unless asked
-#: (int8, int4): each is a method, with ``-weights`` (the parameter
-#: all-gather compressed too) and ``-ef`` (error feedback on).
+#: (those whose row does not turn it on): each is a method, with
+#: ``-weights`` (the parameter all-gather compressed too) and ``-ef`` (error
+#: feedback on).
 COMPRESSORS = tuple(m for m in spec.BLOCK_METHODS if not spec.method_spec(m).error_feedback)
 #: FSDP2's own reduce in a narrower float: MixedPrecisionPolicy(reduce_dtype=bfloat16).
 REDUCE_CAST = "bf16"
@@ -305,11 +306,7 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
             except ValueError as exc:
                 raise ValueError(f"--methods: {exc}") from None
             raise ValueError(f"--methods: unknown method {name!r} (one of {', '.join(METHODS)})")
-    if PLAIN not in methods:
-        methods = [PLAIN, *methods]  # every ratio is against it
-    if len(set(methods)) != len(methods):
-        raise ValueError(f"--methods: repeated method in {methods}")
-    args.methods = methods
+    args.methods = with_baseline(methods, PLAIN)
     if args.steps is None:
         args.steps = QUICK_STEPS if args.quick else DEFAULT_STEPS
     if args.warmup is None:
@@ -410,8 +407,6 @@ def format_table(records: List[Dict[str, Any]]) -> str:
 def run_fsdp(args: argparse.Namespace, out=sys.stdout) -> List[Dict[str, Any]]:
     """Train every method at every bandwidth; the records (one per method
     and bandwidth, each holding every seed's results)."""
-    from .links import link_report
-
     seeds = list(range(args.seed, args.seed + args.seeds))
     bar = progress_bar(len(args.rates) * len(seeds) * len(args.methods) * args.steps, "step", args.progress)
     date = _dt.date.today().isoformat()
@@ -424,12 +419,7 @@ def run_fsdp(args: argparse.Namespace, out=sys.stdout) -> List[Dict[str, Any]]:
                    "warmup": args.warmup, "lr": args.lr, "lr_schedule": args.lr_schedule,
                    "lr_warmup": args.lr_warmup, "heldout": args.heldout, "eval_batches": args.eval_batches,
                    "min_compress_numel": args.min_compress_numel}
-            with cluster_for(args, rate, cfg) as cluster:
-                busbw, line = link_report(cluster)
-                bar.write(line, file=out)
-                events = run_ranks(_rank_main, cluster, cfg, timeout=args.timeout, stall=args.timeout,
-                                   threads=threads_per_rank(args.ranks, args.threads),
-                                   on_event=step_progress(bar, rate))
+            events, cluster, busbw = train_at(_rank_main, args, rate, cfg, bar, out)
             per_method: Dict[str, List[Dict[str, Any]]] = {}
             for rec in (e["record"] for e in events if e["event"] == "result"):
                 for k in ("bytes_sent_per_rank_per_step", "bytes_sent_per_rank_per_step_all_steps"):
@@ -460,17 +450,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         records = run_fsdp(args)
     except RanksFailed as exc:
-        print(f"pycomm-bench fsdp: {exc}", file=sys.stderr)
-        return 1
+        return fail("fsdp", exc, 1)
     print()
     bad = [f"{r['method']}: non-finite held-out loss" for r in records if not math.isfinite(r["final_loss"])]
     status = finish(records, args.json, format_table(records), bad, t0)
     if args.plots:
-        try:
-            for p in plot(records, os.path.splitext(args.json)[0], what="FSDP2", baseline=PLAIN):
-                print(f"wrote {p}")
-        except ImportError:
-            print("matplotlib is not installed: no plots", file=sys.stderr)
+        write_plots(records, args.json, what="FSDP2", baseline=PLAIN)
     return status
 
 

@@ -36,7 +36,7 @@ from pycomm.distributed import spec
 
 from .launch import Rank, RanksFailed, run_ranks, threads_per_rank
 from .methods import ONEBIT, PLAIN, SPARSE
-from .report import default_json_path, finish, machine_info, table
+from .report import default_json_path, fail, finish, machine_info, table
 from .timing import summarize, time_interleaved
 
 HELP = "hierarchical vs flat compressed all-reduce vs plain, on emulated nodes joined by slow links"
@@ -55,7 +55,7 @@ def _method_names(compressors: List[str]) -> List[str]:
 
 def settings(comp: str, cfg: Dict[str, Any]) -> Dict[str, Any]:
     """The group settings of ``comp`` from the options: ``--density`` for
-    topk, ``--block-size`` for onebit (int8/int4 keep their own default).
+    topk, ``--block-size`` for onebit (the other block codecs keep their own default).
 
     >>> settings("topk", {"density": 0.01, "block_size": 2048}), settings("int8", {"block_size": 2048})
     ({'density': 0.01}, {})
@@ -250,8 +250,7 @@ def run(args: argparse.Namespace) -> int:
             events = run_ranks(_rank_main, cluster, cfg, timeout=args.timeout, stall=args.timeout, threads=threads)
             desc = cluster.describe()
     except RanksFailed as exc:
-        print(f"pycomm-bench hierarchy: {exc}", file=sys.stderr)
-        return 1
+        return fail("hierarchy", exc, 1)
     records = [e["record"] for e in events if e["event"] == "result"]
     doc = {"bench": "hierarchy", "date": time.strftime("%Y-%m-%d"), "machine": machine_info("cpu"),
            "cluster": desc, "emulated": cluster.emulated, "bandwidth_bits_per_s": args.rate,

@@ -2,8 +2,8 @@
 pipeline a peer library would run, side by side in the same run.
 
 Cases (:data:`CASES`, from the method table): each block codec at its
-default block size (onebit b=2048, int8 and int4 b=256: compress with error
-feedback, decompress, decompress-accumulate), topk approximate (density
+default block size (``spec.DEFAULT_BLOCK_SIZE``, e.g. onebit b=2048: compress
+with error feedback, decompress, decompress-accumulate), topk approximate (density
 0.01 and 0.001) and topk exact (density 0.01), compress with error
 feedback. onebit and topk have an unfused peer; :func:`register_peer` adds
 more. Every implementation that
@@ -134,7 +134,7 @@ def onebit_bytes(numel: int, block_size: int, op: str, ef: bool = True) -> int:
 
 
 def quant_bytes(numel: int, bits: int, block_size: int, op: str, ef: bool = True) -> int:
-    """Bytes an int8/int4 operation must move at least: as
+    """Bytes an operation of a quant row (``bits``-bit levels) must move at least: as
     :func:`onebit_bytes`, with ``bits / 8`` bytes of levels per element.
 
     Example::
@@ -593,7 +593,7 @@ def _block_payload(ctx: _Ctx, family: str, codec: _Codec, block: int) -> Tuple[t
 
 def block_runners(family: str, impl: str, block: int):
     """``(compress(g, r) -> (data, scales), decompress(data, scales, out,
-    acc))`` of a block codec (``family``: onebit's sign bits, int8/int4's
+    acc))`` of a block codec (``family``: onebit's sign bits, a quant row's
     levels rounded to nearest) for an implementation (through the public
     API), the unfused peer (``PEER``, onebit) or a registered peer
     (:func:`register_peer`).

@@ -3,13 +3,15 @@
 Grammar: ``<base>[-sr][-noef][-backend]``, base one of
 
 * ``plain`` / ``allreduce``: torch's own float32 all-reduce (no compression);
-* ``fp16``, ``bf16``: a cast to 16 bits and back;
+* a cast of the method table (e.g. ``bf16``): a cast to 16 bits and back;
 * ``powersgd-<rank>``: PyTorch's PowerSGD hook of that rank;
-* ``onebit``, ``topk-<density>``, ``int8``, ``int4``, ``auto``: pycomm's
-  compressors (``int8``/``int4``: block quantization with an absmax scale
-  per block; ``auto``: the method a calibration predicts fastest per size);
-* ``optim-<compressor>`` (``optim-onebit``, ``optim-int8``, ``optim-int4``):
-  no gradient compression at all, but pycomm's compressed-momentum optimizer
+* a method of the table that keeps residuals (``spec.EF_METHODS``; the
+  sparse one as ``topk-<density>``) and ``auto``: pycomm's compressors (a
+  quant row such as ``int8``: block quantization with an absmax scale per
+  block; ``auto``: the method a calibration predicts fastest per size);
+* ``optim-<compressor>``, the compressor a block codec (e.g.
+  ``optim-onebit``, ``optim-int8``): no gradient compression at all, but
+  pycomm's compressed-momentum optimizer
   (:mod:`pycomm.optim`: OneBitAdam for AdamW, OneBitSGD for momentum SGD)
   all-reducing its momentum with that compressor after an exact warm-up
   (``optim-<compressor>-overlap``: sent from DDP's hook per bucket while
@@ -24,19 +26,20 @@ Grammar: ``<base>[-sr][-noef][-backend]``, base one of
   after its send), exactly or with a block codec or a cast
   (:data:`DILOCO_CODECS`; error feedback on for the codecs that keep
   residuals, as for the DDP hook, where ``DiLoCo`` itself defaults to the
-  method's own: off for int8/int4);
+  method's own, ``spec.error_feedback_for``: off for int8, for one);
 
-``-sr`` rounds int8/int4 stochastically (``rounding="stochastic"``; for
-``int8``, ``int4``, ``optim-int8``, ``optim-int4`` and ``diloco-...-int8``/
-``-int4``), ``-noef`` turns
+``-sr`` rounds stochastically (``rounding="stochastic"``) where the
+compressor rounds (``spec.ROUNDING_METHODS``, e.g. ``int8``, ``optim-int8``,
+``diloco-...-int8``), ``-noef`` turns
 error feedback off (the DDP hook's default is on; ``pycomm-bench fsdp``,
 whose library default is off, takes ``-ef`` instead: one rule, a suffix
 names the departure from the entry point's default, and the suffix that
 restates it is refused by :func:`pycomm_bench.sweep.error_feedback_suffix`)
 and ``-backend`` runs the compression in
-a ``"pycomm"`` process group instead of the hook (both for onebit, topk,
-int8, int4 and auto; not for ``optim-*`` or ``diloco-*``; ``-noef`` also
-for a ``diloco-*`` codec that keeps residuals). Each benchmark accepts the
+a ``"pycomm"`` process group instead of the hook (both for
+:data:`SUFFIX_BASES`: the methods that keep residuals, and auto; not for
+``optim-*`` or ``diloco-*``; ``-noef`` also for a ``diloco-*`` codec that
+keeps residuals). Each benchmark accepts the
 part of it that it can run (:data:`ALLREDUCE_BASES`, :data:`DDP_BASES`).
 
 Example::
@@ -122,8 +125,8 @@ class Method:
     #: group), "optim" (pycomm's compressed-momentum optimizer), "diloco"
     #: (:class:`pycomm.optim.DiLoCo`, no gradient communication)
     entry: str
-    #: "none", "fp16", "bf16", "powersgd", "onebit", "topk", "int8", "int4"
-    #: or "auto" (for "optim": the momentum's compressor; for "diloco": the
+    #: "none", a cast, "powersgd", a method that keeps residuals or "auto"
+    #: (for "optim": the momentum's compressor; for "diloco": the
     #: pseudo-gradient's, "none" for the exact average)
     compressor: str = "none"
     error_feedback: bool = False
@@ -132,7 +135,8 @@ class Method:
     #: "optim" only: the momenta sent from DDP's hook, per bucket, during
     #: backward (``attach(model, overlap=True)``)
     overlap: bool = False
-    #: int8/int4: "nearest" or "stochastic" (``-sr``)
+    #: a compressor that rounds (``spec.ROUNDING_METHODS``): "nearest" or
+    #: "stochastic" (``-sr``)
     rounding: str = "nearest"
     #: "optim" with AdamW only: OneBitAdam's ``variance_update_every``
     #: (``-v<K>``); None: the optimizer's default

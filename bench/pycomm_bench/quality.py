@@ -47,7 +47,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .ddp import add_flattening
 from .methods import ALLREDUCE
-from .report import clean, fmt_number, table, write_json
+from .report import clean, fail, fmt_number, table, write_json
 from .sweep import mean, stdev
 
 HELP = "the quality study: held-out loss of every method against plain all-reduce, tuned alike, over seeds"
@@ -665,8 +665,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             rec = run_one(arm, setting, seed, args.regime, args.out)
         except Exception as exc:  # noqa: BLE001 - a run that fails is reported, the study stops
-            print(f"pycomm-bench quality: {run_id(arm, setting, seed)} failed: {exc}", file=sys.stderr)
-            return 1
+            return fail("quality", f"{run_id(arm, setting, seed)} failed: {exc}", 1)
         print(f"[quality] {run_id(arm, setting, seed)}: held-out loss "
               f"{'diverged' if rec['diverged'] else format(rec['final_loss'], '.4f')} "
               f"in {rec['run_wall_s']:.0f} s", file=sys.stderr, flush=True)

@@ -203,6 +203,13 @@ def progress_bar(total: int, unit: str, enabled: bool = True):
     return tqdm(total=total, unit=unit, disable=not enabled, leave=False, dynamic_ncols=True, file=sys.stderr)
 
 
+def fail(command: str, message: object, status: int = 1) -> int:
+    """How a benchmark stops short: ``pycomm-bench <command>: <message>`` on
+    stderr; returns ``status``, the exit status to return."""
+    print(f"pycomm-bench {command}: {message}", file=sys.stderr)
+    return status
+
+
 def finish(doc: object, path: str, text: str, failures: Sequence[str] = (),
            started: Optional[float] = None) -> int:
     """The end of every benchmark: print ``text`` (its table), write ``doc``

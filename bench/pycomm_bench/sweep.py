@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import sys
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from .methods import ALLREDUCE
@@ -191,6 +193,26 @@ def cluster_for(args: argparse.Namespace, rate: Optional[float], cfg: Dict[str, 
     return cluster
 
 
+def train_at(rank_main: Callable, args: argparse.Namespace, rate: Optional[float], cfg: Dict[str, Any], bar: Any,
+             out: Any) -> Tuple[List[Dict[str, Any]], Any, float]:
+    """One run of a sweep's ranks (``rank_main`` with ``cfg``) on the
+    cluster of ``rate`` (:func:`cluster_for`): its link measured first and
+    reported through the progress bar ``bar`` on ``out``, each step moving
+    the bar. Returns the ranks' events, the cluster and its measured bus
+    bandwidth."""
+    from .launch import run_ranks, threads_per_rank
+    from .links import link_report
+
+    with cluster_for(args, rate, cfg) as cluster:
+        busbw, line = link_report(cluster)
+        bar.write(line, file=out)
+        # The timeout bounds each collective and the wait for any progress alike.
+        events = run_ranks(rank_main, cluster, cfg, timeout=args.timeout, stall=args.timeout,
+                           threads=threads_per_rank(args.ranks, args.threads),
+                           on_event=step_progress(bar, rate))
+    return events, cluster, busbw
+
+
 def per_rank_bytes(sent: Optional[float], cluster: Any, ranks: int) -> Optional[float]:
     """Bytes one rank sent: on loopback the shared ``lo`` counts every
     rank's traffic once (and anything else on it), so divide by the ranks.
@@ -231,6 +253,21 @@ def step_progress(bar: Any, rate: Optional[float]) -> Callable[[Dict[str, Any]],
 
 
 # --------------------------------------------------------------------------- options
+
+
+def with_baseline(methods: List[str], baseline: str, add: bool = True) -> List[str]:
+    """``--methods`` as a sweep runs them: ``baseline`` first unless it is
+    there already or ``add`` is false (every ratio is against it); a
+    ValueError if a method repeats.
+
+    >>> with_baseline(["int8", "bf16"], "plain")
+    ['plain', 'int8', 'bf16']
+    """
+    if add and baseline not in methods:
+        methods = [baseline, *methods]
+    if len(set(methods)) != len(methods):
+        raise ValueError(f"--methods: repeated method in {methods}")
+    return methods
 
 
 def add_sweep_options(g: Any, *, bandwidth_help: str, netns_prefix: str, baseline: str) -> None:
@@ -285,8 +322,8 @@ def error_feedback_suffix(name: str, default_on: bool, where: str) -> None:
     """Refuse the error-feedback suffix that restates the default. One
     grammar for both sweeps: a method's bare name runs with its entry
     point's default (the DDP hook: error feedback on; pycomm.fsdp: off for
-    int8/int4), and a suffix names the departure from it: ``-noef`` where
-    it is on, ``-ef`` where it is off.
+    the block codecs that do not need it, e.g. int8), and a suffix names
+    the departure from it: ``-noef`` where it is on, ``-ef`` where it is off.
 
     >>> error_feedback_suffix("int8-ef", default_on=True, where="pycomm-bench ddp")
     Traceback (most recent call last):
@@ -447,6 +484,16 @@ def plot(records: List[Dict[str, Any]], prefix: str, what: str = "DDP", baseline
             fig.savefig(paths[-1], dpi=110)
             plt.close(fig)
     return paths
+
+
+def write_plots(records: List[Dict[str, Any]], json_path: str, **plot_options: Any) -> None:
+    """:func:`plot` next to the JSON file ``json_path``, each path printed;
+    matplotlib is optional, so without it a note on stderr and no plots."""
+    try:
+        for p in plot(records, os.path.splitext(json_path)[0], **plot_options):
+            print(f"wrote {p}")
+    except ImportError:
+        print("matplotlib is not installed: no plots", file=sys.stderr)
 
 
 def _smooth(xs: Sequence[float], window: int = 10) -> List[float]:

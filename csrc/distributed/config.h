@@ -41,6 +41,12 @@ struct Config {
   int64_t rounding_seed = -1;
 };
 
+// Config's fields, listed once: the Python binding reports the settings a
+// group runs with (pycomm.distributed.options_of) field by field from it.
+#define PYCOMM_CONFIG_FIELDS(X)                                                                   \
+  X(method) X(min_compress_numel) X(chunk_numel) X(block_size) X(density) X(approx) X(check_calls) \
+  X(size_methods) X(calibration) X(plugin_options) X(rounding_seed)
+
 // The seeds of one call's compresses (stochastic rounding; spec.h,
 // rounding_seed): at(chunk, part) is -1 when the group rounds to nearest.
 struct CallSeeds {

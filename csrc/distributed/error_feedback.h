@@ -33,6 +33,11 @@ struct ErrorFeedback {
   bool undoable = false;
 };
 
+// The fields of a key's saved residuals (error_feedback_state() and its
+// load), listed once for the Python binding; "calls" apart: states saved
+// before keys counted their calls lack it.
+#define PYCOMM_EF_SAVED_FIELDS(X) X(numel) X(world_size) X(chunk_numel) X(method) X(worker) X(server)
+
 // Exchanges the residuals and their second buffers (a swap, no copy).
 void swap_residuals(ErrorFeedback& ef);
 

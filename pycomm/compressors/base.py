@@ -1,10 +1,11 @@
 """What every compressor shares: argument checks, impl selection, the registry.
 
-Each of pycomm's compressing methods (onebit, topk, int8, int4) has one
-module in this package. It defines a :class:`Compressor` subclass, registered
-under the method's name with :func:`register`, and a table of
-implementations (``Impl`` objects) keyed by name: ``reference`` (pure torch,
-the test oracle), ``cpu`` (C++ ops), ``cuda`` (CUDA ops) and ``triton``.
+Each family of pycomm's compressing methods (the ``family`` column of
+``pycomm.distributed.spec.METHOD_TABLE``) has one module in this package. It
+defines a :class:`Compressor` subclass, registered under each of the
+family's method names, and a table of implementations (``Impl`` objects,
+:func:`family_impls`) keyed by name: ``reference`` (pure torch, the test
+oracle), ``cpu`` (C++ ops), ``cuda`` (CUDA ops) and ``triton``.
 
 What pycomm knows about a method (its kind, bits, default block size,
 whether it rounds or keeps residuals) is its row of
@@ -17,11 +18,14 @@ it is a user's class, run by name through :mod:`pycomm.compressors.plugin`.
 
 from __future__ import annotations
 
+import importlib
 import math
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
+
+from .. import _ext
 
 _REGISTRY: Dict[str, type] = {}
 
@@ -101,6 +105,52 @@ class Impl:
     devices: Sequence[str]
 
 
+def family_impls(
+    family: str,
+    compress_reference: Callable,
+    decompress_reference: Callable,
+    why_no_cpu_ops: Callable[[], Optional[str]] = _ext.why_no_cpu_ops,
+    why_no_cuda_ops: Callable[[], Optional[str]] = _ext.why_no_cuda_ops,
+) -> Dict[str, Impl]:
+    """The ``impls`` of the kernel family ``family``: ``reference``, the
+    pure-torch functions given (any device); ``cpu`` and ``cuda``, the C++
+    ops ``torch.ops.pycomm.<family>_compress`` / ``<family>_decompress``
+    (available where ``why_no_cpu_ops`` / ``why_no_cuda_ops`` say so);
+    ``triton``, the same ops with the suffix ``_triton``.
+
+    Every impl is called as the reference is: ``compress(grad, residual,
+    *settings)`` and ``decompress(*payload, *settings, out, accumulate)``;
+    the ops take ``out`` first (the order of the C++ schemas).
+    """
+
+    def ops(suffix: str, load: Callable[[], object]) -> Tuple[Callable, Callable]:
+        compress_name, decompress_name = f"{family}_compress{suffix}", f"{family}_decompress{suffix}"
+
+        def compress(grad, residual, *settings):
+            load()
+            return getattr(torch.ops.pycomm, compress_name)(grad, residual, *settings)
+
+        def decompress(*args):
+            load()
+            *payload_and_settings, out, accumulate = args
+            getattr(torch.ops.pycomm, decompress_name)(out, *payload_and_settings, accumulate)
+
+        return compress, decompress
+
+    def load_triton() -> object:
+        # The Triton kernels register their ops when pycomm/triton/<family>.py
+        # is imported: here, and only when used, as pycomm imports without Triton.
+        return importlib.import_module(f"..triton.{family}", __package__)
+
+    cxx = ops("", lambda: None)
+    return {
+        "reference": Impl("reference", compress_reference, decompress_reference, lambda: None, ("cpu", "cuda")),
+        "cpu": Impl("cpu", *cxx, why_no_cpu_ops, ("cpu",)),
+        "cuda": Impl("cuda", *cxx, why_no_cuda_ops, ("cuda",)),
+        "triton": Impl("triton", *ops("_triton", load_triton), _ext.why_no_triton, _ext.triton_devices()),
+    }
+
+
 class Compressor:
     """Base class: checks inputs, resolves the implementation, flattens.
 
@@ -142,6 +192,49 @@ class Compressor:
                 f"got a tensor on {dev!r}"
             )
         return chosen
+
+    # -- what compress and decompress share --------------------------------------
+    def _flat_inputs(
+        self, grad: torch.Tensor, residual: Optional[torch.Tensor]
+    ) -> Tuple[Impl, torch.Tensor, Optional[torch.Tensor]]:
+        """Checks ``grad`` and ``residual``; returns the impl for ``grad``'s
+        device, ``grad`` flat and contiguous (the kernels' layout; a copy only
+        where it must be) and ``residual`` flat (a view: the impls update it
+        in place)."""
+        self._check_inputs(grad, residual)
+        impl = self.resolve_impl(grad.device)
+        flat = grad.reshape(-1)
+        if not flat.is_contiguous():
+            flat = flat.contiguous()
+        res = residual.view(-1) if residual is not None else None
+        return impl, flat, res
+
+    def _check_payload_type(self, payload: Any, payload_type: type, *settings: str) -> None:
+        """``payload`` must be a ``payload_type`` made with this compressor's
+        ``settings`` (attribute names, e.g. ``block_size``): a payload of
+        other settings would be decoded wrongly."""
+        if not isinstance(payload, payload_type):
+            raise TypeError(f"payload must be a {payload_type.__name__}, got {type(payload).__name__}")
+        for name in settings:
+            theirs, ours = getattr(payload, name), getattr(self, name)
+            if theirs != ours:
+                raise ValueError(f"payload has {name}={theirs}, this compressor {ours}")
+
+    def _decode(
+        self, payload: Any, device: torch.device, out: Optional[torch.Tensor], accumulate: bool, *args: Any
+    ) -> torch.Tensor:
+        """Decode ``payload`` (its tensors on ``device``): the impl's
+        ``decompress(*args, out, accumulate)`` on ``out`` flattened. Without
+        ``out``, into a new float32 tensor of ``payload.shape`` (written,
+        nothing to add to); with it, ``out`` is checked against the payload."""
+        if out is None:
+            out = torch.empty(payload.shape, dtype=torch.float32, device=device)
+            accumulate = False
+        else:
+            self._check_out(out, payload.numel, device)
+        impl = self.resolve_impl(device)
+        impl.decompress(*args, out.view(-1), accumulate)
+        return out
 
     # -- checks ----------------------------------------------------------------
     @staticmethod

@@ -18,7 +18,7 @@ import torch
 
 from .. import _ext
 from ..wire import MAX_BLOCK_SIZE, WORD_BITS
-from .base import Compressor, Impl, check_positive_int, register
+from .base import Compressor, check_positive_int, family_impls, register
 
 
 @dataclass
@@ -100,34 +100,9 @@ def decompress_reference(
 
 
 # ------------------------------------------------------- other impls -------
-def _compress_op(grad, residual, block_size):
-    return torch.ops.pycomm.onebit_compress(grad, residual, block_size)
-
-
-def _decompress_op(bits, scales, block_size, out, accumulate):
-    torch.ops.pycomm.onebit_decompress(out, bits, scales, block_size, accumulate)
-
-
-# The Triton kernels are ops too (pycomm/triton/onebit.py). Imported here only
-# to register them, and only when used: pycomm imports without Triton.
-def _compress_triton(grad, residual, block_size):
-    from ..triton import onebit  # noqa: F401
-
-    return torch.ops.pycomm.onebit_compress_triton(grad, residual, block_size)
-
-
-def _decompress_triton(bits, scales, block_size, out, accumulate):
-    from ..triton import onebit  # noqa: F401
-
-    torch.ops.pycomm.onebit_decompress_triton(out, bits, scales, block_size, accumulate)
-
-
-IMPLS = {
-    "reference": Impl("reference", compress_reference, decompress_reference, lambda: None, ("cpu", "cuda")),
-    "cpu": Impl("cpu", _compress_op, _decompress_op, _ext.why_no_cpu_ops, ("cpu",)),
-    "cuda": Impl("cuda", _compress_op, _decompress_op, _ext.why_no_cuda_ops, ("cuda",)),
-    "triton": Impl("triton", _compress_triton, _decompress_triton, _ext.why_no_triton, _ext.triton_devices()),
-}
+# The C++ ops pycomm::onebit_compress / onebit_decompress and their Triton
+# twins (pycomm/triton/onebit.py).
+IMPLS = family_impls("onebit", compress_reference, decompress_reference)
 
 
 @register("onebit")
@@ -172,12 +147,7 @@ class OneBitCompressor(Compressor):
 
     def compress(self, grad: torch.Tensor, residual: Optional[torch.Tensor] = None) -> OneBitPayload:
         """Compress ``grad + residual``; ``residual`` (if given) becomes the new error."""
-        self._check_inputs(grad, residual)
-        impl = self.resolve_impl(grad.device)
-        flat = grad.reshape(-1)
-        if not flat.is_contiguous():
-            flat = flat.contiguous()
-        res = residual.view(-1) if residual is not None else None
+        impl, flat, res = self._flat_inputs(grad, residual)
         bits, scales = impl.compress(flat, res, self.block_size)
         return OneBitPayload(bits, scales, grad.numel(), tuple(grad.shape), self.block_size)
 
@@ -185,27 +155,16 @@ class OneBitCompressor(Compressor):
         self, payload: OneBitPayload, out: Optional[torch.Tensor] = None, accumulate: bool = False
     ) -> torch.Tensor:
         """Decode to float32 (``payload.shape``); with ``out``, write (or add) in place."""
-        if not isinstance(payload, OneBitPayload):
-            raise TypeError(f"payload must be a OneBitPayload, got {type(payload).__name__}")
-        if payload.block_size != self.block_size:
-            raise ValueError(
-                f"payload has block_size={payload.block_size}, this compressor {self.block_size}"
-            )
+        self._check_payload_type(payload, OneBitPayload, "block_size")
         # Every impl decodes only a payload of the right layout.
         for name, t, dtype, size in (("bits", payload.bits, torch.int32, -(-payload.numel // WORD_BITS)),
                                      ("scales", payload.scales, torch.float32, -(-payload.numel // self.block_size))):
             if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.dim() != 1 or t.numel() != size:
                 raise ValueError(f"payload.{name} must be a 1-D {dtype} tensor of {size} elements for "
                                  f"{payload.numel} elements")
-        device = payload.bits.device
-        if out is None:
-            out = torch.empty(payload.shape, dtype=torch.float32, device=device)
-            accumulate = False
-        else:
-            self._check_out(out, payload.numel, device)
-        impl = self.resolve_impl(device)
-        impl.decompress(payload.bits, payload.scales, self.block_size, out.view(-1), accumulate)
-        return out
+        return self._decode(
+            payload, payload.bits.device, out, accumulate, payload.bits, payload.scales, self.block_size
+        )
 
 
 # Shapes of the op outputs without running the kernel (torch.compile, meta

@@ -1,5 +1,5 @@
 """Block quantization to ``bits``-bit levels (the method table's rows of the
-"quant" family: int8, int4, int2) with fused error feedback.
+"quant" family, e.g. int8) with fused error feedback.
 
 Per block of ``block_size`` elements of ``c = grad + residual`` (the last
 block partial):
@@ -44,7 +44,7 @@ import torch
 
 from .. import _ext
 from ..wire import MASK32, MAX_BLOCK_SIZE, QUANT_BITS, quant_hash, quant_num_bytes, quant_per_byte, quant_qmax
-from .base import Compressor, Impl, check_positive_int
+from .base import Compressor, check_positive_int, family_impls
 
 #: Largest finite float32 (FLT_MAX): quant_inv's bound for a finite amax.
 FLOAT32_MAX = 3.4028234663852886e38
@@ -202,28 +202,6 @@ def decompress_reference(
 
 
 # ------------------------------------------------------- other impls -------
-def _compress_op(grad, residual, bits, block_size, seed):
-    return torch.ops.pycomm.quant_compress(grad, residual, bits, block_size, seed)
-
-
-def _decompress_op(data, scales, bits, block_size, out, accumulate):
-    torch.ops.pycomm.quant_decompress(out, data, scales, bits, block_size, accumulate)
-
-
-# The Triton kernels are ops too (pycomm/triton/quant.py). Imported here only
-# to register them, and only when used: pycomm imports without Triton.
-def _compress_triton(grad, residual, bits, block_size, seed):
-    from ..triton import quant  # noqa: F401
-
-    return torch.ops.pycomm.quant_compress_triton(grad, residual, bits, block_size, seed)
-
-
-def _decompress_triton(data, scales, bits, block_size, out, accumulate):
-    from ..triton import quant  # noqa: F401
-
-    torch.ops.pycomm.quant_decompress_triton(out, data, scales, bits, block_size, accumulate)
-
-
 def _why_no_quant_ops(why_no_ops):
     # An extension built before the quant ops existed loads, but lacks them.
     def why() -> Optional[str]:
@@ -235,18 +213,18 @@ def _why_no_quant_ops(why_no_ops):
     return why
 
 
-IMPLS = {
-    "reference": Impl("reference", compress_reference, decompress_reference, lambda: None, ("cpu", "cuda")),
-    "cpu": Impl("cpu", _compress_op, _decompress_op, _why_no_quant_ops(_ext.why_no_cpu_ops), ("cpu",)),
-    "cuda": Impl("cuda", _compress_op, _decompress_op, _why_no_quant_ops(_ext.why_no_cuda_ops), ("cuda",)),
-    "triton": Impl("triton", _compress_triton, _decompress_triton, _ext.why_no_triton, _ext.triton_devices()),
-}
+# The C++ ops pycomm::quant_compress / quant_decompress and their Triton
+# twins (pycomm/triton/quant.py).
+IMPLS = family_impls(
+    "quant", compress_reference, decompress_reference,
+    why_no_cpu_ops=_why_no_quant_ops(_ext.why_no_cpu_ops), why_no_cuda_ops=_why_no_quant_ops(_ext.why_no_cuda_ops),
+)
 
 
 class QuantCompressor(Compressor):
     """Block quantization to ``bits``-bit levels with a float32 absmax scale
     per block; the class of each width is :func:`quant_class` (a row of the
-    method table: int8, int4, int2).
+    method table whose family is "quant").
 
     ``rounding="nearest"`` rounds half to even (deterministic).
     ``rounding="stochastic"`` rounds up with probability equal to the
@@ -324,12 +302,7 @@ class QuantCompressor(Compressor):
         seeds of ``spec.rounding_seed``."""
         if isinstance(seed, bool) or not isinstance(seed, int) or not -1 <= seed <= MASK32:
             raise ValueError(f"seed must be -1 or an integer in [0, 2**32), got {seed!r}")
-        self._check_inputs(grad, residual)
-        impl = self.resolve_impl(grad.device)
-        flat = grad.reshape(-1)
-        if not flat.is_contiguous():
-            flat = flat.contiguous()
-        res = residual.view(-1) if residual is not None else None
+        impl, flat, res = self._flat_inputs(grad, residual)
         data, scales = impl.compress(flat, res, self.bits, self.block_size, seed)
         return QuantPayload(data, scales, grad.numel(), tuple(grad.shape), self.block_size, self.bits)
 
@@ -337,23 +310,10 @@ class QuantCompressor(Compressor):
         self, payload: QuantPayload, out: Optional[torch.Tensor] = None, accumulate: bool = False
     ) -> torch.Tensor:
         """Decode to float32 (``payload.shape``); with ``out``, write (or add) in place."""
-        if not isinstance(payload, QuantPayload):
-            raise TypeError(f"payload must be a QuantPayload, got {type(payload).__name__}")
-        if payload.bits != self.bits:
-            raise ValueError(f"payload has bits={payload.bits}, this compressor {self.bits}")
-        if payload.block_size != self.block_size:
-            raise ValueError(
-                f"payload has block_size={payload.block_size}, this compressor {self.block_size}"
-            )
-        device = payload.data.device
-        if out is None:
-            out = torch.empty(payload.shape, dtype=torch.float32, device=device)
-            accumulate = False
-        else:
-            self._check_out(out, payload.numel, device)
-        impl = self.resolve_impl(device)
-        impl.decompress(payload.data, payload.scales, self.bits, self.block_size, out.view(-1), accumulate)
-        return out
+        self._check_payload_type(payload, QuantPayload, "bits", "block_size")
+        return self._decode(
+            payload, payload.data.device, out, accumulate, payload.data, payload.scales, self.bits, self.block_size
+        )
 
 
 @functools.lru_cache(maxsize=None)

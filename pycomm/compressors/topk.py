@@ -23,7 +23,7 @@ from typing import Optional, Tuple
 import torch
 
 from .. import _ext
-from .base import Compressor, Impl, check_density, register
+from .base import Compressor, check_density, family_impls, register
 
 from ..wire import (  # noqa: F401  (the rules, re-exported for the reference's readers)
     INF_KEY,
@@ -124,34 +124,9 @@ def decompress_reference(
 
 
 # ------------------------------------------------------- other impls -------
-def _compress_op(grad, residual, k, approx):
-    return torch.ops.pycomm.topk_compress(grad, residual, k, approx)
-
-
-def _decompress_op(indices, values, out, accumulate):
-    torch.ops.pycomm.topk_decompress(out, indices, values, accumulate)
-
-
-# The Triton kernels are ops too (pycomm/triton/topk.py). Imported here only
-# to register them, and only when used: pycomm imports without Triton.
-def _compress_triton(grad, residual, k, approx):
-    from ..triton import topk  # noqa: F401
-
-    return torch.ops.pycomm.topk_compress_triton(grad, residual, k, approx)
-
-
-def _decompress_triton(indices, values, out, accumulate):
-    from ..triton import topk  # noqa: F401
-
-    torch.ops.pycomm.topk_decompress_triton(out, indices, values, accumulate)
-
-
-IMPLS = {
-    "reference": Impl("reference", compress_reference, decompress_reference, lambda: None, ("cpu", "cuda")),
-    "cpu": Impl("cpu", _compress_op, _decompress_op, _ext.why_no_cpu_ops, ("cpu",)),
-    "cuda": Impl("cuda", _compress_op, _decompress_op, _ext.why_no_cuda_ops, ("cuda",)),
-    "triton": Impl("triton", _compress_triton, _decompress_triton, _ext.why_no_triton, _ext.triton_devices()),
-}
+# The C++ ops pycomm::topk_compress / topk_decompress and their Triton twins
+# (pycomm/triton/topk.py).
+IMPLS = family_impls("topk", compress_reference, decompress_reference)
 
 
 @register("topk")
@@ -197,12 +172,7 @@ class TopKCompressor(Compressor):
 
     def compress(self, grad: torch.Tensor, residual: Optional[torch.Tensor] = None) -> TopKPayload:
         """Select from ``grad + residual``; ``residual`` (if given) keeps the rest."""
-        self._check_inputs(grad, residual)
-        impl = self.resolve_impl(grad.device)
-        flat = grad.reshape(-1)
-        if not flat.is_contiguous():
-            flat = flat.contiguous()
-        res = residual.view(-1) if residual is not None else None
+        impl, flat, res = self._flat_inputs(grad, residual)
         idx, vals = impl.compress(flat, res, self.k(flat.numel()), self.approx)
         return TopKPayload(idx, vals, grad.numel(), tuple(grad.shape))
 
@@ -211,18 +181,9 @@ class TopKCompressor(Compressor):
     ) -> torch.Tensor:
         """Scatter to a dense float32 tensor (``payload.shape``); with ``out``,
         write in place (zeros elsewhere) or, with ``accumulate``, add."""
-        if not isinstance(payload, TopKPayload):
-            raise TypeError(f"payload must be a TopKPayload, got {type(payload).__name__}")
+        self._check_payload_type(payload, TopKPayload)
         _check_payload(payload)
-        device = payload.values.device
-        if out is None:
-            out = torch.empty(payload.shape, dtype=torch.float32, device=device)
-            accumulate = False
-        else:
-            self._check_out(out, payload.numel, device)
-        impl = self.resolve_impl(device)
-        impl.decompress(payload.indices, payload.values, out.view(-1), accumulate)
-        return out
+        return self._decode(payload, payload.values.device, out, accumulate, payload.indices, payload.values)
 
 
 def _check_payload(p: TopKPayload) -> None:

@@ -58,18 +58,21 @@ import torch
 import torch.distributed as dist
 
 from .. import distributed as pd
-from ..compressors.base import check_density
 from ..distributed.spec import is_plugin
-from ..distributed.session import KEY_SPAN, EngineSession, agree, check_residuals, check_world, residual_methods
-from ..distributed.spec import EF_METHODS, GROUP_METHODS, ROUNDING_METHODS, check_mode, error_feedback_for
+from ..distributed.session import EngineSession, agree, check_fields, nest_legacy
+from .buckets import BucketLayout, BucketTracker, checked_layouts, failed, result
+from ..distributed.spec import EF_METHODS, GROUP_METHODS, check_mode, error_feedback_for
 
 __all__ = ["CompressionState", "compressed_hook"]
 
 #: What the hook can run: every method of a group but "none" (no hook needed).
 COMPRESSORS = tuple(m for m in GROUP_METHODS if m != "none")
-_STATE_VERSION = 2
-#: The fields of a state_dict, and of its "config" and residual entries.
-_STATE_FIELDS = ("version", "config", "iteration", "world_size", "rank", "bucket_layouts", "error_feedback")
+#: The version of a state_dict; version 2 (the engine state's fields at the
+#: top level) loads too (``nest_legacy``).
+_STATE_VERSION = 3
+#: The fields of a state_dict, and of its "config" entry ("engine": the
+#: engine client's state, EngineSession.state_dict).
+_STATE_FIELDS = ("version", "config", "iteration", "bucket_layouts", "engine")
 _CONFIG_FIELDS = ("compressor", "density", "approx", "block_size", "chunk_numel", "start_iter", "error_feedback",
                   "rounding", "seed")
 #: Config fields a saved state may lack (saved before they existed), with the
@@ -190,11 +193,11 @@ class CompressionState:
         check_mode(check_calls, "check_calls")  # validates
         # The engine's own checks, before anything runs: a bad value raises
         # here, on every rank, naming the argument.
-        known = compressor in GROUP_METHODS or is_plugin(compressor)  # else _checked_config names it
-        pd.check_options(hierarchy=hierarchy, calibration=calibration,
-                         **(dict(compressor=compressor, compressor_options=compressor_options) if known else {}))
-        if known:  # the one rule: None is the method's default (spec.error_feedback_for)
-            error_feedback = error_feedback_for(compressor, error_feedback)
+        _check_compressor(compressor, "compressor")
+        pd.check_options(hierarchy=hierarchy, calibration=calibration, compressor=compressor,
+                         compressor_options=compressor_options)
+        # The one rule: None is the method's default (spec.error_feedback_for).
+        error_feedback = error_feedback_for(compressor, error_feedback)
         self.compressor_options = compressor_options
         self.process_group = process_group
         self._set_config(_checked_config(
@@ -210,12 +213,11 @@ class CompressionState:
         self.private_group = private_group
         #: Backward passes completed (counted at the last bucket of each).
         self.iteration = 0
-        #: Bucket index -> (numel, parameter positions), recorded once DDP's
-        #: buckets are stable; a position is a parameter's index in the
-        #: concatenated parameter lists of DDP's initial buckets (deterministic
-        #: for a given model and DDP configuration, in any process).
-        self.bucket_layouts: Dict[int, Tuple[int, Tuple[int, ...]]] = {}
-        self._saved_world: Optional[Tuple[int, int]] = None  # (world, rank) a loaded state expects
+        #: DDP's buckets: their layouts (saved), the backward passes of this
+        #: process; a parameter's position is its index in the concatenated
+        #: parameter lists of DDP's initial buckets (deterministic for a
+        #: given model and DDP configuration, in any process).
+        self.buckets = BucketTracker("CompressionState")
         self._init_runtime()
         self._session = self._new_session()
         if compressor == "onebit" and error_feedback:
@@ -240,27 +242,26 @@ class CompressionState:
         # "auto": the engine keeps residuals for the buckets it sends by a method with them.
         return self.error_feedback and (self.compressor in (*EF_METHODS, "auto") or is_plugin(self.compressor))
 
+    @property
+    def bucket_layouts(self) -> Dict[int, BucketLayout]:
+        """Bucket index -> its layout (numel, parameter positions), recorded
+        once DDP's buckets are stable."""
+        return self.buckets.layouts
+
     # -- runtime (not saved, not pickled) --------------------------------------
     def _init_runtime(self) -> None:
         self._agreed = False  # the ranks' configurations compared (at the first bucket)
-        self._positions: Dict[int, int] = {}  # id(parameter) -> position
-        self._local_iter = 0  # backward passes seen by this object in this process
         self._warned_unmapped = False
 
-    def _new_session(self, pending: Optional[Dict[int, Any]] = None) -> EngineSession:
-        """The engine client of this configuration: bucket ``i``'s residuals
-        under key ``i`` of the group (``pending``: residuals loaded for it)."""
-        settings = dict(block_size=self.block_size, density=self.density, approx=self.approx,
-                        rounding=self.rounding, seed=self.seed, check_calls=self.check_calls,
-                        hierarchy=self.hierarchy, calibration=self.calibration,
+    def _new_session(self, cfg: Optional[Dict[str, Any]] = None) -> EngineSession:
+        """The engine client of configuration ``cfg`` (None: this one):
+        bucket ``i``'s residuals under key ``i`` of the group."""
+        cfg = self.config() if cfg is None else cfg
+        settings = {k: cfg[k] for k in _ENGINE_FIELDS if k != "compressor" and cfg[k] is not None}
+        settings.update(check_calls=self.check_calls, hierarchy=self.hierarchy, calibration=self.calibration,
                         compressor_options=self.compressor_options)
-        if self.chunk_numel is not None:
-            settings["chunk_numel"] = self.chunk_numel
-        session = EngineSession("this CompressionState", self.compressor, settings,
-                                process_group=self.process_group, private_group=self.private_group)
-        if pending:
-            session.load_residuals(pending)
-        return session
+        return EngineSession("CompressionState", cfg["compressor"], settings,
+                             process_group=self.process_group, private_group=self.private_group)
 
     @property
     def _engine(self) -> Optional[dist.ProcessGroup]:
@@ -276,9 +277,6 @@ class CompressionState:
         """This rank's residuals (copies) per bucket key."""
         return self._session.residuals()
 
-    def _world(self) -> Tuple[int, int]:
-        return self._session.world()
-
     # -- persistence -----------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
         """Iteration, configuration, bucket layout and this rank's residuals.
@@ -289,21 +287,15 @@ class CompressionState:
         Example::
 
             >>> sd = CompressionState(compressor="onebit", start_iter=4).state_dict()
-            >>> sd["version"], sd["iteration"], sd["error_feedback"]
-            (2, 0, {})
+            >>> sd["version"], sd["iteration"], sd["engine"]["residuals"]
+            (3, 0, {})
         """
-        world, rank = self._world() if dist.is_initialized() else (None, None)
-        if self._saved_world is not None and world is None:
-            world, rank = self._saved_world
         return {
             "version": _STATE_VERSION,
             "config": self.config(),
             "iteration": self.iteration,
-            "world_size": world,
-            "rank": rank,
-            "bucket_layouts": {i: (n, list(p)) for i, (n, p) in self.bucket_layouts.items()},
-            # The engine's residuals, per bucket key.
-            "error_feedback": self._error_feedback(),
+            "bucket_layouts": self.buckets.state(),
+            "engine": self._session.state_dict(),  # world, rank and residuals per bucket key
         }
 
     def load_state_dict(self, state: Dict[str, Any], reset_error_feedback: bool = False) -> None:
@@ -344,20 +336,7 @@ class CompressionState:
         """
         if not isinstance(reset_error_feedback, bool):
             raise TypeError(f"reset_error_feedback must be a bool, got {reset_error_feedback!r}")
-        cfg, iteration, saved_world, layouts, residuals = _checked_state(state)
-        problems = []
-        if saved_world[0] is not None and dist.is_initialized():
-            world, rank = self._world()
-            if saved_world[0] != world:
-                problems.append(f"it was saved with world size {saved_world[0]}, this group has {world}")
-            elif saved_world[1] != rank:
-                problems.append(f"it holds rank {saved_world[1]}'s residuals, this is rank {rank}")
-        if problems and not reset_error_feedback:
-            raise ValueError(
-                "cannot load this CompressionState: " + "; ".join(problems)
-                + ". Save and load each rank's own state, or pass reset_error_feedback=True "
-                "to keep the iteration and start the residuals over."
-            )
+        cfg, iteration, layouts, engine_state = _checked_state(state)
         if self._engine is not None:
             mine = self.config()
             changed = [f for f in _ENGINE_FIELDS if cfg[f] != mine[f]]
@@ -369,64 +348,34 @@ class CompressionState:
                     + ", ".join(f"{f}={mine[f]!r}" for f in changed)
                     + ". Load it before the first backward pass, or into a new CompressionState."
                 )
-        # The engine last of the checks: it refuses residuals of another
-        # world size, method or chunk_numel before it changes anything.
-        if self._engine is not None:
-            if reset_error_feedback:
-                self._session.reset_residuals()
-            else:
-                self._session.load_residuals(residuals)
+        # Before the engine group exists, a new configuration is a new client.
+        session = self._session if self._engine is not None else self._new_session(cfg)
+        loaded = session.check_state(engine_state, "state['engine']", reset_error_feedback)
+        session.load_state(loaded)  # the engine's own checks last: it refuses before it changes anything
         replaced = {f: (getattr(self, f), cfg[f]) for f in _ENGINE_FIELDS if cfg[f] != getattr(self, f)}
         if replaced:
             # The saved configuration decides (documented); said, not silent.
             warnings.warn("CompressionState.load_state_dict: the loaded state runs "
                           + ", ".join(f"{f}={new!r} (was {old!r})" for f, (old, new) in replaced.items()),
                           UserWarning, stacklevel=2)
+        self._session = session
         self._set_config(cfg)
         self._agreed = False  # compared again at the next bucket
-        if self._engine is None:  # a new configuration: a new client, the residuals waiting for it
-            self._session = self._new_session(None if reset_error_feedback else residuals)
         self.iteration = iteration
-        if reset_error_feedback:
-            self.bucket_layouts = {}
-            self._saved_world = None
-        else:
-            self.bucket_layouts = layouts
-            # Checked at the first hook call if the group was not up at load time.
-            self._saved_world = saved_world if saved_world[0] is not None else None
+        self.buckets.layouts = {} if reset_error_feedback else layouts
 
     def __getstate__(self) -> Dict[str, Any]:
-        keep = {k: v for k, v in self.__dict__.items() if not k.startswith("_") or k == "_saved_world"}
-        keep["process_group"] = None
-        keep["_pending_ef"] = self._error_feedback() or None
-        return keep
+        keep = {k: v for k, v in self.__dict__.items() if not k.startswith("_") or k == "_session"}
+        keep["process_group"] = None  # the default group of the process that unpickles
+        return keep  # the session pickles its residuals, not its group
 
     def __setstate__(self, d: Dict[str, Any]) -> None:
-        pending = d.pop("_pending_ef", None)
         self.__dict__.update(d)
-        self.process_group = None  # the default group of the process that unpickles
         self._init_runtime()
-        self._session = self._new_session(pending)
 
     def __repr__(self) -> str:
         cfg = ", ".join(f"{k}={v!r}" for k, v in self.config().items())
         return f"CompressionState({cfg}, iteration={self.iteration})"
-
-    # -- planning (on the hook's calling thread) --------------------------------
-    def _bucket_positions(self, params: List[torch.Tensor]) -> Tuple[int, ...]:
-        out = []
-        for p in params:
-            pos = self._positions.get(id(p))
-            if pos is None:
-                pos = self._positions[id(p)] = len(self._positions)
-            out.append(pos)
-        return tuple(out)
-
-    def _check_world(self) -> None:
-        if self._saved_world is not None:
-            check_world("CompressionState", self._saved_world, self._world())
-        self._saved_world = None
-
 
 # ------------------------------------------------------------ validation ---
 def _is_int(value: Any) -> bool:
@@ -444,6 +393,14 @@ def _labelled(label: Optional[str], check: Callable[[], Any]) -> Any:
         raise type(exc)(f"{label}: {exc}") from None
 
 
+def _check_compressor(compressor: Any, name: str) -> None:
+    """What the hook runs: a group method but "none" (DDP's own all-reduce
+    is exact), or a registered compressor."""
+    if compressor not in COMPRESSORS and not is_plugin(compressor):
+        raise ValueError(f"{name} must be one of {list(COMPRESSORS)} or a registered compressor "
+                         f"(pycomm.register_compressor), got {compressor!r}")
+
+
 def _checked_config(cfg: Dict[str, Any], where: Optional[str] = None) -> Dict[str, Any]:
     """The configuration, validated and normalized, without side effects.
     ``where``: the name of the dict in a loaded state, for the errors."""
@@ -455,18 +412,13 @@ def _checked_config(cfg: Dict[str, Any], where: Optional[str] = None) -> Dict[st
         if not isinstance(cfg, dict):
             raise TypeError(f"{where} must be a dict, got {type(cfg).__name__}")
         cfg = {**_CONFIG_DEFAULTS, **cfg}
-        missing = [f for f in _CONFIG_FIELDS if f not in cfg]
-        unknown = sorted(map(str, set(cfg) - set(_CONFIG_FIELDS)))
-        if missing or unknown:
-            raise ValueError(f"{where} must hold the fields {list(_CONFIG_FIELDS)}"
-                             + (f"; missing {missing}" if missing else "")
-                             + (f"; unknown {unknown}" if unknown else ""))
-    compressor = cfg["compressor"]
-    if compressor not in COMPRESSORS and not is_plugin(compressor):
-        raise ValueError(f"{label('compressor') or 'compressor'} must be one of {list(COMPRESSORS)} or a "
-                         f"registered compressor (pycomm.register_compressor), got {compressor!r}")
-    start_iter = cfg["start_iter"]
-    name = label("start_iter") or "start_iter"
+        check_fields(where, cfg, _CONFIG_FIELDS)
+    _check_compressor(cfg["compressor"], label("compressor") or "compressor")
+    out = {}
+    for name in _ENGINE_FIELDS:  # the group's own checks, one field at a time to name it
+        out.update(_labelled(label(name), lambda: pd.check_options(**{name: cfg[name]})))
+    _labelled(label("rounding"), lambda: pd.check_options(compressor=cfg["compressor"], rounding=cfg["rounding"]))
+    start_iter, name = cfg["start_iter"], label("start_iter") or "start_iter"
     if not _is_int(start_iter):
         raise TypeError(f"{name} must be an int, got {start_iter!r}")
     if start_iter < 2:
@@ -475,139 +427,30 @@ def _checked_config(cfg: Dict[str, Any], where: Optional[str] = None) -> Dict[st
             f"after the first iteration, so bucket.index(), which keys the error-feedback "
             f"residuals, is not stable before the second (pytorch issue #51427)"
         )
-    chunk_numel, block_size = cfg["chunk_numel"], cfg["block_size"]
-    _labelled(label("chunk_numel"), lambda: pd.check_options(chunk_numel=chunk_numel))
-    _labelled(label("block_size"), lambda: pd.check_options(block_size=block_size))
-    for flag in ("error_feedback", "approx"):
-        if not isinstance(cfg[flag], bool):
-            raise TypeError(f"{label(flag) or flag} must be a bool, got {cfg[flag]!r}")
-    density = _labelled(label("density"), lambda: check_density(cfg["density"]))
-    rounding, seed = cfg["rounding"], cfg["seed"]
-    # The group's own checks (whether this compressor rounds is checked next).
-    _labelled(label("rounding"), lambda: pd.check_options(rounding=rounding))
-    _labelled(label("seed"), lambda: pd.check_options(seed=seed))
-    if rounding == "stochastic" and compressor not in (*ROUNDING_METHODS, "auto"):
-        raise ValueError(f"{label('rounding') or 'rounding'}: rounding='stochastic' is for the "
-                         f"{', '.join(ROUNDING_METHODS)} compressors (or 'auto'); {compressor!r} does not round")
-    return dict(compressor=compressor, density=density, approx=cfg["approx"], block_size=block_size,
-                chunk_numel=chunk_numel, start_iter=start_iter, error_feedback=cfg["error_feedback"],
-                rounding=rounding, seed=seed)
+    if not isinstance(cfg["error_feedback"], bool):
+        raise TypeError(f"{label('error_feedback') or 'error_feedback'} must be a bool, got {cfg['error_feedback']!r}")
+    return {**out, "start_iter": start_iter, "error_feedback": cfg["error_feedback"]}
 
 
 def _checked_state(state: Any):
-    """Everything :meth:`CompressionState.load_state_dict` needs, checked and
-    copied: ``(config, iteration, (world_size, rank), bucket_layouts,
-    residuals)``. Raises, naming the field, before anything is changed."""
+    """The hook's own fields of a state (:meth:`CompressionState.
+    load_state_dict`), checked and copied: ``(config, iteration,
+    bucket_layouts, engine state)``; the engine state is the session's to
+    check. Raises, naming the field, before anything is changed."""
+    if isinstance(state, dict) and state.get("version") == 2:
+        cfg = state.get("config")
+        state = dict(nest_legacy(state, cfg.get("compressor") if isinstance(cfg, dict) else None),
+                     version=_STATE_VERSION)
     if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:
         got = state.get("version") if isinstance(state, dict) else type(state).__name__
         raise ValueError(f"state['version']: not a CompressionState state_dict of version "
-                         f"{_STATE_VERSION} (got {got!r})")
-    missing = [f for f in _STATE_FIELDS if f not in state]
-    unknown = sorted(map(str, set(state) - set(_STATE_FIELDS)))
-    if missing or unknown:
-        raise ValueError(f"state must hold the fields {list(_STATE_FIELDS)}"
-                         + (f"; missing {missing}" if missing else "")
-                         + (f"; unknown {unknown}" if unknown else ""))
+                         f"{_STATE_VERSION} or 2 (got {got!r})")
+    check_fields("state", state, _STATE_FIELDS)
     cfg = _checked_config(state["config"], "state['config']")
     iteration = state["iteration"]
     if not _is_int(iteration) or iteration < 0:
         raise ValueError(f"state['iteration'] must be a non-negative int, got {iteration!r}")
-    world, rank = state["world_size"], state["rank"]
-    if (world is None) != (rank is None):
-        raise ValueError(f"state['world_size'] and state['rank'] must both be None or both ints, "
-                         f"got {world!r} and {rank!r}")
-    if world is not None:
-        if not _is_int(world) or world < 1:
-            raise ValueError(f"state['world_size'] must be a positive int or None, got {world!r}")
-        if not _is_int(rank) or not 0 <= rank < world:
-            raise ValueError(f"state['rank'] must be an int in [0, {world}), got {rank!r}")
-    layouts = _checked_layouts(state["bucket_layouts"])
-    residuals = check_residuals("state['error_feedback']", state["error_feedback"],
-                                residual_methods(cfg["compressor"]), span=KEY_SPAN)
-    return cfg, iteration, (world, rank), layouts, residuals
-
-
-def _checked_layouts(layouts: Any) -> Dict[int, Tuple[int, Tuple[int, ...]]]:
-    if not isinstance(layouts, dict):
-        raise TypeError(f"state['bucket_layouts'] must be a dict, got {type(layouts).__name__}")
-    out: Dict[int, Tuple[int, Tuple[int, ...]]] = {}
-    owner: Dict[int, int] = {}  # parameter position -> bucket
-    for index, value in layouts.items():
-        label = f"state['bucket_layouts'][{index!r}]"
-        if not _is_int(index) or index < 0:
-            raise ValueError(f"{label}: a key must be a bucket index (a non-negative int)")
-        if not isinstance(value, (list, tuple)) or len(value) != 2:
-            raise ValueError(f"{label} must be (numel, [parameter positions]), got {value!r}")
-        numel, positions = value
-        if not _is_int(numel) or numel < 1:
-            raise ValueError(f"{label}: numel must be a positive int, got {numel!r}")
-        if not isinstance(positions, (list, tuple)) or not positions:
-            raise ValueError(f"{label}: the parameter positions must be a non-empty list, got {positions!r}")
-        for p in positions:
-            if not _is_int(p) or p < 0:
-                raise ValueError(f"{label}: a parameter position must be a non-negative int, got {p!r}")
-            if p in owner:
-                raise ValueError(f"{label}: parameter {p} is also in bucket {owner[p]}")
-            owner[p] = index
-        out[index] = (numel, tuple(positions))
-    return out
-
-
-# --------------------------------------------------------- error delivery ---
-def _at_end_of_backward(check: Callable[[], None]) -> None:
-    """Run ``check`` when the current backward pass has computed every
-    gradient, before DDP's own end-of-backward step (which this hook's
-    buckets precede). An exception it raises comes out of
-    ``loss.backward()`` as itself: DDP would report only a RuntimeError with
-    the exception's text. Nothing when not inside a backward pass."""
-    try:
-        torch.autograd.Variable._execution_engine.queue_callback(check)
-    except RuntimeError:  # not inside a backward pass: the Future still fails
-        pass
-
-
-def _failed(exc: BaseException) -> torch.futures.Future:
-    """A future that fails with ``exc``, and ``exc`` raised by backward()."""
-
-    def check():
-        raise exc
-
-    _at_end_of_backward(check)
-    done: torch.futures.Future = torch.futures.Future()
-    done.set_result(None)
-    return done.then(lambda _: check())
-
-
-def _result(raw: List[torch.futures.Future], finish: Callable[[], torch.Tensor]) -> torch.futures.Future:
-    """The future DDP waits on: ``finish()`` once every engine future in
-    ``raw`` has completed. A failure (the engine's, or one in ``finish``)
-    is raised by backward() as the original exception."""
-    errors: List[BaseException] = []
-
-    def then(_):
-        try:
-            for f in raw:
-                f.wait()
-            return finish()
-        except BaseException as exc:
-            errors.append(exc)
-            raise
-
-    source = raw[0] if len(raw) == 1 else torch.futures.collect_all(raw)
-    result = source.then(then)
-
-    def check():
-        for f in raw:
-            f.wait()  # the engine's error, with its own type
-        try:
-            result.wait()
-        except BaseException:
-            if errors:
-                raise errors[0] from None
-            raise
-
-    _at_end_of_backward(check)
-    return result
+    return cfg, iteration, checked_layouts(state["bucket_layouts"], "state['bucket_layouts']"), state["engine"]
 
 
 # -------------------------------------------------------------------- hook ---
@@ -634,16 +477,18 @@ def compressed_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.f
             opt.zero_grad()
     """
     if not isinstance(state, CompressionState):
-        return _failed(TypeError(
+        return failed(TypeError(
             f"compressed_hook needs a pycomm.ddp.CompressionState as its state, got {type(state).__name__}"
         ))
     tensor = bucket.buffer()
     index = bucket.index()
     is_last = bucket.is_last()
-    it, local = state.iteration, state._local_iter
+    it = state.iteration
+    # Before DDP's first bucket rebuild in this process (its first iteration)
+    # the buckets are not the ones the residuals belong to.
+    stable = state.buckets.start(bucket)
     if is_last:  # one backward pass = one iteration, whatever happens below
         state.iteration += 1
-        state._local_iter += 1
     try:
         if not state._agreed:
             # The first bucket of this process: every rank's hook must run
@@ -651,38 +496,23 @@ def compressed_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.f
             agree("CompressionState", {**state.config(), "iteration": it}, state._session.base_group(),
                   tensor.device)
             state._agreed = True
-        state._check_world()
-        params = bucket.parameters()
-        positions = state._bucket_positions(params)
+        layout = state.buckets.layout(bucket)
     except Exception as exc:
-        return _failed(exc)
+        return failed(exc)
     warm = it < state.start_iter
-    # Before DDP's first bucket rebuild in this process (its first iteration)
-    # the buckets are not the ones the residuals belong to.
-    stable = local >= 1
-
-    numel = tensor.numel()
-    record = (numel, positions)
     try:
         if stable:
+            # A layout other than the saved one: refused once it matters (after
+            # the warm-up, or with residuals kept under this index).
             known = state.bucket_layouts.get(index)
-            if known is None:
-                state.bucket_layouts[index] = record
-            elif known != record:
-                if not warm or index in state._error_feedback():
-                    raise ValueError(
-                        f"DDP bucket {index} holds {numel} elements (parameters {list(positions)}), "
-                        f"but the residuals of bucket {index} were saved for {known[0]} elements "
-                        f"(parameters {list(known[1])}): another model or bucket_cap_mb? Load the "
-                        f"state with reset_error_feedback=True to start the residuals over"
-                    )
-                state.bucket_layouts[index] = record
+            state.buckets.record(index, layout, replace=known is not None and known != layout and warm
+                                 and index not in state._error_feedback())
         # This bucket is one whose residuals are kept under its index (else:
         # the first iteration of a resumed process, before DDP's rebuild).
-        keyed = stable or state.bucket_layouts.get(index) == record
+        keyed = stable or state.bucket_layouts.get(index) == layout
         group = state._engine_group(tensor.device)
     except Exception as exc:
-        return _failed(exc)
+        return failed(exc)
 
     try:
         if warm:
@@ -693,11 +523,11 @@ def compressed_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.f
                 state._session.claim(key)
             work = pd.all_reduce(tensor, key=key, group=group, op="avg", async_op=True)
         else:
-            return _remapped(state, bucket, tensor, positions, group, it)
+            return _remapped(state, bucket, tensor, layout.positions, group, it)
         raw = work.get_future()
-        return _result([raw], lambda: _first_tensor(raw.value(), tensor))
+        return result([raw], lambda: _first_tensor(raw.value(), tensor))
     except Exception as exc:
-        return _failed(exc)
+        return failed(exc)
 
 
 def _remapped(state, bucket, tensor, positions, group, it) -> torch.futures.Future:
@@ -708,7 +538,7 @@ def _remapped(state, bucket, tensor, positions, group, it) -> torch.futures.Futu
     parts = _saved_parts(state, bucket, tensor, positions, it)
     if parts is None:
         raw = pd.all_reduce(tensor, group=group, op="avg", async_op=True, compress=False).get_future()
-        return _result([raw], lambda: _first_tensor(raw.value(), tensor))
+        return result([raw], lambda: _first_tensor(raw.value(), tensor))
     # One engine call per saved bucket, issued now in index order (the
     # engine runs them in submission order, the same on every rank).
     pending = []
@@ -728,7 +558,7 @@ def _remapped(state, bucket, tensor, positions, group, it) -> torch.futures.Futu
                 start += n
         return tensor
 
-    return _result([f for f, _, _ in pending], copy_back)
+    return result([f for f, _, _ in pending], copy_back)
 
 
 def _first_tensor(value: Any, default: torch.Tensor) -> torch.Tensor:

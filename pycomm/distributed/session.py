@@ -8,6 +8,12 @@ their settings, own a range of keys in it, and save, validate and load the
 residuals under those keys. :class:`EngineSession` does it once, so they all
 run the same checks and say the same things when a check fails.
 
+The session also owns the one format a client saves its residuals in
+(:meth:`EngineSession.state_dict`: version, the world and rank they belong
+to, the method, the residuals by key offset) and its checks
+(:meth:`EngineSession.check_state`): the clients nest it under their own
+state's ``"engine"`` entry and keep only their own fields.
+
 Example::
 
     >>> s = EngineSession("my trainer", "int8", {"block_size": 128}, key_base=1 << 30)
@@ -21,7 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import weakref
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -29,7 +35,8 @@ import torch.distributed as dist
 from ..compressors.plugin import options_json
 from . import spec
 
-__all__ = ["EngineSession", "KEY_SPAN", "agree", "check_residual", "check_residuals", "copy_residual"]
+__all__ = ["EngineSession", "KEY_SPAN", "STATE_VERSION", "agree", "check_fields", "check_residual",
+           "check_residuals", "copy_residual", "nest_legacy"]
 
 #: Keys a session owns from its ``key_base``: ``[key_base, key_base +
 #: KEY_SPAN)``. Two sessions on one pycomm group need ranges that do not
@@ -42,6 +49,9 @@ MAX_KEY = (1 << 63) - 1
 #: absent from states saved before keys counted).
 RESIDUAL_FIELDS = ("numel", "world_size", "chunk_numel", "method", "worker", "server")
 OPTIONAL_RESIDUAL_FIELDS = ("calls",)
+#: The version of :meth:`EngineSession.state_dict`'s format, and its fields.
+STATE_VERSION = 1
+STATE_FIELDS = ("version", "world_size", "rank", "method", "residuals")
 
 # Live sessions per engine group: (key range, owner name) of each, to refuse
 # two clients whose key ranges overlap in one group.
@@ -68,6 +78,26 @@ def check_key_base(key_base: Any, span: int = KEY_SPAN, name: str = "key_base") 
         raise ValueError(f"{name} must be in [0, {MAX_KEY} - {span - 1}] (keys are int64 and a session owns "
                          f"{span} of them), got {key_base}")
     return key_base
+
+
+def check_fields(label: str, d: Any, fields: Sequence[str], optional: Sequence[str] = ()) -> None:
+    """``d`` is a dict holding every name of ``fields`` and no name outside
+    ``fields`` and ``optional``; raises naming ``label`` and what is
+    missing or unknown.
+
+    >>> check_fields("state", {"a": 1, "c": 2}, ("a", "b"))
+    Traceback (most recent call last):
+    ...
+    ValueError: state must hold the fields ['a', 'b']; missing ['b']; unknown ['c']
+    """
+    if not isinstance(d, dict):
+        raise TypeError(f"{label} must be a dict, got {type(d).__name__}")
+    missing = [f for f in fields if f not in d]
+    unknown = sorted(map(str, set(d) - set(fields) - set(optional)))
+    if missing or unknown:
+        raise ValueError(f"{label} must hold the fields {list(fields)}"
+                         + (f"; missing {missing}" if missing else "")
+                         + (f"; unknown {unknown}" if unknown else ""))
 
 
 # ------------------------------------------------------------ residuals ---
@@ -116,12 +146,7 @@ def check_residual(label: str, ef: Any, methods: Sequence[str], rank: Optional[T
     world size are the engine's to refuse)."""
     if not isinstance(ef, dict):
         raise TypeError(f"{label} must be a dict of residuals, got {type(ef).__name__}")
-    missing = [f for f in RESIDUAL_FIELDS if f not in ef]
-    unknown = sorted(map(str, set(ef) - set(RESIDUAL_FIELDS) - set(OPTIONAL_RESIDUAL_FIELDS)))
-    if missing or unknown:
-        raise ValueError(f"{label} must hold the fields {list(RESIDUAL_FIELDS)}"
-                         + (f"; missing {missing}" if missing else "")
-                         + (f"; unknown {unknown}" if unknown else ""))
+    check_fields(label, ef, RESIDUAL_FIELDS, OPTIONAL_RESIDUAL_FIELDS)
     for name in ("numel", "world_size", "chunk_numel"):
         if not _is_int(ef[name]) or ef[name] < 1:
             raise ValueError(f"{label}['{name}'] must be a positive int, got {ef[name]!r}")
@@ -192,10 +217,27 @@ def check_residuals(label: str, residuals: Any, methods: Sequence[str], span: Op
     return out
 
 
-def residual_methods(compressor: str) -> Tuple[str, ...]:
+def residual_methods(compressor: str, collective: str = "") -> Tuple[str, ...]:
     """The methods whose residuals a client running ``compressor`` keeps:
-    its own, or, for "auto", any that keeps residuals."""
-    return spec.EF_METHODS if compressor == "auto" else (compressor,)
+    its own, or, for "auto", any that keeps residuals; ``collective``: the
+    suffix of a reduce-scatter's or all-gather's residuals
+    (``spec.REDUCE_SCATTER_SUFFIX``), "" for an all-reduce's."""
+    return spec.EF_METHODS if compressor == "auto" else (compressor + collective,)
+
+
+def nest_legacy(state: Dict[str, Any], method: str) -> Dict[str, Any]:
+    """A client's state saved before the engine state had an entry of its
+    own (``world_size``, ``rank`` and ``error_feedback`` beside the client's
+    fields), with those as the ``"engine"`` entry of this format; other
+    fields as they were, for the client to check.
+
+    >>> sorted(nest_legacy({"version": 2, "world_size": 2, "rank": 1, "error_feedback": {}}, "onebit")["engine"])
+    ['method', 'rank', 'residuals', 'version', 'world_size']
+    """
+    out = {k: v for k, v in state.items() if k not in ("world_size", "rank", "error_feedback")}
+    out["engine"] = {"version": STATE_VERSION, "world_size": state.get("world_size"), "rank": state.get("rank"),
+                     "method": method, "residuals": state.get("error_feedback") or {}}
+    return out
 
 
 # ------------------------------------------------------------ settings ---
@@ -230,21 +272,33 @@ def agree(owner: str, settings: Dict[str, Any], group: dist.ProcessGroup, device
 
 # -------------------------------------------------------------- session ---
 def check_world(owner: str, saved: Optional[Tuple[int, int]], here: Tuple[int, int]) -> None:
-    """The world/rank check of every client's loaded state, defined once:
-    residuals saved by rank ``saved[1]`` of ``saved[0]`` (None: none to
-    check) belong to that rank of that world; ``here`` is ``(world size,
-    rank)`` now. A client checks once the group exists, and forgets
-    ``saved`` only after the check passed (a retried step checks again).
+    """The world/rank check of every client's loaded residuals, defined
+    once: residuals saved by rank ``saved[1]`` of ``saved[0]`` (None: none
+    to check) belong to that rank of that world; ``here`` is ``(world
+    size, rank)`` now.
 
     >>> check_world("DiLoCo", (2, 1), (2, 0))
     Traceback (most recent call last):
     ...
-    ValueError: DiLoCo was loaded from the state of rank 1 of 2, but this is rank 0 of 2; every rank loads its own state, or load with reset_error_feedback=True to start the residuals over
+    ValueError: cannot load this DiLoCo state: it holds rank 1 of 2's residuals, this is rank 0 of 2. Every rank saves and loads its own state, or pass reset_error_feedback=True to keep the rest and start the residuals over
     """
-    if saved is not None and tuple(saved) != tuple(here):
-        raise ValueError(f"{owner} was loaded from the state of rank {saved[1]} of {saved[0]}, but this is "
-                         f"rank {here[1]} of {here[0]}; every rank loads its own state, or load with "
-                         f"reset_error_feedback=True to start the residuals over")
+    if saved is None or tuple(saved) == tuple(here):
+        return
+    why = (f"it was saved with world size {saved[0]}, this group has {here[0]}" if saved[0] != here[0] else
+           f"it holds rank {saved[1]} of {saved[0]}'s residuals, this is rank {here[1]} of {here[0]}")
+    raise ValueError(f"cannot load this {owner} state: {why}. Every rank saves and loads its own state, or pass "
+                     f"reset_error_feedback=True to keep the rest and start the residuals over")
+
+
+class LoadedState(NamedTuple):
+    """A state checked by :meth:`EngineSession.check_state`, for
+    :meth:`EngineSession.load_state`."""
+
+    #: (world size, rank) the residuals belong to, still to be checked
+    #: (torch.distributed was not up); None: checked, or nothing to check.
+    world: Optional[Tuple[int, int]]
+    #: Residuals by key offset (copies); None: start them over.
+    residuals: Optional[Dict[int, Dict[str, Any]]]
 
 
 class EngineSession:
@@ -275,7 +329,7 @@ class EngineSession:
 
     def __init__(self, owner: str, compressor: str, settings: Dict[str, Any], *,
                  process_group: Optional[dist.ProcessGroup] = None, key_base: int = 0,
-                 key_span: int = KEY_SPAN, private_group: bool = False) -> None:
+                 key_span: int = KEY_SPAN, private_group: bool = False, collective: str = "") -> None:
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise TypeError(f"process_group must be a torch.distributed.ProcessGroup or None, "
                             f"got {type(process_group).__name__}")
@@ -286,7 +340,11 @@ class EngineSession:
         self.key_base = check_key_base(key_base, key_span)
         self.key_span = key_span
         self.private_group = private_group
+        #: The residuals' collective suffix (``residual_methods``).
+        self.collective = collective
         self._pending: Optional[Dict[int, Any]] = None  # residuals loaded before the group exists
+        #: (world size, rank) of loaded residuals, checked when the group is made.
+        self._saved_world: Optional[Tuple[int, int]] = None
         self.detach()
 
     def detach(self) -> None:
@@ -337,6 +395,7 @@ class EngineSession:
             return self._engine
         from . import is_pycomm_group, wrap
 
+        self._check_saved_world()
         base = self.base_group()
         shared = is_pycomm_group(base, device) and not self.private_group
         if shared:
@@ -353,6 +412,22 @@ class EngineSession:
         if pending:
             self._install(pending)
         return engine
+
+    def adopt(self, group: dist.ProcessGroup, device: torch.device) -> None:
+        """Run on ``group``, a pycomm group the client made for itself
+        (pycomm.fsdp's): residuals loaded before go in now."""
+        self._check_saved_world()
+        self._claim_range(group)
+        self._engine, self._device, self._private = group, device, True
+        pending, self._pending = self._pending, None
+        if pending:
+            self._install(pending)
+
+    def _check_saved_world(self) -> None:
+        # Forgotten only once it passed: a retried step checks again.
+        if self._saved_world is not None:
+            check_world(self.owner, self._saved_world, self.world())
+        self._saved_world = None
 
     def check_group(self, group: dist.ProcessGroup, device: torch.device) -> None:
         """A pycomm group compresses with its own settings: refuse one whose
@@ -439,6 +514,12 @@ class EngineSession:
             mine = {k: v for k, v in mine.items() if k in self._claimed}
         return mine
 
+    def residual_nbytes(self) -> int:
+        """Bytes of this session's residuals now (one buffer each: the
+        engine keeps a second of the same size for its rollback)."""
+        return sum(t.numel() * t.element_size() for ef in self.residuals().values()
+                   for t in [ef["worker"], *ef["server"]])
+
     def load_residuals(self, residuals: Dict[int, Dict[str, Any]]) -> None:
         """Make ``residuals`` (``{offset: residuals}``, checked by the
         caller with :func:`check_residuals`, and this session's to keep)
@@ -480,6 +561,71 @@ class EngineSession:
             from . import undo_error_feedback
 
             undo_error_feedback(keys, self._engine, self._device.type)
+
+    # -- state -------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        """This rank's residuals in the one format every client nests in
+        its state (under ``"engine"``): the version, the world size and rank
+        they belong to (None before torch.distributed is up and nothing was
+        loaded), the method, and the residuals by key offset (copies).
+
+        >>> EngineSession("trainer", "int8", {}).state_dict()
+        {'version': 1, 'world_size': None, 'rank': None, 'method': 'int8', 'residuals': {}}
+        """
+        world, rank = self.world() if dist.is_initialized() else (self._saved_world or (None, None))
+        return {"version": STATE_VERSION, "world_size": world, "rank": rank, "method": self.compressor,
+                "residuals": self.residuals()}
+
+    def check_state(self, state: Any, where: str, reset: bool = False, span: Optional[int] = None) -> LoadedState:
+        """``state`` (a :meth:`state_dict`; ``where``: its name in errors)
+        checked whole, without changing anything: its fields, the world and
+        rank (against this process's when torch.distributed is up), the
+        method, and every residual (:func:`check_residuals`, at this
+        session's block size; key offsets below ``span``, default its key
+        span). ``reset``: the residuals are dropped (not checked), and so is
+        the rank they belong to."""
+        if not isinstance(reset, bool):
+            raise TypeError(f"reset_error_feedback must be a bool, got {reset!r}")
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+            got = state.get("version") if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"{where}['version']: not an engine state of version {STATE_VERSION} (got {got!r})")
+        check_fields(where, state, STATE_FIELDS)
+        world, rank = state["world_size"], state["rank"]
+        if (world is None) != (rank is None):
+            raise ValueError(f"{where}['world_size'] and {where}['rank'] must both be None or both ints, "
+                             f"got {world!r} and {rank!r}")
+        if world is not None:
+            if not _is_int(world) or world < 1:
+                raise ValueError(f"{where}['world_size'] must be a positive int or None, got {world!r}")
+            if not _is_int(rank) or not 0 <= rank < world:
+                raise ValueError(f"{where}['rank'] must be an int in [0, {world}), got {rank!r}")
+        if reset:
+            return LoadedState(None, None)
+        residuals = state["residuals"]
+        if residuals and state["method"] != self.compressor:
+            raise ValueError(f"cannot load this {self.owner} state: its residuals are {state['method']!r}'s, this "
+                             f"{self.owner} runs {self.compressor!r}. Load it where {state['method']!r} runs, or pass "
+                             f"reset_error_feedback=True to keep the rest and start the residuals over")
+        saved = None if world is None else (world, rank)
+        if residuals and saved is not None and dist.is_initialized():
+            check_world(self.owner, saved, self.world())
+            saved = None
+        residuals = check_residuals(f"{where}['residuals']", residuals,
+                                    residual_methods(self.compressor, self.collective), span=span or self.key_span,
+                                    rank=None if world is None else (rank, world),
+                                    block_size=self.settings.get("block_size"))
+        return LoadedState(saved if residuals else None, residuals)
+
+    def load_state(self, loaded: LoadedState) -> None:
+        """Make ``loaded`` (from :meth:`check_state`) this session's
+        residuals: the engine's, or waiting for its group, whose world and
+        rank are checked when it is made. The engine refuses residuals of
+        another world size or chunk before it changes anything."""
+        if loaded.residuals is None:
+            self.reset_residuals()
+        else:
+            self.load_residuals(loaded.residuals)
+        self._saved_world = loaded.world
 
     def __getstate__(self) -> Dict[str, Any]:
         # The group belongs to this process: an unpickled session starts

@@ -11,16 +11,18 @@ this rank's segment of each chunk), so they can be compared after each step.
 
 Where an implementation differs from the simulation:
 
-* onebit / int8 / int4 / topk over ``impl="reference"``: never; the results and the
-  residuals are equal bit for bit.
+* a method with a compressor (``spec.EF_METHODS``: the block codecs and
+  top-k) over ``impl="reference"``: never; the results and the residuals
+  are equal bit for bit.
 * onebit with a compiled compressor (``impl="auto"``): block scales are sums
   in another order, so results and residuals agree to float32 rounding
   relative to the scale (and, rarely, a sign of a near-zero element flips).
 * topk with a compiled compressor: equal bit for bit (selection and values
   are exact, the scatter-add happens in rank order).
-* int8 / int4 with ``rounding="stochastic"`` (and ``seed``) among the
-  compressor's settings: the engine's seeds (``spec.rounding_seed``) from
-  ``key`` and the call's count: each rank's :attr:`ErrorFeedback.calls`
+* a method that rounds (``spec.ROUNDING_METHODS``) with
+  ``rounding="stochastic"`` (and ``seed``) among the compressor's
+  settings: the engine's seeds (``spec.rounding_seed``) from ``key`` and
+  the call's count: each rank's :attr:`ErrorFeedback.calls`
   with error feedback, else ``call`` (the group's count of keyless calls
   before this one).
 * fp16 / bf16: the simulation sums the cast values in rank order, as one
@@ -80,7 +82,7 @@ class ErrorFeedback:
       error feedback);
       ``c = x + worker`` is what gets compressed, and ``worker`` keeps what
       was not sent.
-    * ``server`` (block codecs: onebit, int8, int4): float32, the concatenation over chunks, in
+    * ``server`` (block codecs, ``spec.BLOCK_METHODS``): float32, the concatenation over chunks, in
       chunk order, of this rank's segment of each chunk (spec step 1), i.e.
       ``sum over chunks of L_rank``; :meth:`server_segment` gives chunk
       ``i``'s part. ``None`` for topk.
@@ -337,7 +339,7 @@ def simulate_allreduce(
     rank ``r``'s at index ``r``) are used and updated as the ranks' own
     would be: left as they were when the result is not finite.
     ``compressor_kwargs``: the compressor's settings (``block_size``;
-    ``density``, ``approx``; int8/int4's ``rounding`` and ``seed``) and
+    ``density``, ``approx``; a rounding method's ``rounding`` and ``seed``) and
     ``impl`` ("reference" by default; "cpu" uses the engine's own kernels,
     so results match it bit for bit). ``key`` and ``call`` number the call
     for stochastic rounding's seeds, as the engine does (see above).
@@ -554,6 +556,19 @@ def simulate_hierarchical_allreduce(
     return [out.view(shape).to(dtype).clone() for _ in range(world)]
 
 
+def _rank_inputs(inputs: Sequence[torch.Tensor]) -> Tuple[int, torch.dtype, int]:
+    """``(world, dtype, numel)`` of a reduce-scatter's or all-gather's
+    ``inputs``: one tensor per rank, all of one dtype and element count (any
+    shapes: the collectives read them flat)."""
+    world = len(inputs)
+    if world < 1:
+        raise ValueError("inputs must hold one tensor per rank (at least one)")
+    dtype, n = inputs[0].dtype, inputs[0].numel()
+    if any(x.numel() != n or x.dtype != dtype for x in inputs):
+        raise ValueError("inputs must all have the same number of elements and dtype")
+    return world, dtype, n
+
+
 def _bind_collective(efs: Optional[List[ErrorFeedback]], xs: List[torch.Tensor], comp: Any, method: str,
                      numel: int, chunk_numel: int) -> None:
     """Binds each rank's residuals (``efs``, or none) to a reduce-scatter's
@@ -595,12 +610,7 @@ def simulate_reduce_scatter(
     >>> [o.tolist() for o in simulate_reduce_scatter(xs, "none")]
     [[3.0, 3.0, 3.0, 3.0], [3.0, 3.0, 3.0, 3.0]]
     """
-    world = len(inputs)
-    if world < 1:
-        raise ValueError("inputs must hold one tensor per rank (at least one)")
-    dtype, n = inputs[0].dtype, inputs[0].numel()
-    if any(x.numel() != n or x.dtype != dtype for x in inputs):
-        raise ValueError("inputs must all have the same number of elements and dtype")
+    world, dtype, n = _rank_inputs(inputs)
     if n % world or n == 0:
         raise ValueError(f"inputs must hold world size ({world}) x shard elements, got {n}")
     shard = n // world
@@ -695,12 +705,7 @@ def simulate_all_gather(
     >>> simulate_all_gather(xs, "int8")[0].tolist()
     [0.0, 0.0, 0.0, 1.0, 1.0, 1.0]
     """
-    world = len(inputs)
-    if world < 1:
-        raise ValueError("inputs must hold one tensor per rank (at least one)")
-    dtype, n = inputs[0].dtype, inputs[0].numel()
-    if any(x.numel() != n or x.dtype != dtype for x in inputs):
-        raise ValueError("inputs must all have the same number of elements and dtype")
+    world, dtype, n = _rank_inputs(inputs)
     if n == 0:
         raise ValueError("inputs are empty")
     chunk_numel = DEFAULT_CHUNK_NUMEL if chunk_numel is None else chunk_numel

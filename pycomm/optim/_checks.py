@@ -36,6 +36,16 @@ def _check_int(name: str, value: Any, lo: int) -> int:
     return value
 
 
+def _check_scaler(scaler: Any) -> Any:
+    """``scaler``: a ``torch.amp.GradScaler`` or None."""
+    if scaler is not None:
+        from torch.amp import GradScaler
+
+        if not isinstance(scaler, GradScaler):
+            raise TypeError(f"scaler must be a torch.amp.GradScaler or None, got {type(scaler).__name__}")
+    return scaler
+
+
 def _check_compressor(compressor: Any, settings: Dict[str, Any]) -> None:
     """The engine's own checks, before anything runs: a bad value raises
     here, naming the argument."""

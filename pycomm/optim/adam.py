@@ -39,6 +39,10 @@ class OneBitAdam(_CompressedMomentum):
         process_group: the data-parallel group (None: the default group);
             Gloo, NCCL or pycomm.
         key_base: the engine key of the residuals (:data:`KEY_BASE`).
+        scaler: the ``torch.amp.GradScaler`` that steps this optimizer, if
+            any (required then): a step skipped on every rank because one
+            rank's gradient was not finite is recorded in it, so that
+            ``scaler.update()`` backs off on every rank.
         **compressor_settings: settings of the engine group created over a
             plain ``process_group`` (``block_size``, ``chunk_numel``,
             ``density``, ``hierarchy``, ``compressor_options``, ...: those of
@@ -56,7 +60,8 @@ class OneBitAdam(_CompressedMomentum):
         opt = OneBitAdam(model.parameters(), lr=3e-4, weight_decay=0.01,
                          warmup_steps=1000, compressor="onebit", block_size=2048)
         opt.attach(model)                     # DDP's all-reduce stops after the warm-up
-        scaler = torch.amp.GradScaler()       # optional
+        scaler = torch.amp.GradScaler()       # optional: then OneBitAdam(..., scaler=scaler)
+        opt.scaler = scaler
         for x, y in data:
             opt.zero_grad()
             scaler.scale(loss_fn(model(x), y)).backward()
@@ -80,6 +85,7 @@ class OneBitAdam(_CompressedMomentum):
         compressor: str = "onebit",
         process_group: Optional[dist.ProcessGroup] = None,
         key_base: int = KEY_BASE,
+        scaler: Any = None,
         variance_update_every: int = 20,
         **compressor_settings: Any,
     ) -> None:
@@ -89,7 +95,7 @@ class OneBitAdam(_CompressedMomentum):
         #: gradients exactly and updates the variance (0: frozen for good).
         self.variance_update_every = _check_int("variance_update_every", variance_update_every, 0)
         super().__init__(params, defaults, warmup_steps=warmup_steps, compressor=compressor,
-                         process_group=process_group, key_base=key_base,
+                         process_group=process_group, key_base=key_base, scaler=scaler,
                          compressor_settings=compressor_settings)
 
     def _check_group(self, group: Dict[str, Any]) -> None:

@@ -80,7 +80,6 @@ Design decisions (docs/optim.md has the long form):
 
 # No `from __future__ import annotations`: DDP compares the hook's
 # annotations with dist.GradBucket and torch.futures.Future[torch.Tensor].
-import sys
 import warnings
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
@@ -91,9 +90,9 @@ from torch.optim import Optimizer
 from .. import distributed as pd
 from ..compressors.plugin import payload_nbytes
 from ..distributed import spec
-from ..distributed.session import (KEY_SPAN, EngineSession, agree, check_key_base, check_residuals, check_world,
-                                   residual_methods)
-from ._checks import _all_finite, _check_compressor, _check_int, _unscale_
+from ..distributed.session import KEY_SPAN, EngineSession, LoadedState, agree, check_fields, check_key_base, nest_legacy
+from ._checks import _all_finite, _check_compressor, _check_int, _check_scaler, _unscale_
+from ..ddp.buckets import BucketTracker, checked_layouts
 from .ddp import DDPAttach
 
 __all__ = ["KEY_BASE", "KEY_SPAN"]
@@ -103,10 +102,12 @@ __all__ = ["KEY_BASE", "KEY_SPAN"]
 #: pycomm group need ``key_base`` values at least :data:`KEY_SPAN` apart
 #: (refused otherwise).
 KEY_BASE = 1 << 40
-_STATE_VERSION = 1
-#: The fields of ``state_dict()["pycomm"]``.
-_STATE_FIELDS = ("version", "step_count", "warmup_steps", "compressor", "overlap", "buckets", "world_size", "rank",
-                 "error_feedback")
+#: The version of ``state_dict()["pycomm"]``; version 1 (the engine
+#: state's fields at its top level) loads too (``nest_legacy``).
+_STATE_VERSION = 2
+#: The fields of ``state_dict()["pycomm"]`` ("engine": the engine client's
+#: state, EngineSession.state_dict).
+_STATE_FIELDS = ("version", "step_count", "warmup_steps", "overlap", "buckets", "engine")
 
 
 class LayoutEntry(NamedTuple):
@@ -137,7 +138,7 @@ class _CompressedMomentum(DDPAttach, Optimizer):
 
     def __init__(self, params: Any, defaults: Dict[str, Any], *, warmup_steps: int, compressor: str,
                  process_group: Optional[dist.ProcessGroup], key_base: int,
-                 compressor_settings: Dict[str, Any]) -> None:
+                 compressor_settings: Dict[str, Any], scaler: Any = None) -> None:
         _check_int("warmup_steps", warmup_steps, 1)
         _check_compressor(compressor, compressor_settings)
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
@@ -161,11 +162,25 @@ class _CompressedMomentum(DDPAttach, Optimizer):
         self.step_count = 0
         #: Non-finite steps skipped on every rank, in this process.
         self.skipped_steps = 0
-        self._saved_world: Optional[Tuple[int, int]] = None
         self._saved_overlap: Optional[bool] = None  # how the loaded residuals were keyed
-        #: overlap=True: DDP bucket index -> positions of its parameters (saved with the residuals)
-        self._bucket_pos: Dict[int, Tuple[int, ...]] = {}
+        #: overlap=True: DDP's buckets, their layouts saved with the residuals
+        self._tracker = BucketTracker(type(self).__name__)
         self._init_runtime()
+        self.scaler = scaler
+
+    @property
+    def scaler(self) -> Any:
+        """The ``torch.amp.GradScaler`` that steps this optimizer (None:
+        none). It must be handed over (constructor, this attribute, or
+        ``attach(scaler=)``) when there is one: a step skipped on every rank
+        is recorded in it, so that ``scaler.update()`` backs off on every
+        rank, and with ``overlap=True`` its scale divides the gradients in
+        the DDP hook."""
+        return self._scaler
+
+    @scaler.setter
+    def scaler(self, scaler: Any) -> None:
+        self._scaler = _check_scaler(scaler)
 
     def _init_runtime(self) -> None:
         """What belongs to this process (not saved, not pickled)."""
@@ -185,11 +200,10 @@ class _CompressedMomentum(DDPAttach, Optimizer):
         self._buckets: Dict[int, Tuple[Tuple[int, ...], List[Any], torch.Tensor]] = {}
         self._sent: Dict[int, Tuple[Optional[torch.Tensor], List[Any], Optional[int], Any]] = {}  # this step's
         self._hold = False  # after a refused backward, until step()
-        self._backwards = 0  # backward passes DDP ran in this process (its buckets are rebuilt after the first)
         self._forwards = self._forwards_at_send = 0  # forwards of the DDP model; the count at this step's send
 
     _CONFIG = ("warmup_steps", "compressor", "compressor_settings", "key_base", "step_count", "skipped_steps",
-               "_saved_world", "_saved_overlap", "_bucket_pos")
+               "_saved_overlap", "_tracker")
 
     def __getstate__(self) -> Dict[str, Any]:
         # torch keeps defaults, state and param_groups; add the configuration
@@ -306,7 +320,6 @@ class _CompressedMomentum(DDPAttach, Optimizer):
         residuals loaded before it existed go in now."""
         if self._engine is None:
             self._plain_group()  # the error when torch.distributed is not up
-            self._check_world()
             if self._session.waiting:
                 self._check_overlap()
         return self._session.engine(self._device())
@@ -332,12 +345,6 @@ class _CompressedMomentum(DDPAttach, Optimizer):
             )
         self._saved_overlap = None
 
-    def _check_world(self) -> None:
-        if self._saved_world is not None:
-            pg = self._plain_group()
-            check_world(type(self).__name__, self._saved_world, (dist.get_world_size(pg), dist.get_rank(pg)))
-        self._saved_world = None
-
     def _ef(self) -> Dict[int, Any]:
         """This optimizer's residuals, keyed relative to ``key_base``."""
         return self._session.residuals()
@@ -354,7 +361,7 @@ class _CompressedMomentum(DDPAttach, Optimizer):
     def _settings(self) -> Dict[str, Any]:
         """What every rank's optimizer must agree on, by the name a user
         knows it by."""
-        skip = ("skipped_steps", "_saved_world", "_saved_overlap", "_bucket_pos")
+        skip = ("skipped_steps", "_saved_overlap", "_tracker")
         out = {k: getattr(self, k) for k in self._CONFIG if k not in skip}
         out["compressor_settings"] = sorted(self.compressor_settings.items())
         out["attach(model)"] = self._attached
@@ -409,12 +416,14 @@ class _CompressedMomentum(DDPAttach, Optimizer):
             # found_inf, not grad_scale: GradScaler sets grad_scale to None
             # after the user's scaler.unscale_(opt) (the clipping recipe),
             # while the momenta went out from scaled gradients all the same.
-            if found_inf is not None and self._overlap and not self.exact_now and self._scaler is None:
+            if found_inf is not None and self._scaler is None:
                 self._undo_sent()
                 raise ValueError(
-                    f"{type(self).__name__} was attached with overlap=True and no scaler, but is stepped by a "
-                    f"GradScaler: the momenta were sent from scaled gradients. Pass the scaler: "
-                    f"attach(model, overlap=True, scaler=scaler). Nothing was changed by this step."
+                    f"{type(self).__name__} is stepped by a torch.amp.GradScaler it was not given: a step skipped "
+                    f"on every rank must be recorded in it (and with overlap=True the momenta went out from "
+                    f"scaled gradients). Pass the scaler: {type(self).__name__}(..., scaler=scaler), "
+                    f"opt.scaler = scaler or attach(model, overlap=True, scaler=scaler). Nothing was changed by "
+                    f"this step."
                 )
             if grad_scale is not None:
                 _unscale_([p.grad for _, p in self._params() if p.grad is not None], grad_scale)
@@ -443,28 +452,15 @@ class _CompressedMomentum(DDPAttach, Optimizer):
         return loss
 
     def _tell_scaler(self) -> bool:
-        """When called from GradScaler.step: mark this optimizer's step as
-        having found an inf in the scaler's record, so that scaler.update()
-        backs off on every rank (a rank whose own gradients were finite
-        would otherwise grow its scale). True when a scaler was told."""
-        try:
-            from torch.amp.grad_scaler import GradScaler
-
-            code = GradScaler.step.__code__
-            frame = sys._getframe(1)
-            for _ in range(8):
-                if frame is None:
-                    return False
-                if frame.f_code is code and frame.f_locals.get("optimizer") is self:
-                    scaler = frame.f_locals.get("self")
-                    record = scaler._per_optimizer_states[id(self)]["found_inf_per_device"]
-                    for t in record.values():
-                        t.fill_(1.0)
-                    return True
-                frame = frame.f_back
-        except Exception:  # noqa: BLE001 - a torch without these internals: the skip still agrees
+        """From GradScaler.step: mark this optimizer's step as having found
+        an inf in the scaler's record, so that scaler.update() backs off on
+        every rank (a rank whose own gradients were finite would otherwise
+        grow its scale). True when a scaler was told."""
+        if self._scaler is None or getattr(self, "found_inf", None) is None:
             return False
-        return False
+        for t in self._scaler._per_optimizer_states[id(self)]["found_inf_per_device"].values():
+            t.fill_(1.0)
+        return True
 
     @staticmethod
     def _poison(buf: torch.Tensor, found_inf: Optional[torch.Tensor]) -> None:
@@ -706,22 +702,13 @@ class _CompressedMomentum(DDPAttach, Optimizer):
         settings, and THIS rank's error-feedback residuals (each rank saves
         and loads its own)."""
         sd = super().state_dict()
-        world = rank = None
-        if dist.is_initialized():
-            pg = self._plain_group()
-            world, rank = dist.get_world_size(pg), dist.get_rank(pg)
-        elif self._saved_world is not None:
-            world, rank = self._saved_world
         sd["pycomm"] = {
             "version": _STATE_VERSION,
             "step_count": self.step_count,
             "warmup_steps": self.warmup_steps,
-            "compressor": self.compressor,
             "overlap": self._overlap,
-            "buckets": {int(i): list(pos) for i, pos in self._bucket_pos.items()},
-            "world_size": world,
-            "rank": rank,
-            "error_feedback": self._ef(),
+            "buckets": self._tracker.state(),
+            "engine": self._session.state_dict(),
         }
         return sd
 
@@ -738,52 +725,24 @@ class _CompressedMomentum(DDPAttach, Optimizer):
             raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
         sd = dict(state_dict)
         extra = sd.pop("pycomm", None)
-        ef: Dict[int, Any] = {}
-        saved_world = None
         # Everything is checked before anything changes: a refused state
         # leaves the optimizer and the engine's residuals as they were.
+        loaded = LoadedState(None, None if reset_error_feedback else {})  # torch's own state: no residuals
         if extra is not None:
             extra = self._checked_extra(extra)
-            ef = extra["error_feedback"]
-            if extra["world_size"] is not None:
-                saved_world = (extra["world_size"], extra["rank"])
-            problems = []
-            if ef and extra["compressor"] != self.compressor:
-                problems.append(f"its residuals are {extra['compressor']!r}'s, this optimizer runs "
-                                f"{self.compressor!r}")
-            if ef and saved_world is not None and dist.is_initialized():
-                pg = self._plain_group()
-                world, rank = dist.get_world_size(pg), dist.get_rank(pg)
-                if saved_world != (world, rank):
-                    problems.append(f"it holds rank {saved_world[1]} of {saved_world[0]}'s residuals, "
-                                    f"this is rank {rank} of {world}")
-            if ef and self._engine is not None and extra["overlap"] != self._overlap:
-                problems.append(f"its residuals were keyed with attach(model, overlap={extra['overlap']}), this "
-                                f"optimizer runs overlap={self._overlap}")
-            if problems and not reset_error_feedback:
+            loaded = self._session.check_state(extra["engine"], "state_dict['pycomm']['engine']",
+                                               reset_error_feedback)
+            if loaded.residuals and self._engine is not None and extra["overlap"] != self._overlap:
                 raise ValueError(
-                    f"cannot load this {type(self).__name__} state: " + "; ".join(problems)
-                    + ". Every rank saves and loads its own state, or pass reset_error_feedback=True "
-                    "to keep the rest and start the residuals over."
-                )
-            if reset_error_feedback:
-                ef, saved_world = {}, None
-            else:
-                # Checked here against the block size this optimizer runs,
-                # also when its engine is not made yet (then it is loaded
-                # at the first compressed step, too late to refuse cleanly).
-                ef = check_residuals("state_dict['pycomm']['error_feedback']", ef,
-                                     residual_methods(self.compressor), span=KEY_SPAN,
-                                     rank=None if saved_world is None else saved_world[::-1],
-                                     block_size=self.compressor_settings.get("block_size"))
-        elif reset_error_feedback:
-            saved_world = None
+                    f"cannot load this {type(self).__name__} state: its residuals were keyed with attach(model, "
+                    f"overlap={extra['overlap']}), this optimizer runs overlap={self._overlap}. Attach the same "
+                    f"way, or pass reset_error_feedback=True to keep the rest and start the residuals over.")
         # The engine first (it refuses residuals of another world size or
         # chunk before it changes anything), torch's load next; if torch
         # refuses, the residuals go back.
         before = self._ef() if self._engine is not None else None
         if self._engine is not None:
-            self._session.load_residuals(ef)
+            self._session.load_state(loaded)
         try:
             super().load_state_dict(sd)
         except BaseException:
@@ -791,7 +750,7 @@ class _CompressedMomentum(DDPAttach, Optimizer):
                 self._session.load_residuals(before)
             raise
         if self._engine is None:
-            self._session.load_residuals(ef)
+            self._session.load_state(loaded)
         self._after_load()
         if extra is not None:
             self.step_count = extra["step_count"]
@@ -802,49 +761,31 @@ class _CompressedMomentum(DDPAttach, Optimizer):
         self._frozen = {}
         self._flat = None
         self._agreed = False
-        self._saved_world = saved_world if ef and self._engine is None else None
-        self._saved_overlap = extra["overlap"] if ef and extra is not None and self._engine is None else None
+        self._saved_overlap = extra["overlap"] if loaded.residuals and self._engine is None else None
         self._buckets, self._sent = {}, {}
-        self._bucket_pos = extra["buckets"] if extra is not None and not reset_error_feedback else {}
+        self._tracker.layouts = extra["buckets"] if extra is not None and not reset_error_feedback else {}
 
     def _checked_extra(self, extra: Any) -> Dict[str, Any]:
-        """``state_dict['pycomm']`` checked field by field (the residuals
-        apart), naming the field that is wrong."""
+        """``state_dict['pycomm']`` checked field by field (the engine
+        state apart: the session's), naming the field that is wrong."""
         where = "state_dict['pycomm']"
+        if isinstance(extra, dict) and extra.get("version") == 1:
+            extra = {k: v for k, v in nest_legacy(extra, extra.get("compressor")).items() if k != "compressor"}
+            extra["version"] = _STATE_VERSION
+            try:  # buckets were their parameters' positions; a bucket holds their elements
+                numels = [p.numel() for _, p in self._params()]
+                extra["buckets"] = {i: (sum(numels[x] for x in pos), pos) for i, pos in (extra["buckets"] or {}).items()}
+            except (AttributeError, IndexError, TypeError):
+                raise ValueError(f"{where}['buckets'] must map bucket indices to parameter positions") from None
         if not isinstance(extra, dict) or extra.get("version") != _STATE_VERSION:
-            raise ValueError(f"{where} is not a {type(self).__name__} state of version {_STATE_VERSION}")
-        missing = [f for f in _STATE_FIELDS if f not in extra]
-        if missing:
-            raise ValueError(f"{where} lacks the fields {missing}: not a state this optimizer saved")
-        out = dict(extra)
-
-        def count(name: str, lo: int) -> None:
-            v = extra[name]
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise ValueError(f"{where}['{name}'] must be an int >= {lo}, got {v!r}")
-
-        count("step_count", 0)
-        if not isinstance(extra["compressor"], str):
-            raise ValueError(f"{where}['compressor'] must be a str, got {extra['compressor']!r}")
+            raise ValueError(f"{where} is not a {type(self).__name__} state of version {_STATE_VERSION} or 1")
+        check_fields(where, extra, _STATE_FIELDS)
+        step_count = extra["step_count"]
+        if isinstance(step_count, bool) or not isinstance(step_count, int) or step_count < 0:
+            raise ValueError(f"{where}['step_count'] must be an int >= 0, got {step_count!r}")
         if not isinstance(extra["overlap"], bool):
             raise ValueError(f"{where}['overlap'] must be a bool, got {extra['overlap']!r}")
-        if (extra["world_size"] is None) != (extra["rank"] is None):
-            raise ValueError(f"{where}['world_size'] and ['rank'] must both be None or both ints")
-        if extra["world_size"] is not None:
-            count("world_size", 1)
-            count("rank", 0)
-            if extra["rank"] >= extra["world_size"]:
-                raise ValueError(f"{where}['rank'] must be below its world_size {extra['world_size']}, "
-                                 f"got {extra['rank']}")
-        buckets = extra["buckets"] or {}
-        if not isinstance(buckets, dict):
-            raise ValueError(f"{where}['buckets'] must be a dict, got {type(buckets).__name__}")
-        try:
-            out["buckets"] = {int(i): tuple(int(x) for x in pos) for i, pos in buckets.items()}
-        except (TypeError, ValueError):
-            raise ValueError(f"{where}['buckets'] must map bucket indices to parameter positions") from None
-        out["error_feedback"] = extra["error_feedback"] or {}
-        return out
+        return dict(extra, buckets=checked_layouts(extra["buckets"], f"{where}['buckets']"))
 
     def _after_load(self) -> None:
         """Fix-ups of torch's load (which casts every tensor to the

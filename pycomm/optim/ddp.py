@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from .. import distributed as pd
-from ._checks import _all_finite
+from ..ddp.optimizer import OptimizerHookState, optimizer_hook
+from ._checks import _all_finite, _check_scaler
 
 __all__ = ["DDPAttach"]
 
@@ -50,20 +51,9 @@ class DDPAttach:
             return None
         if self._layout is None:
             self._layout = self._build_layout()
-        params = bucket.parameters()
-        positions = self._positions()
-        pos = tuple(positions[id(p)] for p in params)
-        known = self._bucket_pos.get(index)
-        if known is None:
-            self._bucket_pos[index] = pos
-        elif known != pos:
-            raise ValueError(
-                f"DDP bucket {index} holds parameters {list(pos)}, but {type(self).__name__}'s residuals of "
-                f"bucket {index} were saved for parameters {list(known)}: another model or bucket_cap_mb? "
-                f"Load the state with reset_error_feedback=True to start the residuals over"
-            )
+        self._tracker.record(index, self._tracker.layout(bucket))
         entries, buf = self._bucket_entries(index)
-        grads = {id(p): g for p, g in zip(params, bucket.gradients(), strict=True)}
+        grads = {id(p): g for p, g in zip(bucket.parameters(), bucket.gradients(), strict=True)}
         inv = None
         if self._scaler is not None and getattr(self._scaler, "_scale", None) is not None:
             inv = self._scaler._scale.double().reciprocal().float()
@@ -89,7 +79,7 @@ class DDPAttach:
     def _bucket_entries(self, index: int) -> Tuple[List[Any], torch.Tensor]:
         """The layout entries of bucket ``index``'s parameters, in its
         order, and the buffer its momenta go out in (kept between steps)."""
-        pos = self._bucket_pos[index]
+        pos = self._tracker.layouts[index].positions
         cached = self._buckets.get(index)
         if cached is None or cached[0] != pos:
             positions = self._positions()
@@ -138,8 +128,8 @@ class DDPAttach:
         done = {id(e.param) for entries, *_ in sent for e in entries}
         positions = self._positions()
         missing = {positions[id(e.param)] for e in self._layout if id(e.param) not in done}
-        calls = [(1 + i, self._bucket_entries(i)[0]) for i, pos in sorted(self._bucket_pos.items())
-                 if i not in self._sent and set(pos) <= missing]
+        calls = [(1 + i, self._bucket_entries(i)[0]) for i, layout in sorted(self._tracker.layouts.items())
+                 if i not in self._sent and set(layout.positions) <= missing]
         covered = {id(e.param) for _, entries in calls for e in entries}
         rest = [e for e in self._layout if id(e.param) not in done and id(e.param) not in covered]
         if rest:
@@ -214,11 +204,7 @@ class DDPAttach:
             raise ValueError(f"this {type(self).__name__} is already attached to a DDP model")
         if not isinstance(overlap, bool):
             raise TypeError(f"overlap must be a bool, got {overlap!r}")
-        if scaler is not None:
-            from torch.amp import GradScaler
-
-            if not isinstance(scaler, GradScaler):
-                raise TypeError(f"scaler must be a torch.amp.GradScaler or None, got {type(scaler).__name__}")
+        if _check_scaler(scaler) is not None:
             if not overlap:
                 raise ValueError("scaler= is for overlap=True (without overlap, step() unscales the gradients "
                                  "GradScaler.step hands it)")
@@ -247,17 +233,19 @@ class DDPAttach:
                 f"optimizer over {dist.get_process_group_ranks(group)}: pass process_group=model.process_group"
             )
         # Before anything collective is created: the ranks must attach alike.
-        self._agree({"attach(overlap=...)": overlap, "attach(scaler=...)": scaler is not None})
+        self._agree({"attach(overlap=...)": overlap, "scaler": (scaler or self._scaler) is not None})
         if overlap:
             # The engine group now, on every rank alike, rather than from a
             # hook in the middle of backward.
-            self._overlap, self._scaler = True, scaler
+            previous = self._scaler
+            self._overlap, self._scaler = True, scaler or previous
             try:
                 self._engine_group()
             except BaseException:
-                self._overlap, self._scaler = False, None
+                self._overlap, self._scaler = False, previous
                 raise
-        model.register_comm_hook(_DDPCoupling(self, ddp_group), _onebit_ddp_hook)
+        self._tracker.detach(self._positions())  # a parameter's position: its place in this optimizer
+        model.register_comm_hook(OptimizerHookState(self, ddp_group), optimizer_hook)
         # Forward passes that build a graph, to catch a micro-batch run after
         # the momenta went out (overlap=True).
         model.register_forward_pre_hook(lambda *_: self._count_forward())
@@ -265,52 +253,3 @@ class DDPAttach:
         self._attached = True
         self._agreed = False
         return model
-
-
-class _DDPCoupling:
-    """The state of :func:`_onebit_ddp_hook`: the optimizer and DDP's group."""
-
-    def __init__(self, optimizer: "DDPAttach", process_group: dist.ProcessGroup) -> None:
-        self.optimizer = optimizer
-        self.process_group = process_group
-
-
-def _onebit_ddp_hook(state: "_DDPCoupling", bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Exact average during the optimizer's warm-up and its exact steps
-    after it (OneBitAdam's variance updates); otherwise the local gradient
-    as it is, with no communication of gradients (with ``overlap=True``: the
-    bucket's momenta are sent, compressed)."""
-    tensor = bucket.buffer()
-    opt = state.optimizer
-    if opt.exact_now:
-        if bucket.is_last():
-            opt._backwards += 1
-        try:
-            work = opt._exact_average(tensor, state.process_group)
-            return work.get_future().then(lambda _: tensor)
-        except Exception as exc:  # noqa: BLE001 - surfaces from backward()
-            return _failed(exc)
-    stable = opt._backwards >= 1
-    if bucket.is_last():
-        opt._backwards += 1
-    if opt._overlap:
-        try:
-            work = opt._send_bucket(bucket, stable)
-        except Exception as exc:  # noqa: BLE001 - surfaces from backward()
-            return _failed(exc)
-        if work is not None:
-            # DDP waits for it at the end of backward; the gradients stay local.
-            return work.get_future().then(lambda _: tensor)
-    done: torch.futures.Future = torch.futures.Future()
-    done.set_result(tensor)
-    return done
-
-
-def _failed(exc: BaseException) -> torch.futures.Future:
-    done: torch.futures.Future = torch.futures.Future()
-    done.set_result(None)
-
-    def fail(_):
-        raise exc
-
-    return done.then(fail)

@@ -39,7 +39,7 @@ from torch.optim import Optimizer
 from .. import distributed as pd
 from ..compressors.plugin import payload_nbytes
 from ..distributed import spec
-from ..distributed.session import KEY_SPAN, EngineSession, check_residuals, check_world, residual_methods
+from ..distributed.session import KEY_SPAN, EngineSession, agree, nest_legacy
 from ._checks import _all_finite, _check_compressor, _check_float, _check_int, _unscale_
 
 __all__ = ["DILOCO_KEY_BASE", "DiLoCo"]
@@ -48,7 +48,9 @@ __all__ = ["DILOCO_KEY_BASE", "DiLoCo"]
 #: f``): 2^41, above the DDP hook's bucket indices and the default key range
 #: of :class:`pycomm.optim.OneBitAdam` (2^40 + [0, 2^20)).
 DILOCO_KEY_BASE = 1 << 41
-_STATE_VERSION = 1
+#: The version of ``state_dict()["pycomm"]``; version 1 (the engine
+#: state's fields at its top level) loads too (``nest_legacy``).
+_STATE_VERSION = 2
 #: The settings every rank must share; compared at the first sync.
 _SHARED = ("sync_every", "fragments", "delay", "compressor", "error_feedback", "compressor_settings",
            "outer_lr", "outer_momentum", "nesterov", "key_base", "parameters")
@@ -210,7 +212,6 @@ class DiLoCo:
         self.syncs = 0
         self.skipped_syncs = 0
         self._checked = False
-        self._saved_world: Optional[Tuple[int, int]] = None
         # The sync in flight: {"fragment", "apply_at", "work"}; its average
         # arrives in self._buf, the local pseudo-gradient sent is kept in
         # self._local (delay > 0).
@@ -291,31 +292,16 @@ class DiLoCo:
         }
 
     def _check_ranks(self) -> None:
-        """At the first sync of this process: every rank's settings, in one
-        small all-gather, so that a rank that differs raises on every rank
+        """At the first sync of this process: every rank's settings
+        compared (``agree``: one int64 per rank), so that a rank that differs
+        raises on every rank, naming the setting and each rank's value
         (instead of a hang or a silently different schedule)."""
-        group = self._plain_group()
         mine = self._settings()
-        everyone: List[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(everyone, mine, group=group)
-        for name in _SHARED:
-            values = [s[name] for s in everyone]
-            for r, v in enumerate(values):
-                if v != values[0]:
-                    raise ValueError(f"DiLoCo settings differ across ranks: {name} is {values[0]!r} on rank 0 "
-                                     f"and {v!r} on rank {r}; every rank must build DiLoCo alike")
+        agree("DiLoCo", {k: mine[k] for k in _SHARED}, self._plain_group(), self.params[0].device)
         self._checked = True
 
     def _engine_group(self) -> dist.ProcessGroup:
-        if self._session.group is None:
-            self._check_world()
         return self._session.engine(self.params[0].device)
-
-    def _check_world(self) -> None:
-        """Residuals loaded before torch.distributed was up: the rank they
-        belong to is checked at the first sync."""
-        check_world("DiLoCo", self._saved_world, self._session.world())
-        self._saved_world = None
 
     def _send(self, f: int) -> None:
         """Start the average of fragment ``f``'s pseudo-gradient."""
@@ -427,10 +413,7 @@ class DiLoCo:
         copy = sum(p.numel() * p.element_size() for p in self.params)
         total = copy * (2 if self.outer_momentum > 0 else 1)
         total += self._buf.numel() * self._buf.element_size() * (2 if self._local is not None else 1)
-        for s in self._session.residuals().values():
-            total += 2 * (s["worker"].numel() * s["worker"].element_size()
-                          + sum(t.numel() * t.element_size() for t in s["server"]))
-        return total
+        return total + 2 * self._session.residual_nbytes()
 
     # -- state ----------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
@@ -447,8 +430,6 @@ class DiLoCo:
             n = self.fragment_sizes()[f]
             pending = {"fragment": f, "apply_at": self._pending["apply_at"], "average": self._buf[:n].clone(),
                        "local": None if self._local is None else self._local[:n].clone()}
-        # The rank the residuals belong to (that of the loaded state, before torch.distributed is up).
-        world, rank = self._session.world() if dist.is_initialized() else (self._saved_world or (None, None))
         settings = self._settings()
         settings["compressor_settings"] = dict(self.compressor_settings)
         return {
@@ -461,10 +442,8 @@ class DiLoCo:
                 "syncs": self.syncs,
                 "skipped_syncs": self.skipped_syncs,
                 "settings": settings,
-                "world_size": world,
-                "rank": rank,
-                "error_feedback": self._session.residuals(),
                 "pending": pending,
+                "engine": self._session.state_dict(),
             },
         }
 
@@ -477,27 +456,18 @@ class DiLoCo:
         if not isinstance(reset_error_feedback, bool):
             raise TypeError(f"reset_error_feedback must be a bool, got {reset_error_feedback!r}")
         extra = state_dict.get("pycomm") if isinstance(state_dict, dict) else None
+        if isinstance(extra, dict) and extra.get("version") == 1:
+            extra = dict(nest_legacy(extra, self.compressor), version=_STATE_VERSION)
         if not isinstance(extra, dict) or extra.get("version") != _STATE_VERSION:
-            raise ValueError(f"not a DiLoCo state of version {_STATE_VERSION}")
+            raise ValueError(f"not a DiLoCo state of version {_STATE_VERSION} or 1")
         saved = extra["settings"]
         mine = self._settings()
         for name in ("sync_every", "fragments", "delay", "compressor", "error_feedback", "parameters"):
             if saved.get(name) != mine[name]:
                 raise ValueError(f"cannot load this DiLoCo state: it was saved with {name}={saved.get(name)!r}, "
                                  f"this DiLoCo has {name}={mine[name]!r}")
-        ef = {} if reset_error_feedback else check_residuals(
-            "state_dict['pycomm']['error_feedback']", extra.get("error_feedback") or {},
-            residual_methods(self.compressor), span=self.fragments)
-        saved_world = None
-        if extra.get("world_size") is not None:
-            saved_world = (int(extra["world_size"]), int(extra["rank"]))
-        if ef and saved_world is not None and dist.is_initialized() and not reset_error_feedback:
-            pg = self._plain_group()
-            here = (dist.get_world_size(pg), dist.get_rank(pg))
-            if saved_world != here:
-                raise ValueError(f"cannot load this DiLoCo state: it holds rank {saved_world[1]} of "
-                                 f"{saved_world[0]}'s residuals, this is rank {here[1]} of {here[0]}. Every rank "
-                                 f"loads its own state, or pass reset_error_feedback=True")
+        loaded = self._session.check_state(extra.get("engine"), "state_dict['pycomm']['engine']", reset_error_feedback,
+                                           span=self.fragments)
         anchors = state_dict["anchor"]
         if len(anchors) != len(self.anchor):
             raise ValueError(f"cannot load this DiLoCo state: {len(anchors)} anchor tensors, "
@@ -517,13 +487,7 @@ class DiLoCo:
             if self._local is not None:
                 self._local[:n].copy_(pending["local"])
             self._pending = {"fragment": int(pending["fragment"]), "apply_at": int(pending["apply_at"])}
-        self._saved_world = saved_world if ef else None
-        if self._session.group is not None:
-            self._check_world()
-        if ef:
-            self._session.load_residuals(ef)
-        else:
-            self._session.reset_residuals()
+        self._session.load_state(loaded)
 
     def _drop_pending(self) -> None:
         """Drop the sync in flight without applying it (after waiting for

@@ -50,12 +50,13 @@ class OneBitSGD(_CompressedMomentum):
         compressor: str = "onebit",
         process_group: Optional[dist.ProcessGroup] = None,
         key_base: int = KEY_BASE,
+        scaler: Any = None,
         **compressor_settings: Any,
     ) -> None:
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov)
         self._check_group(defaults)
         super().__init__(params, defaults, warmup_steps=warmup_steps, compressor=compressor,
-                         process_group=process_group, key_base=key_base,
+                         process_group=process_group, key_base=key_base, scaler=scaler,
                          compressor_settings=compressor_settings)
 
     def _check_group(self, group: Dict[str, Any]) -> None:

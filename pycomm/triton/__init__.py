@@ -1,6 +1,6 @@
 """Triton kernels of pycomm (the GPU fast path), registered as torch ops.
 
-One module per kernel family (``onebit``, ``topk``, ``quant``: int8 and int4). Importing one
+One module per kernel family (``onebit``, ``topk``, ``quant``: every width of the quant rows). Importing one
 registers its kernels as ``torch.ops.pycomm.<family>_*_triton`` ops, with the
 schemas of the C++ ops ``torch.ops.pycomm.<family>_*`` (``csrc/ops``), so
 Python and the C++ engine reach every implementation the same way: by op

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 from torch._subclasses.functional_tensor import FunctionalTensorMode
+from torch.library import wrap_triton
 from triton.runtime.interpreter import InterpretedFunction
 
 
@@ -84,6 +85,56 @@ def check_out(out: torch.Tensor, device: torch.device) -> None:
     check(out.dtype == torch.float32, f"out must be float32, got {out.dtype}")
     check(out.is_contiguous(), "out must be contiguous: it is written in place")
     check(out.device == device, f"out is on {out.device} but the payload is on {device}")
+
+
+def check_decompress_out(out: torch.Tensor, payload: torch.Tensor) -> int:
+    """A block decoder's first checks: ``out`` (check_out) on the device of
+    the payload tensor ``payload``, and not empty. Returns its element count."""
+    check_out(out, payload.device)
+    n = out.numel()
+    check(n > 0, "out is empty")
+    return n
+
+
+def check_scales(scales: torch.Tensor, n: int, block_size: int, payload: torch.Tensor, payload_name: str) -> None:
+    """A block decoder's last checks: one scale per block of ``block_size``
+    of the ``n`` elements, on the device of the payload tensor ``payload``
+    (called ``payload_name`` in the message, as the C++ op names it)."""
+    blocks = triton.cdiv(n, block_size)
+    check(
+        scales.numel() == blocks,
+        f"scales has {scales.numel()} entries; {n} elements in blocks of {block_size} need {blocks}",
+    )
+    check(scales.device == payload.device, f"scales and {payload_name} are on different devices")
+
+
+def stage_residual_out(grad: torch.Tensor, residual: torch.Tensor, residual_out: torch.Tensor) -> None:
+    """What a ``*_compress_into`` op does before its launch, after its
+    checks: ``residual`` and ``residual_out`` must be one tensor or not
+    overlap, and ``residual_out`` takes ``residual``'s values. Not fused,
+    unlike the C++ kernels: the Triton kernels update the residual they
+    read, so the old residual is copied over first (one more read and write
+    of n floats)."""
+    nbytes = 4 * grad.numel()
+    r_in, r_out = residual.data_ptr(), residual_out.data_ptr()
+    check(
+        r_in == r_out or r_in + nbytes <= r_out or r_out + nbytes <= r_in,
+        "residual and residual_out must be the same tensor or not overlap",
+    )
+    if r_in != r_out:
+        residual_out.copy_(residual)
+
+
+def launch_decompress(
+    kernel, tile: int, payload: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, block_size: int,
+    **meta,
+) -> None:
+    """Launch a block decoder ``kernel(payload, scales, out, n, block_size,
+    **meta)``, one program per ``tile`` elements of ``out`` (``meta``: its
+    constexprs and launch options)."""
+    n = out.numel()
+    with device_guard(out):
+        wrap_triton(kernel)[(triton.cdiv(n, tile),)](payload, scales, out, n, block_size, **meta)
 
 
 # ------------------------------------------------------------ registration ---

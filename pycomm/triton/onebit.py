@@ -25,7 +25,8 @@ import triton.language as tl
 from torch import Tensor
 from torch.library import wrap_triton
 
-from ._common import check, check_compress_inputs, check_out, device_guard, load_c, register_op
+from ._common import (check, check_compress_inputs, check_decompress_out, check_scales, device_guard,
+                      launch_decompress, load_c, register_op, stage_residual_out)
 
 # Bits per packed word: one 32-lane row packs into one uint32 (tl.arange(0, 32)).
 from ..wire import MAX_BLOCK_SIZE, WORD_BITS  # noqa: E402
@@ -207,17 +208,7 @@ def onebit_compress_into_triton(
     check_compress_inputs(grad, residual)
     check_compress_inputs(grad, residual_out)
     _check_block_size(block_size)
-    nbytes = 4 * grad.numel()
-    r_in, r_out = residual.data_ptr(), residual_out.data_ptr()
-    check(
-        r_in == r_out or r_in + nbytes <= r_out or r_out + nbytes <= r_in,
-        "residual and residual_out must be the same tensor or not overlap",
-    )
-    # Not fused, unlike the C++ kernel: the Triton kernel updates the
-    # residual it reads, so the old residual is copied over first (one more
-    # read and write of n floats).
-    if r_in != r_out:
-        residual_out.copy_(residual)
+    stage_residual_out(grad, residual, residual_out)
     return _launch_compress(grad, residual_out, block_size)
 
 
@@ -231,32 +222,19 @@ def onebit_decompress_triton(
 ) -> None:
     """pycomm::onebit_decompress on Triton kernels (see :func:`decompress`)."""
     _check_block_size(block_size)
-    check_out(out, bits.device)
-    n = out.numel()
-    check(n > 0, "out is empty")
+    n = check_decompress_out(out, bits)
     check(bits.dtype == torch.int32 and bits.is_contiguous(), "bits must be a contiguous int32 tensor")
     check(
         scales.dtype == torch.float32 and scales.is_contiguous(),
         "scales must be a contiguous float32 tensor",
     )
-    words, blocks = triton.cdiv(n, WORD_BITS), triton.cdiv(n, block_size)
+    words = triton.cdiv(n, WORD_BITS)
     check(bits.numel() == words, f"bits has {bits.numel()} words; out of {n} elements needs {words}")
-    check(
-        scales.numel() == blocks,
-        f"scales has {scales.numel()} entries; {n} elements in blocks of {block_size} need {blocks}",
+    check_scales(scales, n, block_size, bits, "bits")
+    launch_decompress(
+        _decompress_kernel, DECOMPRESS_TILE, bits, scales, out, block_size,
+        ACCUMULATE=accumulate, WORDS=DECOMPRESS_TILE // WORD_BITS, num_warps=8,
     )
-    check(scales.device == bits.device, "scales and bits are on different devices")
-    with device_guard(out):
-        wrap_triton(_decompress_kernel)[(triton.cdiv(n, DECOMPRESS_TILE),)](
-            bits,
-            scales,
-            out,
-            n,
-            block_size,
-            ACCUMULATE=accumulate,
-            WORDS=DECOMPRESS_TILE // WORD_BITS,
-            num_warps=8,
-        )
 
 
 # ------------------------------------------------------------ python API ---

@@ -1,4 +1,4 @@
-"""Triton int8 / int4 / int2: block quantization to ``bits``-bit levels
+"""Triton quant: block quantization to ``bits``-bit levels
 (``bits`` in :data:`pycomm.wire.QUANT_BITS`) with a per-block absmax scale,
 fused error feedback.
 
@@ -40,7 +40,8 @@ import triton.language as tl
 from torch import Tensor
 from torch.library import wrap_triton
 
-from ._common import check, check_compress_inputs, check_out, device_guard, load_c, register_op
+from ._common import (check, check_compress_inputs, check_decompress_out, check_scales, device_guard,
+                      launch_decompress, load_c, register_op, stage_residual_out)
 
 # The rules shared with the reference (pycomm/wire.py imports nothing of pycomm).
 from ..wire import (  # noqa: E402
@@ -330,16 +331,7 @@ def quant_compress_into_triton(
     check_compress_inputs(grad, residual)
     check_compress_inputs(grad, residual_out)
     _check_args(bits, block_size, seed)
-    nbytes = 4 * grad.numel()
-    r_in, r_out = residual.data_ptr(), residual_out.data_ptr()
-    check(
-        r_in == r_out or r_in + nbytes <= r_out or r_out + nbytes <= r_in,
-        "residual and residual_out must be the same tensor or not overlap",
-    )
-    # Not fused: the kernel updates the residual it reads, so the old
-    # residual is copied over first (one more read and write of n floats).
-    if r_in != r_out:
-        residual_out.copy_(residual)
+    stage_residual_out(grad, residual, residual_out)
     return _launch_compress(grad, residual_out, bits, block_size, seed)
 
 
@@ -355,9 +347,7 @@ def quant_decompress_triton(
 ) -> None:
     """pycomm::quant_decompress on Triton kernels (see :func:`decompress`)."""
     _check_args(bits, block_size, -1)
-    check_out(out, data.device)
-    n = out.numel()
-    check(n > 0, "out is empty")
+    n = check_decompress_out(out, data)
     check(
         data.dtype == torch.uint8 and data.is_contiguous(),
         f"data must be a contiguous uint8 tensor, got {data.dtype}",
@@ -366,34 +356,21 @@ def quant_decompress_triton(
         scales.dtype == torch.float32 and scales.is_contiguous(),
         f"scales must be a contiguous float32 tensor, got {scales.dtype}",
     )
-    nbytes, blocks = quant_num_bytes(n, bits), triton.cdiv(n, block_size)
+    nbytes = quant_num_bytes(n, bits)
     check(data.numel() == nbytes, f"data has {data.numel()} bytes; {n} int{bits} elements need {nbytes}")
-    check(
-        scales.numel() == blocks,
-        f"scales has {scales.numel()} entries; {n} elements in blocks of {block_size} need {blocks}",
+    check_scales(scales, n, block_size, data, "data")
+    launch_decompress(
+        _decompress_kernel, DECOMPRESS_TILE, data, scales, out, block_size,
+        BITS=bits, ACCUMULATE=accumulate, TILE=DECOMPRESS_TILE, num_warps=8, enable_fp_fusion=False,
     )
-    check(scales.device == data.device, "scales and data are on different devices")
-    with device_guard(out):
-        wrap_triton(_decompress_kernel)[(triton.cdiv(n, DECOMPRESS_TILE),)](
-            data,
-            scales,
-            out,
-            n,
-            block_size,
-            BITS=bits,
-            ACCUMULATE=accumulate,
-            TILE=DECOMPRESS_TILE,
-            num_warps=8,
-            enable_fp_fusion=False,
-        )
 
 
 # ------------------------------------------------------------ python API ---
 def compress(
     grad: Tensor, residual: Optional[Tensor], bits: int, block_size: int, seed: int = -1
 ) -> Tuple[Tensor, Tensor]:
-    """Quantize ``c = grad + residual`` to ``bits``-bit levels: int8, int4 or
-    int2 (``bits`` = 8, 4 or 2; ``block_size`` a multiple of ``8 // bits``).
+    """Quantize ``c = grad + residual`` to ``bits``-bit levels (``bits`` in
+    :data:`pycomm.wire.QUANT_BITS`; ``block_size`` a multiple of ``8 // bits``).
 
     ``grad``: contiguous float32/float16/bfloat16 of n elements;
     ``residual``: contiguous float32 of n elements, or None (no error

@@ -1,0 +1,208 @@
+"""DDP's gradient buckets as a communication hook sees them, and how a hook
+reports a failure: what the compressed-gradient hook
+(:func:`pycomm.ddp.compressed_hook`) and the compressed-momentum
+optimizers' hook (:func:`pycomm.ddp.optimizer_hook`) share.
+
+DDP rebuilds its buckets after the first backward pass of every process
+(the first has one bucket holding every parameter), so a bucket index means
+something only from the second backward on: :class:`BucketTracker` counts
+the backward passes, and records, per bucket index, the bucket's
+:class:`BucketLayout` (its element count and its parameters' positions),
+which is saved with the residuals kept under that index and checked against
+DDP's buckets after a restore.
+"""
+
+# No `from __future__ import annotations`: DDP compares a hook's annotations
+# with dist.GradBucket and torch.futures.Future[torch.Tensor] as objects.
+from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["BucketLayout", "BucketTracker", "checked_layouts", "failed", "result"]
+
+
+class BucketLayout(NamedTuple):
+    """One DDP bucket: its element count and its parameters' positions (a
+    parameter's position is fixed for a given model: the order in which the
+    owner first saw it, or its place in an optimizer's parameter groups)."""
+
+    numel: int
+    positions: Tuple[int, ...]
+
+
+class BucketTracker:
+    """The buckets of one DDP model as its hook sees them.
+
+    ``owner`` names the hook's state in errors; ``positions``: parameter id
+    -> position, for an owner whose parameters have positions already (an
+    optimizer's); others get positions in the order the hook first sees
+    them (deterministic for a given model and DDP configuration).
+
+    Example::
+
+        >>> t = BucketTracker("CompressionState")
+        >>> t.record(0, BucketLayout(10, (0, 1)))
+        >>> t.record(0, BucketLayout(12, (0, 1)))
+        Traceback (most recent call last):
+        ...
+        ValueError: DDP bucket 0 holds 12 elements (parameters [0, 1]), but CompressionState's residuals of bucket 0 were saved for 10 elements (parameters [0, 1]): another model or bucket_cap_mb? Load the state with reset_error_feedback=True to start the residuals over
+    """
+
+    def __init__(self, owner: str, positions: Optional[Dict[int, int]] = None) -> None:
+        self.owner = owner
+        #: Bucket index -> its layout, recorded once DDP's buckets are stable
+        #: (saved with the residuals).
+        self.layouts: Dict[int, BucketLayout] = {}
+        self.detach(positions)
+
+    def detach(self, positions: Optional[Dict[int, int]] = None) -> None:
+        """Forget what belongs to this process (after unpickling)."""
+        self._positions: Dict[int, int] = dict(positions or {})
+        #: Backward passes DDP ran in this process.
+        self.backwards = 0
+
+    def start(self, bucket: dist.GradBucket) -> bool:
+        """At each bucket: True when DDP has rebuilt its buckets in this
+        process (its indices are the ones layouts are recorded for); a
+        backward pass is counted at its last bucket."""
+        stable = self.backwards >= 1
+        if bucket.is_last():
+            self.backwards += 1
+        return stable
+
+    def layout(self, bucket: dist.GradBucket) -> BucketLayout:
+        """The layout of ``bucket`` as DDP hands it over now."""
+        out = []
+        for p in bucket.parameters():
+            pos = self._positions.get(id(p))
+            if pos is None:
+                pos = self._positions[id(p)] = len(self._positions)
+            out.append(pos)
+        return BucketLayout(bucket.buffer().numel(), tuple(out))
+
+    def record(self, index: int, layout: BucketLayout, replace: bool = False) -> None:
+        """Record bucket ``index``'s layout; one that differs from the one
+        recorded (or loaded) is refused, naming both, unless ``replace``."""
+        known = self.layouts.get(index)
+        if known is not None and known != layout and not replace:
+            raise ValueError(
+                f"DDP bucket {index} holds {layout.numel} elements (parameters {list(layout.positions)}), but "
+                f"{self.owner}'s residuals of bucket {index} were saved for {known.numel} elements (parameters "
+                f"{list(known.positions)}): another model or bucket_cap_mb? Load the state with "
+                f"reset_error_feedback=True to start the residuals over"
+            )
+        self.layouts[index] = layout
+
+    def state(self) -> Dict[int, Tuple[int, List[int]]]:
+        """The layouts as a state saves them: ``{index: (numel, [positions])}``."""
+        return {i: (lay.numel, list(lay.positions)) for i, lay in self.layouts.items()}
+
+    def __getstate__(self) -> Dict[str, Any]:
+        return {"owner": self.owner, "layouts": self.layouts}
+
+    def __setstate__(self, d: Dict[str, Any]) -> None:
+        self.__dict__.update(d)
+        self.detach()
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def checked_layouts(layouts: Any, where: str) -> Dict[int, BucketLayout]:
+    """Saved layouts (:meth:`BucketTracker.state`; ``where``: their name in
+    errors) checked and copied: indices and sizes non-negative ints, every
+    parameter in one bucket at most.
+
+    >>> checked_layouts({0: (4, [0, 1]), 1: (2, [1])}, "state['bucket_layouts']")
+    Traceback (most recent call last):
+    ...
+    ValueError: state['bucket_layouts'][1]: parameter 1 is also in bucket 0
+    """
+    if not isinstance(layouts, dict):
+        raise TypeError(f"{where} must be a dict, got {type(layouts).__name__}")
+    out: Dict[int, BucketLayout] = {}
+    owner: Dict[int, int] = {}  # parameter position -> bucket
+    for index, value in layouts.items():
+        label = f"{where}[{index!r}]"
+        if not _is_int(index) or index < 0:
+            raise ValueError(f"{label}: a key must be a bucket index (a non-negative int)")
+        if not isinstance(value, (list, tuple)) or len(value) != 2:
+            raise ValueError(f"{label} must be (numel, [parameter positions]), got {value!r}")
+        numel, positions = value
+        if not _is_int(numel) or numel < 1:
+            raise ValueError(f"{label}: numel must be a positive int, got {numel!r}")
+        if not isinstance(positions, (list, tuple)) or not positions:
+            raise ValueError(f"{label}: the parameter positions must be a non-empty list, got {positions!r}")
+        for p in positions:
+            if not _is_int(p) or p < 0:
+                raise ValueError(f"{label}: a parameter position must be a non-negative int, got {p!r}")
+            if p in owner:
+                raise ValueError(f"{label}: parameter {p} is also in bucket {owner[p]}")
+            owner[p] = index
+        out[index] = BucketLayout(numel, tuple(positions))
+    return out
+
+
+# --------------------------------------------------------- error delivery ---
+def _at_end_of_backward(check: Callable[[], None]) -> None:
+    """Run ``check`` when the current backward pass has computed every
+    gradient, before DDP's own end-of-backward step (which a hook's buckets
+    precede). An exception it raises comes out of ``loss.backward()`` as
+    itself: DDP would report only a RuntimeError with the exception's text.
+    Nothing when not inside a backward pass."""
+    try:
+        torch.autograd.Variable._execution_engine.queue_callback(check)
+    except RuntimeError:  # not inside a backward pass: the Future still fails
+        pass
+
+
+def failed(exc: BaseException, as_itself: bool = True) -> torch.futures.Future:
+    """A future that fails with ``exc``; ``as_itself``: ``exc`` is raised
+    by backward() as itself, before DDP ends the backward pass (which leaves
+    DDP's reducer unfinished: for errors the model does not train on
+    after); else DDP raises a RuntimeError with its text after ending the
+    pass, and the model can go on."""
+
+    def check():
+        raise exc
+
+    if as_itself:
+        _at_end_of_backward(check)
+    done: torch.futures.Future = torch.futures.Future()
+    done.set_result(None)
+    return done.then(lambda _: check())
+
+
+def result(raw: Iterable[torch.futures.Future], finish: Callable[[], torch.Tensor]) -> torch.futures.Future:
+    """The future DDP waits on: ``finish()`` once every future in ``raw``
+    has completed. A failure (an engine call's, or one in ``finish``) is
+    raised by backward() as the original exception."""
+    raw = list(raw)
+    errors: List[BaseException] = []
+
+    def then(_):
+        try:
+            for f in raw:
+                f.wait()
+            return finish()
+        except BaseException as exc:
+            errors.append(exc)
+            raise
+
+    source = raw[0] if len(raw) == 1 else torch.futures.collect_all(raw)
+    out = source.then(then)
+
+    def check():
+        for f in raw:
+            f.wait()  # the engine's error, with its own type
+        try:
+            out.wait()
+        except BaseException:
+            if errors:
+                raise errors[0] from None
+            raise
+
+    _at_end_of_backward(check)
+    return out
