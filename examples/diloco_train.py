@@ -11,8 +11,9 @@ compressed, and a Nesterov outer step moves every copy to the new average.
 
 Every rank saves its own checkpoint file (its model, which differs from the
 others' between syncs, and its DiLoCo state: inner AdamW, outer momentum,
-anchor, residuals, the sync in flight). The resumed run ends with exactly
-the parameters of the uninterrupted one.
+anchor, residuals, the sync in flight). At the end, ``opt.finish()`` leaves
+every rank with the same model; the resumed run ends with exactly the
+parameters of the uninterrupted one.
 """
 
 import argparse
@@ -57,6 +58,7 @@ def main():
 
     # The sync in flight, if any, is saved with the optimizer's state.
     loss = train(args, rank, model, opt, start, lambda step: {"model": model.state_dict(), "opt": opt.state_dict()})
+    opt.finish()  # the sync in flight applied and every fragment synced once more: one model on every rank
     report(args.out, rank, model, loss.item(), opt)
     dist.destroy_process_group()
 

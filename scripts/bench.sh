@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The benchmark harness, from a fresh machine: sets up, builds, runs.
 # Without arguments it runs the end-to-end comparison a user needs first,
-# `pycomm-bench ddp` (about 10 minutes on a 2-core machine): DDP training on
+# `pycomm-bench ddp` (how long: README.md, "Two commands"): DDP training on
 # emulated 100 Mbit/s, 1 Gbit/s, 2.5 Gbit/s and unshaped links, pycomm against
 # plain all-reduce, PyTorch's fp16 and PowerSGD hooks. Arguments go to
 # pycomm-bench instead, e.g. `bash scripts/bench.sh all` (every benchmark) or

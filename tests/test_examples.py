@@ -142,3 +142,22 @@ def test_diloco_example(tmp_path):
         assert a["residual_buckets"] == b["residual_buckets"] == [0, 1]  # one key per fragment
         assert a["params_sha256"] == b["params_sha256"]  # each rank's replica, bit for bit
         assert a["loss"] < 0.1
+    # finish(): one final model on every rank (48 steps end with fragment 1's sync in flight).
+    assert len({r["params_sha256"] for r in _reports(full)}) == 1
+
+
+@pytest.mark.parametrize("compressor,compile_", [("onebit", False), ("int8", True)])
+def test_transformers_trainer_example(tmp_path, compressor, compile_):
+    # A Hugging Face Trainer: checkpoint at step 8 (the Trainer's folder, with
+    # every rank's hook state), resume from it in fresh processes; onebit
+    # keeps residuals, int8 runs under torch_compile=True.
+    full, resumed, ckpt = tmp_path / "full", tmp_path / "resumed", tmp_path / "ckpt"
+    args = ("--compressor", compressor, "--steps", 16, *(("--compile",) if compile_ else ()))
+    _torchrun("transformers_train.py", *args, "--save-at", 8, "--checkpoint", ckpt, "--out", full)
+    assert {"pycomm_hook_rank0.pt", "pycomm_hook_rank1.pt"} <= set(os.listdir(ckpt / "checkpoint-8"))
+    _torchrun("transformers_train.py", *args, "--resume", ckpt / "checkpoint-8", "--out", resumed)
+    keeps = [0] if spec.error_feedback_for(compressor, None) else []
+    for a, b in zip(_reports(full), _reports(resumed)):
+        assert a["hook_iteration"] == b["hook_iteration"] == 16  # the resumed hook went on from 8
+        assert a["residual_buckets"] == b["residual_buckets"] == keeps
+        assert a["params_sha256"] == b["params_sha256"]  # bit for bit

@@ -333,3 +333,20 @@ def test_accelerate_comm_hook_kwargs_is_not_ignored():
     res = run_ranks(_rank_accelerate_comm_hook_kwargs, 2, timeout=120)
     for r in res:
         assert r is not None and "DistributedDataParallelKwargs(comm_hook=" in r
+
+
+def test_transformers_compress_refuses_what_it_cannot_run(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    from pycomm.integrations.transformers import compress
+
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=16, n_positions=8, n_embd=8, n_layer=1, n_head=1))
+    trainer = Trainer(model=model, args=TrainingArguments(str(tmp_path), use_cpu=True, report_to=[]))
+    with pytest.raises(TypeError, match="either a CompressionState or its settings"):
+        compress(trainer, CompressionState(compressor="int8"), compressor="int8")
+    with pytest.raises(TypeError, match="reset_error_feedback must be a bool"):
+        compress(trainer, reset_error_feedback="yes")
+    state = compress(trainer, compressor="int8", start_iter=3)
+    assert state.compressor == "int8" and state.start_iter == 3
+    with pytest.raises(ValueError, match="already called on this Trainer"):
+        compress(trainer, compressor="int8")

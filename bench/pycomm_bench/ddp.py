@@ -521,7 +521,10 @@ class _RankTrainer:
             if (step + 1) % report_every == 0 or step + 1 == steps:
                 self.emit("step", method=m.name, seed=seed, step=step + 1, steps=steps)
         if diloco:
-            opt.finish()  # a sync still in flight (delay > 0) is applied, as at the end of training
+            # A sync still in flight (delay > 0) is applied; the replicas'
+            # average is what the recorded studies evaluate (finish()'s final
+            # sync of every fragment would add one outer step to them).
+            opt.finish(sync_all=False)
         tx1 = self.me.tx_bytes()
         if tx1 is not None:
             tx1 -= eval_tx

@@ -262,6 +262,8 @@ def agree(owner: str, settings: Dict[str, Any], group: dist.ProcessGroup, device
     theirs: List[Any] = [None] * world
     dist.all_gather_object(theirs, settings, group=group)
     diff = [k for k in settings if any(t.get(k) != settings[k] for t in theirs)]
+    if not diff:
+        return  # equal values printed differently (density 1 and 1.0; one dict in two key orders) run alike
     raise ValueError(
         f"{owner}: the ranks disagree on "
         + "; ".join(f"{k} (" + ", ".join(f"rank {r}: {t.get(k)!r}" for r, t in enumerate(theirs)) + ")"
@@ -288,6 +290,15 @@ def check_world(owner: str, saved: Optional[Tuple[int, int]], here: Tuple[int, i
            f"it holds rank {saved[1]} of {saved[0]}'s residuals, this is rank {here[1]} of {here[0]}")
     raise ValueError(f"cannot load this {owner} state: {why}. Every rank saves and loads its own state, or pass "
                      f"reset_error_feedback=True to keep the rest and start the residuals over")
+
+
+def _release(group: dist.ProcessGroup) -> None:
+    """Destroy a pycomm group a session made, when the session goes."""
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group(group)
+    except Exception:  # noqa: BLE001 - torch.distributed already torn down: nothing left to free
+        pass
 
 
 class LoadedState(NamedTuple):
@@ -402,12 +413,28 @@ class EngineSession:
             self.check_group(base, device)
             engine = base
         else:
+            size, world = dist.get_world_size(base), dist.get_world_size()
+            if size < world:
+                # torch's new_group needs every rank of the world, in one
+                # order; the ranks of one subgroup alone would make groups
+                # whose names collide with another subgroup's (cross-talk).
+                raise ValueError(
+                    f"{self.owner} runs over a subgroup ({size} of the world's {world} ranks) that is not a pycomm "
+                    f"group: the pycomm group it would wrap it into must be made by every rank of the world, in "
+                    f"one order, which the ranks of one subgroup cannot do. Make the pycomm groups up front, on "
+                    f"every rank: for each subgroup, dist.new_group(ranks, backend='pycomm', pg_options="
+                    f"pycomm.distributed.PycommOptions(compressor={self.compressor!r}, ...)), and pass this "
+                    f"rank's as process_group")
             settings = dict(self.settings)
             if is_pycomm_group(base, device):
                 settings["inner"] = "nccl" if device.type == "cuda" else "gloo"
             engine = wrap(base, compressor=self.compressor, **settings)
         self._claim_range(engine)
         self._engine, self._device, self._private = engine, device, not shared
+        if not shared:
+            # The group this session made is its own: released with it (its
+            # threads, sockets and residuals), not at the end of the process.
+            weakref.finalize(self, _release, engine)
         pending, self._pending = self._pending, None
         if pending:
             self._install(pending)
@@ -576,14 +603,16 @@ class EngineSession:
         return {"version": STATE_VERSION, "world_size": world, "rank": rank, "method": self.compressor,
                 "residuals": self.residuals()}
 
-    def check_state(self, state: Any, where: str, reset: bool = False, span: Optional[int] = None) -> LoadedState:
+    def check_state(self, state: Any, where: str, reset: bool = False, span: Optional[int] = None,
+                    chunk_numel: Optional[int] = None) -> LoadedState:
         """``state`` (a :meth:`state_dict`; ``where``: its name in errors)
         checked whole, without changing anything: its fields, the world and
         rank (against this process's when torch.distributed is up), the
         method, and every residual (:func:`check_residuals`, at this
         session's block size; key offsets below ``span``, default its key
-        span). ``reset``: the residuals are dropped (not checked), and so is
-        the rank they belong to."""
+        span; ``chunk_numel``: the chunk the client's group runs, when known
+        before the group exists). ``reset``: the residuals are dropped (not
+        checked), and so is the rank they belong to."""
         if not isinstance(reset, bool):
             raise TypeError(f"reset_error_feedback must be a bool, got {reset!r}")
         if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
@@ -614,6 +643,11 @@ class EngineSession:
                                     residual_methods(self.compressor, self.collective), span=span or self.key_span,
                                     rank=None if world is None else (rank, world),
                                     block_size=self.settings.get("block_size"))
+        for key, ef in residuals.items():
+            if chunk_numel is not None and ef["chunk_numel"] != chunk_numel:
+                raise ValueError(f"{where}['residuals'][{key}]['chunk_numel'] is {ef['chunk_numel']}, this "
+                                 f"{self.owner} runs chunk_numel={chunk_numel}: run the saved chunk_numel, or pass "
+                                 f"reset_error_feedback=True to keep the rest and start the residuals over")
         return LoadedState(saved if residuals else None, residuals)
 
     def load_state(self, loaded: LoadedState) -> None:

@@ -10,6 +10,9 @@ adapter module imports its own when it is imported.
 * :mod:`pycomm.integrations.accelerate`: :func:`~pycomm.integrations.accelerate.register_hook`
   registers the hook on the model ``accelerator.prepare`` returned and saves
   each rank's hook state with ``save_state`` / ``load_state``.
+* :mod:`pycomm.integrations.transformers`: :func:`~pycomm.integrations.transformers.compress`
+  registers the hook on the DDP model a Hugging Face Trainer prepares and
+  keeps each rank's hook state in the Trainer's checkpoint folders.
 * Here, for frameworks that take only a backend name or initialize
   torch.distributed themselves: :func:`backend` (a backend name that carries
   pycomm's settings) and :func:`init_process_group` (the default group, from
@@ -36,15 +39,28 @@ import json
 import os
 from typing import Any, Dict, Optional
 
+import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from .. import distributed as pd
 from ..ddp import CompressionState
 
-__all__ = ["PerRankState", "backend", "init_process_group"]
+__all__ = ["PerRankState", "backend", "ddp_of", "init_process_group"]
 
 #: Backend names registered by :func:`backend`, and their settings.
 _REGISTERED: Dict[str, Dict[str, Any]] = {}
+
+
+def ddp_of(model: Any) -> Optional[DistributedDataParallel]:
+    """The DDP model inside what a framework prepared (``torch.compile``
+    wraps it in an ``OptimizedModule``), or None.
+
+    >>> ddp_of(torch.nn.Linear(2, 2)) is None
+    True
+    """
+    model = getattr(model, "_orig_mod", model)
+    return model if isinstance(model, DistributedDataParallel) else None
 
 
 def _options(compressor: str, settings: Dict[str, Any]) -> pd.PycommOptions:

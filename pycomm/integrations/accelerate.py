@@ -35,9 +35,8 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
-
 from ..ddp import CompressionState, compressed_hook
+from . import ddp_of
 
 try:
     import accelerate  # noqa: F401
@@ -71,7 +70,7 @@ def register_hook(accelerator: Any, model: Any, state: Optional[CompressionState
     Args:
         accelerator: the ``accelerate.Accelerator``.
         model: the prepared model: ``DistributedDataParallel`` with several
-            processes; with one process nothing is registered (nothing to
+            processes (or ``torch.compile``'s wrapper around it); with one process nothing is registered (nothing to
             reduce), the state is still saved and loaded.
         state: the :class:`~pycomm.ddp.CompressionState`; None: one made
             from ``settings`` (``compressor="onebit", start_iter=10``, ...).
@@ -104,8 +103,8 @@ def register_hook(accelerator: Any, model: Any, state: Optional[CompressionState
             f"its own DDPCommunicationHookType there (a pycomm hook would be ignored), and a second hook "
             f"cannot run; leave comm_hook unset and let register_hook register pycomm's"
         )
-    if isinstance(model, DistributedDataParallel):
-        model.register_comm_hook(state, compressed_hook)
+    if ddp_of(model) is not None:  # also under torch.compile (an OptimizedModule around it)
+        ddp_of(model).register_comm_hook(state, compressed_hook)
     elif accelerator.num_processes > 1:
         raise TypeError(
             f"model must be the DistributedDataParallel model accelerator.prepare(model) returned, "

@@ -149,14 +149,27 @@ class DiLoCo:
     ) -> None:
         if not isinstance(inner, Optimizer):
             raise TypeError(f"inner must be a torch.optim.Optimizer, got {type(inner).__name__}")
-        params = list(model.parameters() if isinstance(model, torch.nn.Module) else model)
-        for p in params:
+        from torch.nn.parallel import DistributedDataParallel
+
+        if isinstance(model, DistributedDataParallel):
+            raise ValueError("model: DiLoCo takes the replica itself, not a DistributedDataParallel model (DDP "
+                             "would average every step's gradients, which DiLoCo exists not to do): pass "
+                             "model.module, or the model before wrapping it")
+        everything = list(model.parameters() if isinstance(model, torch.nn.Module) else model)
+        for p in everything:
             if not isinstance(p, torch.Tensor) or not p.is_floating_point() or p.is_complex() or p.is_sparse:
                 raise ValueError("model: DiLoCo takes a torch.nn.Module (or its parameters) with dense real "
                                  "floating-point parameters")
-        params = [p for p in params if p.requires_grad]
+        # Zero-element parameters have nothing to sync (and would make empty fragments).
+        params = [p for p in everything if p.requires_grad and p.numel()]
         if not params:
             raise ValueError("model has no parameters that require a gradient")
+        known = {id(p) for p in everything}
+        foreign = sum(1 for g in inner.param_groups for p in g["params"] if id(p) not in known)
+        if foreign:
+            raise ValueError(f"inner: the inner optimizer trains {foreign} parameter(s) that are not the model's "
+                             f"(built over a copy of the model?); DiLoCo would never sync them. Build it over "
+                             f"model.parameters()")
         devices = {p.device for p in params}
         if len(devices) > 1:
             raise ValueError(f"model: all parameters must be on one device, got {sorted(map(str, devices))}")
@@ -198,6 +211,11 @@ class DiLoCo:
         self.key_base = key_base
         self.inner = inner
         self.params = params
+        # The parameter set is fixed here: which of the model's parameters
+        # train, checked before every sync (one frozen or unfrozen later
+        # would move unsynced, or be stepped on a zero pseudo-gradient).
+        self._everything = everything
+        self._trainable = [p.requires_grad for p in everything]
         self._bounds = _fragment_bounds([p.numel() for p in params], self.fragments)
         # The anchor: the parameters as last synchronized (identical on every
         # rank as long as every rank starts from the same model), stepped by
@@ -256,9 +274,24 @@ class DiLoCo:
         """One inner step (``inner.step(closure)``), then what the schedule
         says: the in-flight sync applied at its step, and the due fragment's
         pseudo-gradient sent. A collective at sync steps: every rank calls it."""
-        # Set by GradScaler.step, which deletes them after this returns.
-        found_inf = getattr(self, "found_inf", None)
+        try:
+            return self._step(closure)
+        except BaseException:
+            # GradScaler.step deletes these only when step() returns: a
+            # later step must not unscale again.
+            for name in ("grad_scale", "found_inf"):
+                self.__dict__.pop(name, None)
+            raise
+
+    def _step(self, closure: Optional[Callable[[], Any]]) -> Any:
+        found_inf = getattr(self, "found_inf", None)  # set by GradScaler.step
         grad_scale = getattr(self, "grad_scale", None)
+        # What can refuse comes before the inner step: a refused step changes
+        # nothing, and a retried one checks again.
+        if not self._checked:
+            self._check_ranks()
+        if self.due(self.step_count + 1) is not None:
+            self._check_parameter_set()
         loss = None
         if grad_scale is not None:
             # This rank's found-inf flag: the given one or'ed with this check.
@@ -279,6 +312,15 @@ class DiLoCo:
                 self._apply()
         return loss
 
+    def _check_parameter_set(self) -> None:
+        changed = [i for i, (p, was) in enumerate(zip(self._everything, self._trainable)) if p.requires_grad != was]
+        if changed:
+            raise ValueError(
+                f"DiLoCo: parameter(s) {changed[:5]} of the model were frozen or unfrozen after DiLoCo was "
+                f"built; its parameter set is fixed then (a parameter unfrozen later would "
+                f"train unsynced, one frozen later would still move at each sync). Build a new DiLoCo (and inner "
+                f"optimizer) when the trainable parameters change. Nothing was changed by this step.")
+
     def _plain_group(self) -> dist.ProcessGroup:
         return self._session.base_group()
 
@@ -292,12 +334,24 @@ class DiLoCo:
         }
 
     def _check_ranks(self) -> None:
-        """At the first sync of this process: every rank's settings
-        compared (``agree``: one int64 per rank), so that a rank that differs
-        raises on every rank, naming the setting and each rank's value
-        (instead of a hang or a silently different schedule)."""
+        """At the first step of this process, and the first after a load:
+        in one exchange (``agree``: one int64 per rank), every rank's
+        settings, step count (a rank resumed from another step would sync
+        other fragments), parameter dtypes and a checksum of the anchor
+        (replicas that start apart never agree), so that a rank that
+        differs raises on every rank, naming the setting and each rank's
+        value, before any inner step, instead of a hang at a later sync or a
+        silently different run. Then the engine group, made now on every
+        rank alike (and the rank of loaded residuals checked)."""
         mine = self._settings()
-        agree("DiLoCo", {k: mine[k] for k in _SHARED}, self._plain_group(), self.params[0].device)
+        shared = {k: mine[k] for k in _SHARED}
+        shared["step_count"] = self.step_count
+        shared["parameter dtypes"] = sorted({str(p.dtype) for p in self.params})
+        # Exact on every rank that holds the same anchor (the same kernels on the same values).
+        checksum = sum((i + 1) * a.double().sum() for i, a in enumerate(self.anchor))
+        shared["anchor checksum"] = float(checksum)
+        agree("DiLoCo", shared, self._plain_group(), self.params[0].device)
+        self._engine_group()
         self._checked = True
 
     def _engine_group(self) -> dist.ProcessGroup:
@@ -305,8 +359,6 @@ class DiLoCo:
 
     def _send(self, f: int) -> None:
         """Start the average of fragment ``f``'s pseudo-gradient."""
-        if not self._checked:
-            self._check_ranks()
         engine = self._engine_group()
         a, b = self._bounds[f], self._bounds[f + 1]
         n = sum(p.numel() for p in self.params[a:b])
@@ -328,7 +380,11 @@ class DiLoCo:
         """Wait for the in-flight all-reduce (its result stays unapplied)."""
         work = self._pending.pop("work", None)
         if work is not None:
-            work.wait()
+            try:
+                work.wait()
+            except BaseException:
+                self._pending = None  # a failed sync is never applied (nor saved) later
+                raise
 
     def _apply(self) -> None:
         """The outer step of the in-flight fragment: skipped on every rank
@@ -367,11 +423,36 @@ class DiLoCo:
         self.syncs += 1
 
     @torch.no_grad()
-    def finish(self) -> None:
-        """Apply the sync in flight now (at the end of training; it would
-        otherwise be applied ``delay`` steps after its send). Every rank."""
+    def finish(self, sync_all: bool = True) -> None:
+        """End of training, on every rank: apply the sync in flight now (it
+        would otherwise be applied ``delay`` steps after its send), then, with
+        ``sync_all``, sync every fragment once more, at once: every rank ends
+        with the same parameters, the new anchor (the local progress since
+        each fragment's last sync goes into that outer step, not lost).
+        Training may go on after it. A final sync that is not finite is
+        skipped (with its warning), and the ranks then keep their own
+        parameters.
+
+        Example::
+
+            for x, y in data:
+                ...
+                opt.step()
+            opt.finish()      # one model on every rank
+            torch.save(model.state_dict(), "final.pt")
+        """
+        if not isinstance(sync_all, bool):
+            raise TypeError(f"sync_all must be a bool, got {sync_all!r}")
         if self._pending is not None:
             self._apply()
+        if sync_all:
+            if not self._checked:
+                self._check_ranks()
+            for f in range(self.fragments):
+                # Nothing moves between this send and its apply, so the local
+                # progress added back (delay > 0) is zero: parameters = anchor.
+                self._send(f)
+                self._apply()
 
     # -- bytes and memory -------------------------------------------------------
     def _wire_settings(self) -> Dict[str, Any]:
@@ -462,19 +543,32 @@ class DiLoCo:
             raise ValueError(f"not a DiLoCo state of version {_STATE_VERSION} or 1")
         saved = extra["settings"]
         mine = self._settings()
-        for name in ("sync_every", "fragments", "delay", "compressor", "error_feedback", "parameters"):
+        for name in ("sync_every", "fragments", "delay", "compressor", "error_feedback", "parameters", "outer_lr",
+                     "outer_momentum", "nesterov"):
             if saved.get(name) != mine[name]:
                 raise ValueError(f"cannot load this DiLoCo state: it was saved with {name}={saved.get(name)!r}, "
                                  f"this DiLoCo has {name}={mine[name]!r}")
         loaded = self._session.check_state(extra.get("engine"), "state_dict['pycomm']['engine']", reset_error_feedback,
-                                           span=self.fragments)
+                                           span=self.fragments, chunk_numel=self._wire_settings()["chunk_numel"])
         anchors = state_dict["anchor"]
-        if len(anchors) != len(self.anchor):
-            raise ValueError(f"cannot load this DiLoCo state: {len(anchors)} anchor tensors, "
-                             f"this DiLoCo has {len(self.anchor)}")
+        if len(anchors) != len(self.anchor) or any(
+                not isinstance(s, torch.Tensor) or s.shape != a.shape for s, a in zip(anchors, self.anchor)):
+            raise ValueError(f"cannot load this DiLoCo state: its anchor tensors are not this DiLoCo's parameters "
+                             f"({len(anchors)} tensors, this DiLoCo has {len(self.anchor)} of other shapes)")
+        # Every check above changed nothing; the engine first of the changes
+        # (it refuses residuals of another world size or chunk before it
+        # changes anything), then torch's loads, which refuse before they
+        # change anything; if one does, the residuals go back.
+        before = self._session.residuals()
+        self._session.load_state(loaded)
+        try:
+            self.inner.load_state_dict(state_dict["inner"])
+            self.outer.load_state_dict(state_dict["outer"])
+        except BaseException:
+            self._session.load_residuals(before)
+            raise
         self._drop_pending()
-        self.inner.load_state_dict(state_dict["inner"])
-        self.outer.load_state_dict(state_dict["outer"])
+        self._checked = False  # the ranks compare the loaded step count and anchor at the next step
         for a, s in zip(self.anchor, anchors):
             a.copy_(s)
         self.step_count = int(extra["step_count"])
@@ -487,7 +581,6 @@ class DiLoCo:
             if self._local is not None:
                 self._local[:n].copy_(pending["local"])
             self._pending = {"fragment": int(pending["fragment"]), "apply_at": int(pending["apply_at"])}
-        self._session.load_state(loaded)
 
     def _drop_pending(self) -> None:
         """Drop the sync in flight without applying it (after waiting for
