@@ -46,7 +46,7 @@ from torch.nn.parallel import DistributedDataParallel
 from .. import distributed as pd
 from ..ddp import CompressionState
 
-__all__ = ["PerRankState", "backend", "ddp_of", "init_process_group"]
+__all__ = ["PerRankState", "backend", "ddp_of", "hook_state", "init_process_group", "load_rank_file", "rank_file"]
 
 #: Backend names registered by :func:`backend`, and their settings.
 _REGISTERED: Dict[str, Dict[str, Any]] = {}
@@ -61,6 +61,51 @@ def ddp_of(model: Any) -> Optional[DistributedDataParallel]:
     """
     model = getattr(model, "_orig_mod", model)
     return model if isinstance(model, DistributedDataParallel) else None
+
+
+def hook_state(state: Optional[CompressionState], settings: Dict[str, Any],
+               reset_error_feedback: Any) -> CompressionState:
+    """The arguments every adapter takes, checked: a hook state or the
+    settings to make one, and the ``reset_error_feedback`` flag."""
+    if state is not None and settings:
+        raise TypeError(f"pass either a CompressionState or its settings, not both (got {sorted(settings)})")
+    if not isinstance(reset_error_feedback, bool):
+        raise TypeError(f"reset_error_feedback must be a bool, got {reset_error_feedback!r}")
+    state = state if state is not None else CompressionState(**settings)
+    if not isinstance(state, CompressionState):
+        raise TypeError(f"state must be a pycomm.ddp.CompressionState, got {type(state).__name__}")
+    return state
+
+
+def rank_file(directory: str, rank: int) -> str:
+    """Where an adapter keeps rank ``rank``'s hook state in a checkpoint
+    folder (beside the framework's own per-rank files).
+
+    >>> rank_file("ckpt/checkpoint_3", 1)
+    'ckpt/checkpoint_3/pycomm_hook_rank1.pt'
+    """
+    return os.path.join(directory, f"pycomm_hook_rank{rank}.pt")
+
+
+def load_rank_file(state: CompressionState, directory: str, rank: int, reset_error_feedback: bool,
+                   how: str) -> None:
+    """Load rank ``rank``'s hook state from a checkpoint folder into
+    ``state``; ``how``: the adapter call that saves it, for the error. A
+    folder saved by fewer ranks gives the iteration only, with
+    ``reset_error_feedback``."""
+    import torch
+
+    path = rank_file(directory, rank)
+    if not os.path.exists(path):
+        fallback = rank_file(directory, 0)
+        if reset_error_feedback and os.path.exists(fallback):
+            path = fallback  # more ranks than saved: the iteration only
+        else:
+            raise FileNotFoundError(
+                f"{path} is missing: the checkpoint holds no pycomm hook state for rank {rank} (saved without "
+                f"{how}, or by fewer ranks; {how}(..., reset_error_feedback=True) starts the residuals over)")
+    state.load_state_dict(torch.load(path, map_location="cpu", weights_only=True),
+                          reset_error_feedback=reset_error_feedback)
 
 
 def _options(compressor: str, settings: Dict[str, Any]) -> pd.PycommOptions:

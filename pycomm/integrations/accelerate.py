@@ -35,8 +35,9 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+
 from ..ddp import CompressionState, compressed_hook
-from . import ddp_of
+from . import ddp_of, hook_state, load_rank_file, rank_file
 
 try:
     import accelerate  # noqa: F401
@@ -49,16 +50,8 @@ except ImportError as exc:
 __all__ = ["register_hook", "state_file"]
 
 
-def state_file(directory: str, rank: int) -> str:
-    """Where :func:`register_hook` saves rank ``rank``'s hook state in a
-    checkpoint folder.
-
-    Example::
-
-        >>> state_file("ckpt/checkpoint_3", 1)
-        'ckpt/checkpoint_3/pycomm_hook_rank1.pt'
-    """
-    return os.path.join(directory, f"pycomm_hook_rank{rank}.pt")
+#: Where :func:`register_hook` saves rank ``rank``'s hook state in a checkpoint folder.
+state_file = rank_file
 
 
 def register_hook(accelerator: Any, model: Any, state: Optional[CompressionState] = None, *,
@@ -70,8 +63,9 @@ def register_hook(accelerator: Any, model: Any, state: Optional[CompressionState
     Args:
         accelerator: the ``accelerate.Accelerator``.
         model: the prepared model: ``DistributedDataParallel`` with several
-            processes (or ``torch.compile``'s wrapper around it); with one process nothing is registered (nothing to
-            reduce), the state is still saved and loaded.
+            processes (or ``torch.compile``'s wrapper around it); with one
+            process nothing is registered (nothing to reduce), the state is
+            still saved and loaded.
         state: the :class:`~pycomm.ddp.CompressionState`; None: one made
             from ``settings`` (``compressor="onebit", start_iter=10``, ...).
         reset_error_feedback: on ``load_state`` from a checkpoint of another
@@ -88,13 +82,7 @@ def register_hook(accelerator: Any, model: Any, state: Optional[CompressionState
         model, opt = accelerator.prepare(model, opt)
         state = register_hook(accelerator, model, compressor="topk", density=0.01)
     """
-    if state is not None and settings:
-        raise TypeError(f"pass either a CompressionState or its settings, not both (got {sorted(settings)})")
-    if not isinstance(reset_error_feedback, bool):
-        raise TypeError(f"reset_error_feedback must be a bool, got {reset_error_feedback!r}")
-    state = state if state is not None else CompressionState(**settings)
-    if not isinstance(state, CompressionState):
-        raise TypeError(f"state must be a pycomm.ddp.CompressionState, got {type(state).__name__}")
+    state = hook_state(state, settings, reset_error_feedback)
     handler = getattr(accelerator, "ddp_handler", None)
     hook = getattr(handler, "comm_hook", None)
     if hook is not None and getattr(hook, "value", hook) != "no":
@@ -119,19 +107,7 @@ def register_hook(accelerator: Any, model: Any, state: Optional[CompressionState
         torch.save(state.state_dict(), state_file(output_dir, rank()))
 
     def load(models, input_dir) -> None:
-        path = state_file(input_dir, rank())
-        if not os.path.exists(path):
-            fallback = state_file(input_dir, 0)
-            if reset_error_feedback and os.path.exists(fallback):
-                path = fallback  # more ranks than saved: the iteration only
-            else:
-                raise FileNotFoundError(
-                    f"{path} is missing: the checkpoint holds no pycomm hook state for rank {rank()} "
-                    f"(saved without register_hook, or by fewer ranks; register_hook(..., "
-                    f"reset_error_feedback=True) starts the residuals over)"
-                )
-        state.load_state_dict(torch.load(path, map_location="cpu", weights_only=True),
-                              reset_error_feedback=reset_error_feedback)
+        load_rank_file(state, input_dir, rank(), reset_error_feedback, "register_hook")
 
     accelerator.register_save_state_pre_hook(save)
     accelerator.register_load_state_pre_hook(load)

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ..ddp import CompressionState, compressed_hook
-from . import ddp_of
+from . import ddp_of, hook_state, load_rank_file, rank_file
 
 try:
     from transformers import TrainerCallback
@@ -51,15 +51,8 @@ except ImportError as exc:
 __all__ = ["CompressionCallback", "compress", "state_file"]
 
 
-def state_file(directory: str, rank: int) -> str:
-    """Where rank ``rank``'s hook state lives in a Trainer checkpoint folder.
-
-    Example::
-
-        >>> state_file("out/checkpoint-40", 1)
-        'out/checkpoint-40/pycomm_hook_rank1.pt'
-    """
-    return os.path.join(directory, f"pycomm_hook_rank{rank}.pt")
+#: Where rank ``rank``'s hook state lives in a Trainer checkpoint folder.
+state_file = rank_file
 
 
 def _rank() -> int:
@@ -96,18 +89,7 @@ class CompressionCallback(TrainerCallback):
         torch.save(self.state.state_dict(), state_file(folder, _rank()))
 
     def _load(self, folder: str) -> None:
-        path = state_file(folder, _rank())
-        if not os.path.exists(path):
-            fallback = state_file(folder, 0)
-            if self.reset_error_feedback and os.path.exists(fallback):
-                path = fallback  # more ranks than saved: the iteration only
-            else:
-                raise FileNotFoundError(
-                    f"{path} is missing: the checkpoint holds no pycomm hook state for rank {_rank()} (saved "
-                    f"without compress(), or by fewer ranks; compress(..., reset_error_feedback=True) starts "
-                    f"the residuals over)")
-        self.state.load_state_dict(torch.load(path, map_location="cpu", weights_only=True),
-                                   reset_error_feedback=self.reset_error_feedback)
+        load_rank_file(self.state, folder, _rank(), self.reset_error_feedback, "compress")
 
 
 def compress(trainer: Any, state: Optional[CompressionState] = None, *, reset_error_feedback: bool = False,
@@ -130,13 +112,7 @@ def compress(trainer: Any, state: Optional[CompressionState] = None, *, reset_er
         state = compress(trainer, compressor="onebit", block_size=256, start_iter=20)
         trainer.train(resume_from_checkpoint="out/checkpoint-40")
     """
-    if state is not None and settings:
-        raise TypeError(f"pass either a CompressionState or its settings, not both (got {sorted(settings)})")
-    if not isinstance(reset_error_feedback, bool):
-        raise TypeError(f"reset_error_feedback must be a bool, got {reset_error_feedback!r}")
-    state = state if state is not None else CompressionState(**settings)
-    if not isinstance(state, CompressionState):
-        raise TypeError(f"state must be a pycomm.ddp.CompressionState, got {type(state).__name__}")
+    state = hook_state(state, settings, reset_error_feedback)
     if any(isinstance(cb, CompressionCallback) for cb in trainer.callback_handler.callbacks):
         raise ValueError("compress() was already called on this Trainer: call it once, with every setting")
     callback = CompressionCallback(trainer, state, reset_error_feedback)
