@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import os
+import time
 
 import pytest
 import torch
@@ -141,14 +142,25 @@ def _two_ranks(rank, world, directory):
     # sockets and residuals): rebuilding one per phase does not grow.
     import gc
 
+    def settled_fds():
+        # Sockets close as their threads end: wait until the count holds.
+        last = -1
+        for _ in range(50):
+            gc.collect()
+            n = len(os.listdir("/proc/self/fd"))
+            if n == last:
+                return n
+            last = n
+            time.sleep(0.05)
+        return last
+
     fds = []
-    for i in range(3):
+    for i in range(6):
         model = _model()
         opt = _build(model, sync_every=1, compressor="int8", error_feedback=True)
         _step(model, opt, rank, 0)
         del model, opt
-        gc.collect()
-        fds.append(len(os.listdir("/proc/self/fd")))
+        fds.append(settled_fds())
     out["fds"] = fds
     # Outer settings of another run: refused, naming the setting.
     model = _model()
@@ -229,8 +241,9 @@ def test_a_state_of_another_chunk_is_refused_whole(two_ranks):
 
 
 def test_a_diloco_that_goes_releases_its_group(two_ranks):
+    # Without the release each instance kept about 5 descriptors (and 4 threads).
     for r in two_ranks:
-        assert r["fds"][0] == r["fds"][1] == r["fds"][2], r["fds"]
+        assert r["fds"][-1] - r["fds"][1] <= 2, r["fds"]
 
 
 def test_a_state_of_other_outer_settings_is_refused(two_ranks):
@@ -292,7 +305,7 @@ def test_a_failed_sync_in_flight_is_never_applied_or_saved():
         opt.finish()
     assert opt._pending is None and opt.syncs == 0
     assert all(torch.equal(a, b) for a, b in zip(anchor, opt.anchor))
-    opt.finish()  # nothing left to apply
+    opt.finish(sync_all=False)  # nothing left to apply
     assert opt.syncs == 0
 
 

@@ -627,7 +627,7 @@ def _diloco_run(device):
             opt.step()
             losses.append(float(loss))
         if kw is not None:
-            opt.finish()
+            opt.finish(sync_all=False)  # the sync in flight applied: the run's own syncs
             out[name + " syncs"] = opt.syncs
         out[name] = {"losses": losses, "params": [p.detach().cpu() for p in model.parameters()]}
     return out
