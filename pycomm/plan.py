@@ -114,6 +114,13 @@ GPUS: Dict[str, tuple] = {
     "v100": (125.0, "NVIDIA V100 SXM2 datasheet: 125 TFLOPS tensor (fp16)"),
 }
 
+#: Memory per GPU, GB (the datasheets above: H100 SXM 80 GB, H200 141 GB,
+#: A100 80 GB (the larger model), V100 32 GB (the larger model)).
+GPU_MEMORY_GB = {"h100": 80.0, "h200": 141.0, "a100": 80.0, "v100": 32.0}
+#: Bytes per parameter element a DDP rank holds besides activations: the
+#: fp32 parameter, AdamW's two fp32 moments (the gradient's width is added).
+STATE_BYTES = 4 + 8
+
 #: ``<number><k|m|g|t><unit>``: ``bit``, ``bit/s``, ``bps`` are bits; ``b/s`` (as in GB/s) bytes.
 _RATE = re.compile(r"(\d+(?:\.\d*)?(?:e[+-]?\d+)?)\s*([kmgt]?)(bit/s|bit|bps|b/s)")
 _BIT_MULT = {"k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
@@ -308,10 +315,16 @@ def predict_allreduce_time(
 
 
 # ----------------------------------------------------------- kernel timing ---
+#: The engine measurements shipped in the package (the newest engine
+#: benchmark result per device, copied here by ``pycomm-bench allreduce
+#: --device cuda``), so that an installed wheel plans as the source tree does.
+MEASUREMENTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "measurements")
+
+
 def _results_dirs() -> List[str]:
     here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results")
     cwd = os.path.abspath(os.path.join("benchmarks", "results"))
-    return [here] if here == cwd else [here, cwd]
+    return ([here] if here == cwd else [here, cwd]) + [MEASUREMENTS_DIR]
 
 
 def _newest_result(pattern: str, accept=lambda doc: True) -> Optional[str]:
@@ -433,6 +446,12 @@ def kernel_throughput(doc: Mapping, compressor: str, block_size: Optional[int] =
 
 
 # -------------------------------------------------------------------- plan ---
+#: What "plain" means in a recommendation: the framework's own all-reduce
+#: (NCCL's, flat or hierarchical as NCCL runs it), not pycomm, whose exact
+#: all-reduce runs flat.
+PLAIN = "plain: NCCL's own all-reduce, without pycomm"
+
+
 def _check_int(name: str, value, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
@@ -448,7 +467,7 @@ def plan(params: float, gpus: int, gpus_per_node: int = 8, intra: str = "nvlink4
          kernels_json: Union[None, bool, str] = None, kernel_device: str = "cuda",
          engine_json: Union[None, bool, str] = None,
          intra_alpha: Optional[float] = None, inter_alpha: Optional[float] = None,
-         min_saving: float = DEFAULT_MIN_SAVING) -> Dict[str, object]:
+         min_saving: float = DEFAULT_MIN_SAVING, sync_every: int = 16) -> Dict[str, object]:
     """The plan for one setup as data (what ``pycomm plan`` prints). Errors
     name the command-line flag. ``kernels_json``: a result file, None for the
     newest ``kernels-<kernel_device>-*.json``, False for none.
@@ -461,12 +480,22 @@ def plan(params: float, gpus: int, gpus_per_node: int = 8, intra: str = "nvlink4
     compressed (:func:`default_chunk_numel`). ``block_size``: None for the
     block codec's default (``spec.DEFAULT_BLOCK_SIZE``).
 
+    ``alternatives``: the methods that change the optimizer rather than
+    compress its gradients, on the same link, by bytes and wire time per
+    step (their compute is not measured here, and their loss is the quality
+    study's question: docs/results.md): OneBitAdam (the onebit momentum
+    after its warm-up) and DiLoCo (one all-reduce of the pseudo-gradient,
+    with ``compressor``, every ``sync_every`` steps). The recommendation
+    weighs the gradient methods only.
+
     Example::
 
         >>> p = plan(params=4.9e6, gpus=4, gpus_per_node=1, inter="1gbit", compressor="onebit",
         ...          kernels_json=False, engine_json=False)
         >>> [(m["method"], round(m["wire_s"], 3)) for m in p["methods"]]
         [('flat ring', 0.235), ('hierarchical', 0.235), ('onebit', 0.008), ('hierarchical + onebit', 0.008)]
+        >>> [(m["method"], round(m["wire_s"], 4)) for m in p["alternatives"]]
+        [('OneBitAdam (onebit momentum)', 0.0077), ('DiLoCo H=16 (onebit pseudo-gradient)', 0.0005)]
         >>> p["methods"][2]["compute"]
         'no measurement'
         >>> plan(params=1e9, gpus=12, tp=8)
@@ -501,6 +530,7 @@ def plan(params: float, gpus: int, gpus_per_node: int = 8, intra: str = "nvlink4
     for flag, v in (("--tokens-per-step", tokens_per_step), ("--peak-tflops", peak_tflops), ("--bucket-mb", bucket_mb)):
         if v is not None and not v > 0:
             raise ValueError(f"{flag} must be > 0, got {v!r}")
+    _check_int("--sync-every", sync_every)
     if gpus % (tp * pp):
         raise ValueError(f"--gpus {gpus} is not a multiple of --tp x --pp = {tp} x {pp} = {tp * pp}")
     if gpus > gpus_per_node and gpus % gpus_per_node:
@@ -614,6 +644,28 @@ def plan(params: float, gpus: int, gpus_per_node: int = 8, intra: str = "nvlink4
         else:  # one GPU per node or one node: nothing to split
             methods.append(row(f"hierarchical + {compressor}", [comp]))
 
+    # The methods that change the optimizer (flat, as their groups run).
+    alternatives = []
+    if dp > 1:
+        def other(name: str, method: str, every: int) -> Dict[str, object]:
+            part = predict_allreduce_time(method, n, dp, flat_link.bytes_per_s, flat_link.alpha_s, chunks=cchunks,
+                                          density=density, block_size=None if method != compressor else block_size,
+                                          approx=not topk_exact)
+            out = row(name, [part])
+            for key in ("messages", "bytes_per_rank", "latency_s", "transfer_s", "wire_s", "total_s"):
+                out[key] = float(out[key]) / every
+            return out
+
+        alternatives.append(other("OneBitAdam (onebit momentum)", "onebit", 1))
+        alternatives.append(other(f"DiLoCo H={sync_every} ({compressor if compressed else 'exact'} pseudo-gradient)",
+                                  compressor if compressed else "allreduce", sync_every))
+
+    # What each GPU holds unsharded (DDP), activations aside.
+    held = n * (STATE_BYTES + width)
+    capacity = GPU_MEMORY_GB.get(gpu) if peak_tflops is None or gpu in GPU_MEMORY_GB else None
+    memory = {"bytes_per_gpu": held, "gpu_bytes": None if capacity is None else capacity * 1e9,
+              "fits": None if capacity is None else held <= capacity * 1e9}
+
     peak = (peak_tflops if peak_tflops is not None else GPUS[gpu][0]) * 1e12
     compute_s = 6 * params * tokens_per_step / (gpus * peak * mfu)
     backward_s = compute_s * 2 / 3  # backward is 4 of the 6 N FLOPs per token
@@ -631,10 +683,10 @@ def plan(params: float, gpus: int, gpus_per_node: int = 8, intra: str = "nvlink4
     elif best is plain or best["saving_vs_plain"] < min_saving:
         fastest = min(methods[2:], key=lambda m: m["step_s"])
         if fastest["step_s"] > plain["step_s"]:
-            advice = (f"use {plain['method']} (plain): it wins here; {fastest['method']} would take "
+            advice = (f"use {plain['method']} ({PLAIN}): it wins here; {fastest['method']} would take "
                       f"{fmt_s(fastest['total_s'])} per step to communicate against {fmt_s(plain['total_s'])}")
         else:
-            advice = (f"use {plain['method']} (plain): compression would save "
+            advice = (f"use {plain['method']} ({PLAIN}): compression would save "
                       f"{best['saving_vs_plain']:.0%} of step time, under {min_saving:.0%}; plain is fine")
     else:
         advice = f"use {best['method']}: saves {best['saving_vs_plain']:.0%} of step time over {plain['method']}"
@@ -646,7 +698,7 @@ def plan(params: float, gpus: int, gpus_per_node: int = 8, intra: str = "nvlink4
                    "topk_exact": topk_exact, "tp": tp, "pp": pp, "dtype": dtype,
                    "tokens_per_step": tokens_per_step, "gpu": gpu, "peak_tflops": peak / 1e12, "mfu": mfu,
                    "overlap": overlap, "bucket_mb": bucket_mb, "chunk_numel": chunk_numel,
-                   "kernel_device": kernel_device, "min_saving": min_saving},
+                   "kernel_device": kernel_device, "min_saving": min_saving, "sync_every": sync_every},
         "topology": {"dp": dp, "dp_ranks_per_node": local, "dp_nodes": dp_nodes,
                      "nodes": max(1, gpus // gpus_per_node), "buckets": buckets,
                      "compressed_chunks": cchunks, "flat_ring_link": "inter" if dp_nodes > 1 else "intra"},
@@ -657,6 +709,8 @@ def plan(params: float, gpus: int, gpus_per_node: int = 8, intra: str = "nvlink4
                      "seconds": grad_bytes / flat_link.quoted_bytes_per_s,
                      "per_direction_seconds": grad_bytes / flat_link.bytes_per_s},
         "methods": methods,
+        "alternatives": alternatives,
+        "memory": memory,
         "compute": {"seconds": compute_s, "flops": 6 * params * tokens_per_step, "peak_flops_per_gpu": peak},
         "comm_to_compute": plain["total_s"] / compute_s,
         "kernels": kernels,
@@ -740,6 +794,14 @@ def format_plan(p: Mapping) -> str:
         f" (communication overlap {i['overlap']:.0%})",
         f"communication / compute (best plain): {p['comm_to_compute']:.3g}",
         f"recommendation: {p['recommendation']}",
+        *([f"memory: each GPU holds {fmt_bytes(p['memory']['bytes_per_gpu'])} of parameters, gradients and AdamW "
+           f"state ({STATE_BYTES} B + {DTYPE_BYTES[i['dtype']]} B per element) against its "
+           f"{fmt_bytes(p['memory']['gpu_bytes'])}: it does not fit unsharded. Shard it (FSDP, --tp, --pp) first"]
+          if p["memory"]["fits"] is False else []),
+        *([f"methods that change the optimizer (wire only; their loss cost: docs/results.md, the quality study): "
+           + "; ".join(f"{m['method']}: {fmt_bytes(m['bytes_per_rank'])} sent per rank per step, "
+                       f"{fmt_s(m['total_s'])} of communication per step" for m in p["alternatives"])]
+          if p["alternatives"] else []),
     ]
     return "\n".join(lines)
 
@@ -805,6 +867,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="where gradients are compressed (cuda for GPU training)")
     ap.add_argument("--min-saving", type=float, default=DEFAULT_MIN_SAVING,
                     help="recommend compression only when it saves at least this fraction of step time")
+    ap.add_argument("--sync-every", type=int, default=16,
+                    help="DiLoCo's H in the rows of the methods that change the optimizer (default 16)")
     ap.add_argument("--json", metavar="OUT", help="also write the plan as JSON to OUT")
     return ap
 
@@ -826,7 +890,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                  peak_tflops=a.peak_tflops, mfu=a.mfu, overlap=a.overlap, bucket_mb=a.bucket_mb,
                  chunk_numel=a.chunk_numel, kernels_json=a.kernels_json, kernel_device=a.kernel_device,
                  engine_json=a.engine_json,
-                 intra_alpha=a.intra_alpha, inter_alpha=a.inter_alpha, min_saving=a.min_saving)
+                 intra_alpha=a.intra_alpha, inter_alpha=a.inter_alpha, min_saving=a.min_saving,
+                 sync_every=a.sync_every)
     except (ValueError, OSError) as err:
         ap.error(str(err))
     print(format_plan(p))

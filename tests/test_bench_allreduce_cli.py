@@ -151,3 +151,24 @@ def test_failed_verification_is_reported_not_timed(monkeypatch):
     assert by["onebit"]["median_s"] is None and by["onebit"]["compress_median_s"] is None
     assert by["plain"]["status"] == "ok" and by["plain"]["median_s"] > 0
     assert allreduce.failed(doc) and "VERIFY FAILED" in allreduce.format_table(doc)
+
+
+def test_the_engine_benchmark_ships_its_result_with_the_package(tmp_path, monkeypatch):
+    # pycomm plan reads the shipped copy where no benchmarks/results exists
+    # (an installed wheel): the run replaces the older file of its device.
+    import json
+
+    import pycomm.plan
+    from pycomm_bench import engine_cuda
+
+    shipped = tmp_path / "pycomm" / "measurements"
+    shipped.mkdir(parents=True)
+    (shipped / "allreduce-cuda-gpu9-2026-01-01.json").write_text("{}")
+    (shipped / "allreduce-cpu-x-2026-01-01.json").write_text("{}")
+    monkeypatch.setattr(pycomm.plan, "MEASUREMENTS_DIR", str(shipped))
+    assert engine_cuda.ship({"a": 1}, "benchmarks/results/allreduce-cuda-gpu9-2026-12-04.json") is None  # no tree
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    out = engine_cuda.ship({"a": 1}, "benchmarks/results/allreduce-cuda-gpu9-2026-12-04.json")
+    assert sorted(p.name for p in shipped.iterdir()) == ["allreduce-cpu-x-2026-01-01.json",
+                                                          "allreduce-cuda-gpu9-2026-12-04.json"]
+    assert json.loads(open(out).read()) == {"a": 1}

@@ -227,7 +227,7 @@ def test_cli_errors_exit_2(capsys):
 
 
 JSON_KEYS = {"inputs", "topology", "links", "gradient_elements", "gradient_bytes", "envelope", "methods",
-             "compute", "comm_to_compute", "kernels", "best", "recommendation"}
+             "alternatives", "memory", "compute", "comm_to_compute", "kernels", "best", "recommendation"}
 METHOD_KEYS = {"method", "messages", "bytes_per_rank", "latency_s", "transfer_s", "wire_s", "compute_s",
                "compute_excluded", "compute", "total_s", "exposed_s", "step_s", "saving_vs_plain"}
 
@@ -325,3 +325,54 @@ def test_default_chunk_follows_the_device():
     q = P.plan(params=1e9, gpus=16, compressor="onebit", kernels_json=False, engine_json=False, kernel_device="cpu")
     assert q["inputs"]["chunk_numel"] == spec.default_chunk_numel("cpu")
     assert q["topology"]["compressed_chunks"] > p["topology"]["compressed_chunks"]
+
+
+@pytest.mark.parametrize("compressor", ["none", "int4"])
+def test_the_methods_that_change_the_optimizer_are_planned_beside(compressor):
+    kw = dict(params=4.9e6, gpus=4, gpus_per_node=1, inter="1gbit", kernels_json=False, engine_json=False)
+    p = P.plan(compressor=compressor, sync_every=8, **kw)
+    onebit, diloco = p["alternatives"]
+    assert onebit["method"] == "OneBitAdam (onebit momentum)"
+    assert onebit["bytes_per_rank"] == P.plan(compressor="onebit", **kw)["methods"][2]["bytes_per_rank"]
+    codec = P.plan(compressor=compressor, **kw)["methods"][0 if compressor == "none" else 2]
+    assert diloco["method"].startswith("DiLoCo H=8")
+    assert diloco["bytes_per_rank"] == pytest.approx(codec["bytes_per_rank"] / 8)
+    assert diloco["wire_s"] == pytest.approx(codec["wire_s"] / 8)
+    # The recommendation weighs the gradient methods only; "plain" is named as NCCL's, not pycomm's.
+    assert "DiLoCo" not in p["recommendation"] and "OneBitAdam" not in p["recommendation"]
+    assert P.plan(compressor="none", **kw)["alternatives"] and not P.plan(compressor="none", **{**kw, "gpus": 1})["alternatives"]
+
+
+def test_the_package_ships_the_newest_engine_measurements():
+    # A copy, kept equal to the newest engine result of the source tree (the
+    # engine benchmark writes both), so that a wheel plans as the tree does.
+    import os
+
+    results = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "results")
+    shipped = sorted(os.listdir(P.MEASUREMENTS_DIR))
+    assert shipped, "no shipped measurements"
+    for name in shipped:
+        with open(os.path.join(P.MEASUREMENTS_DIR, name)) as f, open(os.path.join(results, name)) as g:
+            assert json.load(f) == json.load(g), name
+    device = shipped[0].split("-")[1]
+    newest = P._newest_result(f"allreduce-{device}-*.json", lambda d: "records" in d and "bucket" in d)
+    assert os.path.basename(newest) in shipped
+
+
+def test_a_wheel_plans_as_the_source_tree(monkeypatch):
+    kw = dict(params=1.3e9, gpus=16, gpus_per_node=8, inter="100gbit", compressor="onebit", kernels_json=False)
+    tree = P.plan(**kw)
+    monkeypatch.setattr(P, "_results_dirs", lambda: [P.MEASUREMENTS_DIR])  # what an installed wheel has
+    wheel = P.plan(**kw)
+    assert wheel["recommendation"] == tree["recommendation"]
+    assert wheel["kernels"]["engine"]["path"].startswith(P.MEASUREMENTS_DIR)
+    assert [m["compute"] for m in wheel["methods"]] == [m["compute"] for m in tree["methods"]]
+
+
+def test_a_model_that_does_not_fit_unsharded_is_said(capsys):
+    big = P.plan(params=70e9, gpus=64, gpus_per_node=8, kernels_json=False, engine_json=False)
+    assert big["memory"]["fits"] is False and big["memory"]["bytes_per_gpu"] == 70e9 * (P.STATE_BYTES + 4)
+    small = P.plan(params=1e9, gpus=64, gpus_per_node=8, kernels_json=False, engine_json=False)
+    assert small["memory"]["fits"] is True
+    assert P.main(["plan", "--params", "70e9", "--gpus", "64"]) == 0
+    assert "it does not fit unsharded" in capsys.readouterr().out

@@ -46,6 +46,7 @@ import argparse
 import datetime as _dt
 import gc
 import math
+import os
 import re
 import sys
 import time
@@ -59,7 +60,7 @@ from pycomm.distributed import spec
 from pycomm.distributed.spec import chunk_bounds
 
 from .methods import PLAIN, SPARSE
-from .report import clean, default_json_path, fail, finish, fmt_number, machine_info, size_label, table
+from .report import clean, default_json_path, fail, finish, fmt_number, machine_info, size_label, table, write_json
 
 HELP = "the engine on one GPU (one rank over NCCL): keyed all-reduce vs its kernels vs NCCL, buckets, DDP"
 
@@ -963,7 +964,32 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         return fail("allreduce", f"error: {exc}", 2)
     doc = run_from_args(a)
-    return finish(doc, a.json, format_table(doc), failed(doc), t0)
+    status = finish(doc, a.json, format_table(doc), failed(doc), t0)
+    if status == 0 and not a.json.endswith("-quick.json"):
+        ship(doc, a.json)
+    return status
+
+
+def ship(doc: dict, path: str) -> Optional[str]:
+    """Copy a full engine result into the package's measurements
+    (``pycomm.plan.MEASUREMENTS_DIR``, replacing the older one of the same
+    device), so that ``pycomm plan`` from an installed wheel reads what the
+    source tree's does; only from a source tree (a ``benchmarks/results``
+    beside the package). Returns the file written, or None."""
+    import glob
+
+    from pycomm.plan import MEASUREMENTS_DIR
+
+    if not os.path.isdir(os.path.join(os.path.dirname(MEASUREMENTS_DIR), os.pardir, "benchmarks", "results")):
+        return None
+    name = os.path.basename(path)
+    device = name.split("-")[1]
+    for old in glob.glob(os.path.join(MEASUREMENTS_DIR, f"allreduce-{device}-*.json")):
+        os.remove(old)
+    out = os.path.join(MEASUREMENTS_DIR, name)
+    write_json(out, doc)
+    print(f"wrote {out} (shipped with the package: pycomm plan's measurements)", flush=True)
+    return out
 
 
 def main(argv: Optional[List[str]] = None) -> int:
