@@ -363,7 +363,10 @@ def init_process_group(
 
 def wrap(group: Optional[dist.ProcessGroup] = None, compressor: str = "onebit", **settings: Any) -> dist.ProcessGroup:
     """A new compressing group over the same ranks as ``group`` (default: the
-    world). Every rank of ``group`` must call it, as with ``dist.new_group``.
+    world). As with ``dist.new_group``, every rank of the world must call
+    it, in one order: for a subgroup, its ranks alone cannot (make its
+    pycomm group up front instead, ``dist.new_group(ranks, backend="pycomm",
+    pg_options=PycommOptions(...))``, on every rank, for every subgroup).
 
     Example::
 
