@@ -419,3 +419,36 @@ def test_a_hook_over_plain_gloo_prints_no_warning():
     # (torch deprecates collectives the hook's agreement and wrapping could use)
     for caught in run_ranks(_quiet, 2, timeout=60):
         assert caught == [], caught
+
+
+def _refused_then_trains_on(rank, world):
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4)))
+    state = CompressionState(compressor="onebit", block_size=32, start_iter=2)
+    model.register_comm_hook(state, compressed_hook)
+    for _ in range(4):
+        model(torch.ones(2, 8)).sum().backward()
+    saved = state.state_dict()
+    # Another model: its first stable bucket does not match the saved layout.
+    other = DDP(nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4)))
+    fresh = CompressionState(compressor="onebit", block_size=32, start_iter=2)
+    fresh.load_state_dict(saved)
+    other.register_comm_hook(fresh, compressed_hook)
+    out = {}
+    try:
+        for _ in range(3):
+            other(torch.ones(2, 8)).sum().backward()
+    except ValueError as exc:  # raised by backward() as itself
+        out["refused"] = str(exc)
+    # What the message says to do, and the same DDP model trains on.
+    fresh.load_state_dict(saved, reset_error_feedback=True)
+    for _ in range(3):
+        other(torch.ones(2, 8)).sum().backward()
+    out["trains on"] = all(bool(torch.isfinite(p.grad).all()) for p in other.parameters())
+    return out
+
+
+def test_after_a_refused_backward_the_ddp_model_trains_on():
+    for r in run_ranks(_refused_then_trains_on, 2, timeout=60):
+        assert "another model or bucket_cap_mb" in r.get("refused", ""), r
+        assert r["trains on"]

@@ -146,63 +146,70 @@ def checked_layouts(layouts: Any, where: str) -> Dict[int, BucketLayout]:
 
 
 # --------------------------------------------------------- error delivery ---
-def _at_end_of_backward(check: Callable[[], None]) -> None:
-    """Run ``check`` when the current backward pass has computed every
-    gradient, before DDP's own end-of-backward step (which a hook's buckets
-    precede). An exception it raises comes out of ``loss.backward()`` as
-    itself: DDP would report only a RuntimeError with the exception's text.
-    Nothing when not inside a backward pass."""
+def _after_ddp(check: Callable[[], None]) -> bool:
+    """Run ``check`` at the end of the current backward pass, after DDP's
+    own end-of-backward step (which DDP queues once its last bucket is
+    ready, after the hooks ran): queued now, it queues itself once more,
+    behind DDP's. An exception it raises comes out of ``loss.backward()`` as
+    itself (DDP would report only a RuntimeError with its text), and DDP has
+    ended its pass, so the model trains on after a refusal. False when not
+    inside a backward pass (nothing queued)."""
+    engine = torch.autograd.Variable._execution_engine
+
+    def again():
+        engine.queue_callback(check)
+
     try:
-        torch.autograd.Variable._execution_engine.queue_callback(check)
-    except RuntimeError:  # not inside a backward pass: the Future still fails
-        pass
+        engine.queue_callback(again)
+    except RuntimeError:  # not inside a backward pass
+        return False
+    return True
 
 
-def failed(exc: BaseException, as_itself: bool = True) -> torch.futures.Future:
-    """A future that fails with ``exc``; ``as_itself``: ``exc`` is raised
-    by backward() as itself, before DDP ends the backward pass (which leaves
-    DDP's reducer unfinished: for errors the model does not train on
-    after); else DDP raises a RuntimeError with its text after ending the
-    pass, and the model can go on."""
+def failed(exc: BaseException, tensor: Optional[torch.Tensor] = None, as_itself: bool = True) -> torch.futures.Future:
+    """The future a hook returns when it refuses a bucket. Inside a backward
+    pass with ``as_itself`` and the bucket's ``tensor``: a future of the
+    tensor as it is (DDP ends its pass), and ``exc`` raised by backward()
+    as itself after it; otherwise a future that fails with ``exc`` (DDP
+    raises a RuntimeError with its text)."""
 
     def check():
         raise exc
 
-    if as_itself:
-        _at_end_of_backward(check)
     done: torch.futures.Future = torch.futures.Future()
+    if as_itself and tensor is not None and _after_ddp(check):
+        done.set_result(tensor)
+        return done
     done.set_result(None)
     return done.then(lambda _: check())
 
 
-def result(raw: Iterable[torch.futures.Future], finish: Callable[[], torch.Tensor]) -> torch.futures.Future:
+def result(raw: Iterable[torch.futures.Future], finish: Callable[[], torch.Tensor],
+           tensor: torch.Tensor) -> torch.futures.Future:
     """The future DDP waits on: ``finish()`` once every future in ``raw``
     has completed. A failure (an engine call's, or one in ``finish``) is
-    raised by backward() as the original exception."""
+    raised by backward() as the original exception, after DDP ended its
+    pass (the future then gives the bucket's ``tensor`` as it is); outside
+    a backward pass the future fails with it."""
     raw = list(raw)
     errors: List[BaseException] = []
+
+    def check():
+        if errors:
+            raise errors[0]
+
+    deferred = _after_ddp(check)
 
     def then(_):
         try:
             for f in raw:
-                f.wait()
+                f.wait()  # the engine's error, with its own type
             return finish()
         except BaseException as exc:
             errors.append(exc)
+            if deferred:
+                return tensor
             raise
 
     source = raw[0] if len(raw) == 1 else torch.futures.collect_all(raw)
-    out = source.then(then)
-
-    def check():
-        for f in raw:
-            f.wait()  # the engine's error, with its own type
-        try:
-            out.wait()
-        except BaseException:
-            if errors:
-                raise errors[0] from None
-            raise
-
-    _at_end_of_backward(check)
-    return out
+    return source.then(then)

@@ -46,7 +46,8 @@ saves only those keys.
 
 A failure inside the hook (a refusal of the hook, or an error of the
 engine) is raised by ``loss.backward()`` as the original exception, with its
-own type and message.
+own type and message, after DDP ended its backward pass (the bucket is left
+as it was): the same DDP model trains on once the cause is fixed.
 """
 
 # No `from __future__ import annotations`: DDP compares the hook's annotations
@@ -498,7 +499,7 @@ def compressed_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.f
             state._agreed = True
         layout = state.buckets.layout(bucket)
     except Exception as exc:
-        return failed(exc)
+        return failed(exc, tensor)
     warm = it < state.start_iter
     try:
         if stable:
@@ -512,7 +513,7 @@ def compressed_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.f
         keyed = stable or state.bucket_layouts.get(index) == layout
         group = state._engine_group(tensor.device)
     except Exception as exc:
-        return failed(exc)
+        return failed(exc, tensor)
 
     try:
         if warm:
@@ -525,9 +526,9 @@ def compressed_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.f
         else:
             return _remapped(state, bucket, tensor, layout.positions, group, it)
         raw = work.get_future()
-        return result([raw], lambda: _first_tensor(raw.value(), tensor))
+        return result([raw], lambda: _first_tensor(raw.value(), tensor), tensor)
     except Exception as exc:
-        return failed(exc)
+        return failed(exc, tensor)
 
 
 def _remapped(state, bucket, tensor, positions, group, it) -> torch.futures.Future:
@@ -538,7 +539,7 @@ def _remapped(state, bucket, tensor, positions, group, it) -> torch.futures.Futu
     parts = _saved_parts(state, bucket, tensor, positions, it)
     if parts is None:
         raw = pd.all_reduce(tensor, group=group, op="avg", async_op=True, compress=False).get_future()
-        return result([raw], lambda: _first_tensor(raw.value(), tensor))
+        return result([raw], lambda: _first_tensor(raw.value(), tensor), tensor)
     # One engine call per saved bucket, issued now in index order (the
     # engine runs them in submission order, the same on every rank).
     pending = []
@@ -558,7 +559,7 @@ def _remapped(state, bucket, tensor, positions, group, it) -> torch.futures.Futu
                 start += n
         return tensor
 
-    return result([f for f, _, _ in pending], copy_back)
+    return result([f for f, _, _ in pending], copy_back, tensor)
 
 
 def _first_tensor(value: Any, default: torch.Tensor) -> torch.Tensor:
