@@ -62,12 +62,12 @@ from .. import distributed as pd
 from ..distributed.spec import is_plugin
 from ..distributed.session import EngineSession, agree, check_fields, nest_legacy
 from .buckets import BucketLayout, BucketTracker, checked_layouts, failed, result
-from ..distributed.spec import EF_METHODS, GROUP_METHODS, check_mode, error_feedback_for
+from ..distributed.spec import AUTO_METHOD, EF_METHODS, EXACT_METHOD, GROUP_METHODS, check_mode, error_feedback_for
 
 __all__ = ["CompressionState", "compressed_hook"]
 
 #: What the hook can run: every method of a group but "none" (no hook needed).
-COMPRESSORS = tuple(m for m in GROUP_METHODS if m != "none")
+COMPRESSORS = tuple(m for m in GROUP_METHODS if m != EXACT_METHOD)
 #: The version of a state_dict; version 2 (the engine state's fields at the
 #: top level) loads too (``nest_legacy``).
 _STATE_VERSION = 3
@@ -241,7 +241,7 @@ class CompressionState:
 
     def _uses_ef(self) -> bool:
         # "auto": the engine keeps residuals for the buckets it sends by a method with them.
-        return self.error_feedback and (self.compressor in (*EF_METHODS, "auto") or is_plugin(self.compressor))
+        return self.error_feedback and (self.compressor in (*EF_METHODS, AUTO_METHOD) or is_plugin(self.compressor))
 
     @property
     def bucket_layouts(self) -> Dict[int, BucketLayout]:

@@ -222,7 +222,7 @@ def residual_methods(compressor: str, collective: str = "") -> Tuple[str, ...]:
     its own, or, for "auto", any that keeps residuals; ``collective``: the
     suffix of a reduce-scatter's or all-gather's residuals
     (``spec.REDUCE_SCATTER_SUFFIX``), "" for an all-reduce's."""
-    return spec.EF_METHODS if compressor == "auto" else (compressor + collective,)
+    return spec.EF_METHODS if compressor == spec.AUTO_METHOD else (compressor + collective,)
 
 
 def nest_legacy(state: Dict[str, Any], method: str) -> Dict[str, Any]:
@@ -462,7 +462,7 @@ class EngineSession:
         from . import options_of
 
         theirs = dict(options_of(group, device.type if isinstance(device, torch.device) else device))
-        kind = spec.method_spec(self.compressor).kind if self.compressor != "auto" else "auto"
+        kind = spec.method_spec(self.compressor).kind if self.compressor != spec.AUTO_METHOD else spec.AUTO_METHOD
         mine: Dict[str, Any] = {"method": self.compressor}
         if kind == "block":
             mine["block_size"] = spec.block_size_for(self.compressor, self.settings.get("block_size"))
@@ -471,7 +471,7 @@ class EngineSession:
             for name in ("density", "approx"):
                 if name in self.settings:
                     mine[name] = self.settings[name]
-        if self.compressor in spec.ROUNDING_METHODS or kind == "auto":
+        if self.compressor in spec.ROUNDING_METHODS or kind == spec.AUTO_METHOD:
             rounding = self.settings.get("rounding", "nearest")
             mine.update(rounding=rounding, seed=self.settings.get("seed", 0) if rounding == "stochastic" else 0)
         if self.settings.get("chunk_numel") is not None:

@@ -308,7 +308,7 @@ class _CompressedMomentum(DDPAttach, Optimizer):
         return self.process_group if self.process_group is not None else dist.group.WORLD
 
     def _uses_ef(self) -> bool:
-        return self.compressor == "auto" or spec.method_spec(self.compressor).residuals
+        return self.compressor == spec.AUTO_METHOD or spec.method_spec(self.compressor).residuals
 
     @property
     def _engine(self) -> Optional[dist.ProcessGroup]:
@@ -672,7 +672,7 @@ class _CompressedMomentum(DDPAttach, Optimizer):
         if compressed is None:
             compressed = not self.exact_now
         if not compressed:
-            return spec.wire_bytes("none", sum(p.numel() for _, p in self._params()), world)
+            return spec.wire_bytes(spec.EXACT_METHOD, sum(p.numel() for _, p in self._params()), world)
         if self._layout is not None:
             numel = sum(e.count for e in self._layout)
         else:
@@ -683,7 +683,7 @@ class _CompressedMomentum(DDPAttach, Optimizer):
             # The chunk the engine runs (its default depends on the backend it wraps).
             chunk = pd.options_of(self._engine, self._device().type)["chunk_numel"]
         # "auto" picks per size: counted as the exact all-reduce it falls back to.
-        method = "none" if self.compressor == "auto" else self.compressor
+        method = spec.EXACT_METHOD if self.compressor == spec.AUTO_METHOD else self.compressor
         chunk = chunk or spec.default_chunk_numel(self._device().type, settings.get("inner"))
         kw = dict(chunk_numel=chunk, block_size=settings.get("block_size"),
                   density=settings.get("density", 0.01), approx=settings.get("approx", True),
