@@ -8,6 +8,7 @@
 #include "distributed/backend.hpp"
 
 namespace py = pybind11;
+using pycomm::dist::CallerWaits;
 using pycomm::dist::CompressedBackend;
 using pycomm::dist::ErrorFeedback;
 
@@ -111,20 +112,42 @@ PYBIND11_MODULE(_C, m) {
            py::arg("chunk_numel"), py::arg("block_size"), py::arg("density"), py::arg("approx"),
            py::arg("check_calls") = 1, py::arg("intra") = py::none(), py::arg("inter") = py::none(),
            py::arg("plugin_options") = "{}", py::arg("rounding_seed") = -1)
-      .def("allreduce_keyed", &CompressedBackend::allreduce_keyed, py::arg("tensor"),
-           py::arg("key"), py::arg("average"), py::arg("method") = py::none(),
+      // `wait`: the caller waits for the Work at once (CallerWaits).
+      .def("allreduce_keyed",
+           [](CompressedBackend& b, at::Tensor tensor, std::optional<int64_t> key, bool average,
+              std::optional<std::string> method, bool wait) {
+             const CallerWaits waits(wait);
+             return b.allreduce_keyed(tensor, key, average, method);
+           },
+           py::arg("tensor"), py::arg("key"), py::arg("average"), py::arg("method") = py::none(),
+           py::arg("wait") = false, py::call_guard<py::gil_scoped_release>())
+      .def("reduce_scatter_keyed",
+           [](CompressedBackend& b, at::Tensor output, at::Tensor input,
+              std::optional<int64_t> key, bool average, bool wait) {
+             const CallerWaits waits(wait);
+             return b.reduce_scatter_keyed(output, input, key, average);
+           },
+           py::arg("output"), py::arg("input"), py::arg("key"), py::arg("average"),
+           py::arg("wait") = false, py::call_guard<py::gil_scoped_release>())
+      .def("all_gather_keyed",
+           [](CompressedBackend& b, at::Tensor output, at::Tensor input,
+              std::optional<int64_t> key, bool wait) {
+             const CallerWaits waits(wait);
+             return b.all_gather_keyed(output, input, key);
+           },
+           py::arg("output"), py::arg("input"), py::arg("key"), py::arg("wait") = false,
            py::call_guard<py::gil_scoped_release>())
-      .def("reduce_scatter_keyed", &CompressedBackend::reduce_scatter_keyed, py::arg("output"),
-           py::arg("input"), py::arg("key"), py::arg("average"),
-           py::call_guard<py::gil_scoped_release>())
-      .def("all_gather_keyed", &CompressedBackend::all_gather_keyed, py::arg("output"),
-           py::arg("input"), py::arg("key"), py::call_guard<py::gil_scoped_release>())
       .def("method_for", &CompressedBackend::method_for, py::arg("numel"))
       .def("set_size_methods", &CompressedBackend::set_size_methods, py::arg("table"),
            py::arg("calibration") = "", py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("ranks_per_node", &CompressedBackend::ranks_per_node)
-      .def("allreduce_plain", &CompressedBackend::allreduce_plain, py::arg("tensor"),
-           py::arg("average"), py::call_guard<py::gil_scoped_release>())
+      .def("allreduce_plain",
+           [](CompressedBackend& b, at::Tensor tensor, bool average, bool wait) {
+             const CallerWaits waits(wait);
+             return b.allreduce_plain(tensor, average);
+           },
+           py::arg("tensor"), py::arg("average"), py::arg("wait") = false,
+           py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("inner", &CompressedBackend::inner)
       .def_property_readonly("config",
                              [](const CompressedBackend& b) {

@@ -287,3 +287,40 @@ def test_a_refused_change_leaves_the_residuals_and_the_group(key_change_results)
                 world = len(key_change_results)
                 if key[0] != "topk":  # rank r sends r + 1
                     assert torch.equal(value, torch.full((N,), world * (world + 1) / 2)), key
+
+
+def _rank_tagless_key_changes(rank, world):
+    """The methods whose payloads carry no call tag (the casts and the
+    exact all-reduce): a key's call changed or refused on one rank must
+    still raise on every rank, where the rank's stand-in used to be summed
+    as zeros into its peers' results without an error."""
+    out = {}
+    for method in ("fp16", "bf16", "none"):
+        pg = pd.wrap(compressor=method, min_compress_numel=1)
+        pd.all_reduce(torch.ones(N), key=7, group=pg)
+        changed = {
+            "resized": lambda: torch.full((N - 8 * rank,), 2.0),
+            "refused": lambda: torch.full((N,), 2.0) if rank == 0 else torch.ones(N, dtype=torch.int32),
+        }
+        for what, make in changed.items():
+            x = make()
+            out[(method, what)] = _attempt(lambda: pd.all_reduce(x, key=7, group=pg))
+        # The group goes on: the key's own call, exact for constants.
+        x = torch.full((N,), float(rank + 1))
+        pd.all_reduce(x, key=7, group=pg)
+        out[(method, "after")] = x
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_key_changed_on_one_rank_raises_on_every_rank_without_tags(world):
+    results = run_ranks(_rank_tagless_key_changes, world, timeout=120)
+    for rank, res in enumerate(results):
+        for method in ("fp16", "bf16", "none"):
+            for what in ("resized", "refused"):
+                msg = res[(method, what)]
+                assert msg is not None, f"rank {rank}, {method} {what}: no error (a stand-in summed in)"
+                assert f"pycomm rank {rank} of {world}" in msg, msg
+                if rank == 0:
+                    assert "a rank refused its call" in msg, msg
+            assert torch.equal(res[(method, "after")], torch.full((N,), world * (world + 1) / 2)), method

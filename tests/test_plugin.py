@@ -185,3 +185,56 @@ def test_a_payload_that_depends_on_the_data_is_refused_on_every_rank():
         assert sizes and sizes.group(1) != sizes.group(2), out[False]
         sizes = re.search(r"rank 0: (\d+) bytes, rank 1: (\d+) bytes", out[True])
         assert sizes and sizes.group(1) == sizes.group(2), out[True]  # the shapes differ
+
+
+# ------------------------------------------- a compressor raising on one rank ----
+class RefusesLargeValues:
+    """int32-rounded values, refusing (raising) when an entry is above 100:
+    a refusal that depends on the data, so it can hit one rank only."""
+
+    def compress(self, grad, residual):
+        if grad.abs().max() > 100:
+            raise ValueError("RefusesLargeValues: an entry above 100")
+        return [grad.round().to(torch.int32)]
+
+    def decompress(self, payload, out, accumulate):
+        if accumulate:
+            out.add_(payload[0].float())
+        else:
+            out.copy_(payload[0].float())
+
+
+def _rank_one_rank_raises(rank, world):
+    pycomm.register_compressor("refuses-large", RefusesLargeValues)
+    pg = pd.wrap(compressor="refuses-large", min_compress_numel=1, chunk_numel=300)
+    out = {}
+    for chunk in (0, 2):  # the first chunk, or one after others are on the wire
+        x = torch.full((1000,), float(rank + 1))
+        if rank == world - 1:
+            x[300 * chunk + 5] = 1000.0
+        try:
+            pd.all_reduce(x, key=chunk, group=pg)
+            out[chunk] = None
+        except Exception as exc:  # noqa: BLE001 - the message is what is checked
+            out[chunk] = f"{type(exc).__name__}: {exc}"
+        # The same key, size and op next: it must not pair with the refused call.
+        y = torch.full((1000,), float(rank + 2))
+        pd.all_reduce(y, key=chunk, group=pg)
+        out[("after", chunk)] = y
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_compressor_raising_on_one_rank_raises_on_every_rank(world):
+    results = run_ranks(_rank_one_rank_raises, world, timeout=120)
+    for rank, out in enumerate(results):
+        for chunk in (0, 2):
+            msg = out[chunk]
+            assert msg is not None, f"rank {rank}, chunk {chunk}: no error"
+            assert f"pycomm rank {rank} of {world}" in msg, msg
+            if rank == world - 1:
+                assert "RefusesLargeValues: an entry above 100" in msg, msg
+            else:
+                assert re.search(rf"compressor 'refuses-large' raised on rank\(s\) {world - 1} for \d+ elements", msg), msg
+            expected = sum(r + 2 for r in range(world))
+            assert torch.equal(out[("after", chunk)], torch.full((1000,), float(expected))), (rank, chunk)

@@ -52,14 +52,25 @@ void CompressedBackend::run_compressed(const at::Tensor& tensor, std::optional<i
   run_call(0, tensor, key, average, m, [&] {
     const Float32Views views(tensor, tensor);
     const at::Tensor& x = views.in;
+    const auto context = [&] { return failure_context(tensor, key, average, m); };
+    at::Tensor slot_ok;
     if (run_uncompressed(views, tensor, average, m, [this](const at::Tensor& send) {
           std::vector<at::Tensor> ts{send};
           c10d::AllreduceOptions opts;
           opts.reduceOp = c10d::ReduceOp::SUM;
           wait_wire(inner_->allreduce(ts, opts));
           return send;
-        }))
+        }, &slot_ok)) {
+      if (slot_ok.defined())
+        defer({slot_ok}, key, [context = context(), this](const std::vector<bool>& ok) {
+          try {
+            require_tags(ok[0]);
+          } catch (...) {
+            rethrow_with_context(context);
+          }
+        });
       return;
+    }
     NodeShard node = reduce_in_node(x);
     const at::Tensor& y = node.y;
     // A rank whose shard is empty (n < ranks per node) has nothing to send;
@@ -75,8 +86,7 @@ void CompressedBackend::run_compressed(const at::Tensor& tensor, std::optional<i
       std::vector<at::Tensor> checks;
       run_blocks(y, ef, average, node.g, m, &checks);
       defer(checks, key,
-            [ef, context = failure_context(tensor, key, average, m), this](
-                const std::vector<bool>& ok) {
+            [ef, context = context(), this](const std::vector<bool>& ok) {
               try {
                 require_tags(ok[0]);
               } catch (...) {

@@ -181,6 +181,9 @@ class CompressedBackend : public c10d::Backend {
                                         std::optional<c10::Stream> stream = std::nullopt,
                                         bool overlaps = false);
   void run_worker();
+  // Runs `task` on the calling thread when the worker is idle and nothing
+  // is queued (see CallerWaits); false (nothing run) otherwise.
+  bool run_on_caller(Task& task);
   // Finishes pending calls in order: those the device has passed (`wait`
   // false), or all of them (`wait` true), or all up to the last one on
   // `key` (waiting for the device as needed).
@@ -227,9 +230,14 @@ class CompressedBackend : public c10d::Backend {
   // `exchange` runs the inner collective on the float32 (exact) or 16-bit
   // values it is given and returns where the result is (they themselves
   // when in place); the result is written to `output`.
+  // `slot_ok` given (the all-reduce): the values exchanged are followed
+  // by one element, 0 from a call and NaN from a stand-in, and *slot_ok is
+  // set to whether the sum of them is 0 (a 0-dim bool, to be checked
+  // where the call finishes): every rank raises where a rank refused.
   bool run_uncompressed(const Float32Views& views, const at::Tensor& output, bool average,
                         const std::string& method,
-                        const std::function<at::Tensor(const at::Tensor&)>& exchange);
+                        const std::function<at::Tensor(const at::Tensor&)>& exchange,
+                        at::Tensor* slot_ok = nullptr);
   // Waits for an inner collective of a compressed call (Profile::wire_s).
   void wait_wire(const c10::intrusive_ptr<c10d::Work>& work);
 
@@ -308,9 +316,10 @@ class CompressedBackend : public c10d::Backend {
 
   // Raises on every rank unless every rank's payload of chunk `ch` of a
   // registered compressor has the same size and tensor shapes (one small
-  // all-gather of both over `g`).
+  // all-gather of both over `g`); `failed`: this rank's compressor raised
+  // (rethrown here, after the exchange, and named on the other ranks).
   void check_payload_layout(const std::string& method, const PayloadChunk& ch, const Group& g,
-                            const c10::Device& device);
+                            const c10::Device& device, std::exception_ptr failed = nullptr);
 
   // ---- all_reduce.cpp ----
   void run_compressed(const at::Tensor& tensor, std::optional<int64_t> key, bool average,
@@ -359,16 +368,20 @@ class CompressedBackend : public c10d::Backend {
   bool inner_has_avg_;
 
   std::mutex queue_mutex_;
+  // Held by whichever thread issues collectives and touches the state
+  // below: the worker, or a caller running its call itself
+  // (run_on_caller). Taken after queue_mutex_ when both are.
+  std::mutex issue_mutex_;
   std::condition_variable queue_cv_;
   std::deque<Task> queue_;
-  // Touched by the worker thread only.
+  // Touched under issue_mutex_ only, as everything below.
   std::deque<PendingCall> pending_;
   std::optional<PendingCall> deferred_;  // set by the running call (defer)
   bool stopping_ = false;
   std::thread worker_;
 
-  // Only the worker thread touches these while collectives run; the state
-  // accessors go through the queue too.
+  // Only the issuing thread (issue_mutex_) touches these while collectives
+  // run; the state accessors go through the queue too.
   std::map<int64_t, ErrorFeedback> error_feedback_;
   // Keys already checked, with the call they were checked on (every later
   // call of a key must repeat it), and keyless (numel, dtype, op)
@@ -379,7 +392,7 @@ class CompressedBackend : public c10d::Backend {
   // The collective the worker is running (index into kCollectives), for the
   // call check and error messages.
   int collective_ = 0;
-  // Written by the worker thread only; read through the queue.
+  // Written by the issuing thread only; read through the queue.
   Profile profile_;
   at::Tensor tag_;  // the running call's (set_tag)
   // Tags already on a device, by (hash, device): a call's tag is copied to

@@ -217,13 +217,10 @@ void CompressedBackend::set_tag(const at::Tensor& tensor, std::optional<int64_t>
   int32_t words[kTagWords];
   static_assert(sizeof(words) == sizeof(h), "a tag is 64 bits");
   memcpy(words, &h, sizeof(h));
-  if (tensor.is_cpu()) {
-    tag_ = at::tensor(std::vector<int32_t>(words, words + kTagWords), at::kInt);
-    return;
-  }
-  // On an accelerator the copy would block the worker every call: each tag
-  // is copied once. Keyless calls of many sizes could grow the cache
-  // without bound: it starts over past a few thousand tags.
+  // Each tag is made once per device, not every call (on an accelerator a
+  // blocking host-to-device copy; on a CPU a tensor made each call). Keyless
+  // calls of many sizes could grow the cache without bound: it starts over
+  // past a few thousand tags.
   auto where = std::make_pair(h, tensor.device().str());
   auto it = device_tags_.find(where);
   if (it == device_tags_.end()) {

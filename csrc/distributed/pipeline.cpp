@@ -26,19 +26,29 @@ std::vector<at::Tensor> CompressedBackend::exchange_payloads(
     ch.begin = i * C;
     ch.len = std::min(C, S - ch.begin);
     std::vector<at::Tensor> payloads;
-    for (int j = 0; j < segments; ++j) {
-      const int64_t at0 = j * S + ch.begin;
-      std::optional<at::Tensor> r;
-      if (ef) r = ef->worker.narrow(0, at0, ch.len);
-      payloads.push_back(
-          codec.encode(in.narrow(0, at0, ch.len), r, seeds_.at(i, j), tag_, ch.layout));
+    // A registered compressor may raise on one rank only (a refusal that
+    // depends on the data): that rank still takes part in the layout
+    // exchange, so that every rank raises there and none is left waiting
+    // for its payload (or pairs it with its next call's).
+    std::exception_ptr failed;
+    try {
+      for (int j = 0; j < segments; ++j) {
+        const int64_t at0 = j * S + ch.begin;
+        std::optional<at::Tensor> r;
+        if (ef) r = ef->worker.narrow(0, at0, ch.len);
+        payloads.push_back(
+            codec.encode(in.narrow(0, at0, ch.len), r, seeds_.at(i, j), tag_, ch.layout));
+      }
+      ch.slot = payloads[0].numel();
+      for (const auto& p : payloads)
+        TORCH_CHECK(p.numel() == ch.slot, "compressor '", codec.method, "' made payloads of ",
+                    ch.slot - kTagBytes, " and ", p.numel() - kTagBytes, " bytes for segments of ",
+                    ch.len, " elements: payload sizes must depend on the element count alone");
+    } catch (...) {
+      if (!is_plugin(method)) throw;
+      failed = std::current_exception();
     }
-    ch.slot = payloads[0].numel();
-    for (const auto& p : payloads)
-      TORCH_CHECK(p.numel() == ch.slot, "compressor '", codec.method, "' made payloads of ",
-                  ch.slot - kTagBytes, " and ", p.numel() - kTagBytes, " bytes for segments of ",
-                  ch.len, " elements: payload sizes must depend on the element count alone");
-    if (is_plugin(method)) check_payload_layout(codec.method, ch, g, in.device());
+    if (is_plugin(method)) check_payload_layout(codec.method, ch, g, in.device(), failed);
     at::Tensor buf = segments == 1 ? payloads[0] : at::cat(payloads);
     ch.recv = at::empty({world * ch.slot}, buf.options());
     if (all_to_all) {
@@ -69,18 +79,29 @@ std::vector<at::Tensor> CompressedBackend::exchange_payloads(
 // NCCL reads past the buffer). Its cost, one small all-gather per chunk,
 // is small next to the compressor itself.
 void CompressedBackend::check_payload_layout(const std::string& method, const PayloadChunk& ch,
-                                             const Group& g, const c10::Device& device) {
+                                             const Group& g, const c10::Device& device,
+                                             std::exception_ptr failed) {
   uint64_t layout = kFnvOffset;  // a hash of the tensors' dtypes and shapes
   for (const auto& p : ch.layout) {
     layout = hash_fields({static_cast<int64_t>(p.scalar_type()), p.dim()}, layout);
     for (int64_t d : p.sizes()) layout = hash_fields({d}, layout);
   }
-  const std::vector<int64_t> mine{ch.slot - kTagBytes, static_cast<int64_t>(layout)};
+  // A rank whose compressor raised sends a size no payload has.
+  const std::vector<int64_t> mine{failed ? kRefusedNumel : ch.slot - kTagBytes,
+                                  static_cast<int64_t>(layout)};
   at::Tensor in = at::tensor(mine, at::kLong).to(device);
   at::Tensor out = at::empty({g.world * 2}, in.options());
   wait_wire(g.pg->_allgather_base(out, in, c10d::AllgatherOptions()));
+  if (failed) std::rethrow_exception(failed);  // its own error says why
   const at::Tensor all = out.cpu();
   const int64_t* a = all.const_data_ptr<int64_t>();
+  std::ostringstream raised;
+  for (int r = 0; r < g.world; ++r)
+    if (a[2 * r] == kRefusedNumel) raised << (raised.tellp() ? ", " : "") << r;
+  TORCH_CHECK(raised.tellp() == 0, "compressor '", method, "' raised on rank(s) ", raised.str(),
+              " for ", ch.len, " elements of this call (their errors say why), so every rank "
+              "raises: the output holds no valid result (it may have been written) and the "
+              "residuals are as before the call");
   bool same = true;
   std::ostringstream sizes;
   for (int r = 0; r < g.world; ++r) {

@@ -2,6 +2,8 @@
 // order, and the deferred finishing of compressed calls whose checks are
 // still on an accelerator (PendingCall).
 #include <c10/core/StreamGuard.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
 #include "backend.hpp"
@@ -44,35 +46,69 @@ std::optional<c10::Stream> caller_stream(const std::vector<at::Tensor>& tensors)
 }
 
 // ---------------------------------------------------------- the worker ---
+namespace {
+thread_local bool caller_waits = false;
+}  // namespace
+
+CallerWaits::CallerWaits(bool waits) : outer_(caller_waits) { caller_waits = waits; }
+CallerWaits::~CallerWaits() { caller_waits = outer_; }
+bool CallerWaits::active() { return caller_waits; }
+
 void CompressedBackend::run_worker() {
   // Collectives never record autograd history (as on the caller's side of
   // dist.all_reduce): the tensors may be Parameters that require grad.
   const c10::AutoGradMode no_grad(false);
   for (;;) {
-    settle(/*wait=*/false);  // what the device has passed (on a CPU: all)
+    {
+      const std::lock_guard<std::mutex> issuing(issue_mutex_);
+      settle(/*wait=*/false);  // what the device has passed (on a CPU: all)
+    }
     std::optional<Task> task;
     bool stopping;
-    {
-      std::unique_lock<std::mutex> lock(queue_mutex_);
-      auto ready = [this] { return stopping_ || !queue_.empty(); };
-      // With calls pending, look at the device now and then: their Works
-      // complete when it has passed them.
-      if (pending_.empty()) {
-        queue_cv_.wait(lock, ready);
-      } else {
-        queue_cv_.wait_for(lock, std::chrono::microseconds(50), ready);
-      }
-      stopping = stopping_;
-      if (!queue_.empty()) {
-        task = std::move(queue_.front());
-        queue_.pop_front();
-      } else if (stopping && pending_.empty()) {
-        return;  // stopping, and everything submitted has run
-      }
+    std::unique_lock<std::mutex> lock(queue_mutex_);
+    auto ready = [this] { return stopping_ || !queue_.empty(); };
+    // With calls pending, look at the device now and then: their Works
+    // complete when it has passed them.
+    if (pending_.empty()) {
+      queue_cv_.wait(lock, ready);
+    } else {
+      queue_cv_.wait_for(lock, std::chrono::microseconds(50), ready);
     }
+    // Taken before the queue is released: a call that a caller runs on
+    // its own thread (run_on_caller) cannot start between this pop and
+    // this task.
+    const std::lock_guard<std::mutex> issuing(issue_mutex_);
+    stopping = stopping_;
+    if (!queue_.empty()) {
+      task = std::move(queue_.front());
+      queue_.pop_front();
+    } else if (stopping && pending_.empty()) {
+      return;  // stopping, and everything submitted has run
+    }
+    lock.unlock();
     settle(/*wait=*/task ? !task->overlaps : stopping);
     if (task) task->run();
   }
+}
+
+bool CompressedBackend::run_on_caller(Task& task) {
+  // Only where nothing of the caller's thread state can reach the engine's
+  // own tensor operations (inference mode, dispatch keys, a Python
+  // dispatch mode): those run as on the worker thread.
+  const auto keys = c10::impl::tls_local_dispatch_key_set();
+  if (keys.included_ != c10::default_included_set || keys.excluded_ != c10::default_excluded_set ||
+      c10::impl::TorchDispatchModeTLS::stack_len() > 0)
+    return false;
+  std::unique_lock<std::mutex> lock(queue_mutex_);
+  TORCH_CHECK(!stopping_, "pycomm backend is shutting down");
+  std::unique_lock<std::mutex> issuing(issue_mutex_, std::try_to_lock);
+  if (!issuing.owns_lock() || !queue_.empty()) return false;
+  lock.unlock();
+  const c10::AutoGradMode no_grad(false);
+  settle(/*wait=*/!task.overlaps);
+  task.run();
+  settle(/*wait=*/false);  // a deferred CPU call is finished at once
+  return true;
 }
 
 void CompressedBackend::settle(bool wait, std::optional<int64_t> key) {
@@ -135,33 +171,37 @@ WorkPtr CompressedBackend::submit(c10d::OpType type, std::vector<at::Tensor> res
                                   std::function<void()> body, std::optional<c10::Stream> stream,
                                   bool overlaps) {
   auto work = c10::make_intrusive<PycommWork>(getRank(), type, std::move(result));
+  Task task{[this, work, body = std::move(body), stream,
+             queued = std::chrono::steady_clock::now()] {
+    profile_.queued_s +=
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - queued).count();
+    // The completion too is recorded on the caller's stream: the Work's
+    // future makes the waiter's stream wait on an event recorded on the
+    // current stream when it completes.
+    std::optional<c10::StreamGuard> guard;
+    if (stream) guard.emplace(*stream);
+    try {
+      body();
+      if (deferred_) {  // finished later, by settle
+        deferred_->work = work;
+        deferred_->stream = stream;
+        pending_.push_back(std::move(*deferred_));
+        deferred_.reset();
+      } else {
+        work->complete();
+      }
+    } catch (...) {
+      deferred_.reset();
+      work->complete(std::current_exception());
+    }
+  }, overlaps};
+  // On an accelerator the caller's thread is not blocked by the call in
+  // any case (it waits on its stream), so the worker runs it.
+  if (!stream && CallerWaits::active() && run_on_caller(task)) return work;
   {
     std::lock_guard<std::mutex> lock(queue_mutex_);
     TORCH_CHECK(!stopping_, "pycomm backend is shutting down");
-    queue_.push_back(Task{[this, work, body = std::move(body), stream,
-                         queued = std::chrono::steady_clock::now()] {
-      profile_.queued_s +=
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - queued).count();
-      // The completion too is recorded on the caller's stream: the Work's
-      // future makes the waiter's stream wait on an event recorded on the
-      // current stream when it completes.
-      std::optional<c10::StreamGuard> guard;
-      if (stream) guard.emplace(*stream);
-      try {
-        body();
-        if (deferred_) {  // finished later, by settle
-          deferred_->work = work;
-          deferred_->stream = stream;
-          pending_.push_back(std::move(*deferred_));
-          deferred_.reset();
-        } else {
-          work->complete();
-        }
-      } catch (...) {
-        deferred_.reset();
-        work->complete(std::current_exception());
-      }
-    }, overlaps});
+    queue_.push_back(std::move(task));
   }
   queue_cv_.notify_one();
   return work;

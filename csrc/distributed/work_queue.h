@@ -91,6 +91,24 @@ void wait_inner(const c10::intrusive_ptr<c10d::Work>& work);
 // another one).
 std::optional<c10::Stream> caller_stream(const std::vector<at::Tensor>& tensors);
 
+// Set by an entry point whose caller waits for the Work at once (the
+// synchronous pycomm.distributed calls): while the worker thread is idle,
+// the call then runs on the caller's own thread, in submission order all
+// the same, which saves the two thread hand-offs (caller -> worker ->
+// caller) that cost as much as a small call's kernels on a CPU.
+class CallerWaits {
+ public:
+  explicit CallerWaits(bool waits);
+  ~CallerWaits();
+  CallerWaits(const CallerWaits&) = delete;
+  CallerWaits& operator=(const CallerWaits&) = delete;
+  // Whether this thread's current entry point is one.
+  static bool active();
+
+ private:
+  bool outer_;
+};
+
 // A submitted collective; `overlaps`: a compressed call, which may start
 // while earlier ones are pending. Anything else starts once every pending
 // call is finished (the state accessors see settled residuals).

@@ -528,11 +528,11 @@ def all_reduce(
             raise TypeError(f"{name} must be a bool, got {value!r}")
     backend = _pycomm_backend(group, tensor.device)
     if compress:
-        work = backend.allreduce_keyed(tensor, key, op == "avg")
+        work = backend.allreduce_keyed(tensor, key, op == "avg", wait=not async_op)
     else:
         if key is not None:
             raise ValueError("an uncompressed all-reduce has no error feedback: pass key=None")
-        work = backend.allreduce_plain(tensor, op == "avg")
+        work = backend.allreduce_plain(tensor, op == "avg", wait=not async_op)
     if async_op:
         return work
     work.wait()
@@ -576,7 +576,7 @@ def reduce_scatter(
         raise ValueError(f"op must be 'sum' or 'avg', got {op!r}")
     _check_pair(output, input, key, async_op)
     _check_outside(output, input, _own_shard(input, output.numel(), group))
-    work = _pycomm_backend(group, input.device).reduce_scatter_keyed(output, input, key, op == "avg")
+    work = _pycomm_backend(group, input.device).reduce_scatter_keyed(output, input, key, op == "avg", wait=not async_op)
     if async_op:
         return work
     work.wait()
@@ -608,7 +608,7 @@ def all_gather(
     """
     _check_pair(output, input, key, async_op)
     _check_outside(output, input, _own_shard(output, input.numel(), group))
-    work = _pycomm_backend(group, input.device).all_gather_keyed(output, input, key)
+    work = _pycomm_backend(group, input.device).all_gather_keyed(output, input, key, wait=not async_op)
     if async_op:
         return work
     work.wait()
