@@ -14,31 +14,33 @@ WorkPtr CompressedBackend::all_gather_keyed(at::Tensor output, at::Tensor input,
   const std::string m = method_for(output.numel());
   if (auto bad = bad_pair("all_gather", output, input, "output", "input"); !bad.empty())
     return refuse(input, key, false, m, 2, bad);
-  return submit(c10d::OpType::_ALLGATHER_BASE, {output},
-                [this, output, input, key, m] { run_all_gather(output, input, key, m); },
-                caller_stream({input}), /*overlaps=*/true);
+  return submit_call(c10d::OpType::_ALLGATHER_BASE, {output},
+                     [this, output, input, key, m] {
+                       return run_all_gather(Call{2, key, false, m}, output, input);
+                     },
+                     caller_stream({input}));
 }
 
 // Per chunk, each rank compresses its part (error feedback under the key,
 // method name + "/all_gather"), the payloads are all-gathered, and every
 // rank decodes rank j's into block j of the output. Every rank decodes the
 // same bytes: the outputs are identical everywhere.
-void CompressedBackend::run_all_gather(const at::Tensor& output, const at::Tensor& input,
-                                       std::optional<int64_t> key, const std::string& m) {
-  run_call(2, input, key, false, m, [&] {
+std::optional<PendingCall> CompressedBackend::run_all_gather(Call call, const at::Tensor& output,
+                                                             const at::Tensor& input) {
+  return run_call(call, input, [&] {
     const int world = getSize();
     const Float32Views views(input, output);
     const int64_t S = views.in.numel();
-    if (run_uncompressed(views, output, false, m, [&](const at::Tensor& send) {
+    if (run_uncompressed(call, views, output, [&](const at::Tensor& send) {
           at::Tensor mine = send, recv = at::empty({world * S}, send.options());
           wait_wire(inner_->_allgather_base(recv, mine, c10d::AllgatherOptions()));
           return recv;
         }))
       return;
     const Group g = flat_group();
-    CallResiduals residuals = residuals_for(key, views.in, m, g);
+    CallResiduals residuals = residuals_for(call, views.in, g);
     ErrorFeedback* ef = residuals.get();
-    require_tags(exchange_payloads(m, views.in, S, /*all_to_all=*/false, ef, g,
+    require_tags(call, exchange_payloads(call, views.in, S, /*all_to_all=*/false, ef, g,
                                    [&](const PayloadCodec& codec, const PayloadChunk& ch) {
                                      std::vector<at::Tensor> dst;
                                      for (int j = 0; j < world; ++j)

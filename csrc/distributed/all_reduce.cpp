@@ -26,9 +26,11 @@ WorkPtr CompressedBackend::allreduce_keyed(at::Tensor tensor, std::optional<int6
   if (!bad.empty()) return refuse(tensor, key, average, m, 0, bad);
   // On an accelerator the worker runs the kernels on the caller's current
   // stream, so they are ordered after the work that produced the tensor.
-  return submit(c10d::OpType::ALLREDUCE, {tensor},
-                [this, tensor, key, average, m] { run_compressed(tensor, key, average, m); },
-                caller_stream({tensor}), /*overlaps=*/true);
+  return submit_call(c10d::OpType::ALLREDUCE, {tensor},
+                     [this, tensor, key, average, m] {
+                       return run_compressed(Call{0, key, average, m}, tensor);
+                     },
+                     caller_stream({tensor}));
 }
 
 WorkPtr CompressedBackend::allreduce(std::vector<at::Tensor>& tensors,
@@ -47,14 +49,16 @@ WorkPtr CompressedBackend::allreduce(std::vector<at::Tensor>& tensors,
   return forward_allreduce(tensors, opts);
 }
 
-void CompressedBackend::run_compressed(const at::Tensor& tensor, std::optional<int64_t> key,
-                                       bool average, const std::string& m) {
-  run_call(0, tensor, key, average, m, [&] {
+std::optional<PendingCall> CompressedBackend::run_compressed(Call call,
+                                                             const at::Tensor& tensor) {
+  return run_call(call, tensor, [&] {
+    const std::optional<int64_t> key = call.key;
+    const bool average = call.average;
+    const std::string& m = call.method;
     const Float32Views views(tensor, tensor);
     const at::Tensor& x = views.in;
-    const auto context = [&] { return failure_context(tensor, key, average, m); };
     at::Tensor slot_ok;
-    if (run_uncompressed(views, tensor, average, m, [this](const at::Tensor& send) {
+    if (run_uncompressed(call, views, tensor, [this](const at::Tensor& send) {
           std::vector<at::Tensor> ts{send};
           c10d::AllreduceOptions opts;
           opts.reduceOp = c10d::ReduceOp::SUM;
@@ -62,47 +66,37 @@ void CompressedBackend::run_compressed(const at::Tensor& tensor, std::optional<i
           return send;
         }, &slot_ok)) {
       if (slot_ok.defined())
-        defer({slot_ok}, key, [context = context(), this](const std::vector<bool>& ok) {
-          try {
-            require_tags(ok[0]);
-          } catch (...) {
-            rethrow_with_context(context);
-          }
-        });
+        defer(call, tensor, {slot_ok},
+              [this](const std::vector<bool>& ok) { require_tags(ok[0]); });
       return;
     }
     NodeShard node = reduce_in_node(x);
     const at::Tensor& y = node.y;
     // A rank whose shard is empty (n < ranks per node) has nothing to send;
     // so do its peers on the other nodes, which hold the same shard.
-    CallResiduals residuals = residuals_for(key, y, m, node.g);
+    CallResiduals residuals = residuals_for(call, y, node.g);
     ErrorFeedback* ef = residuals.get();
     // The flat block path reads nothing back inside the call: on an
     // accelerator its checks follow its kernels to the host, and the call is
     // finished (residuals kept or discarded, Work completed) once the device
     // has passed them (settle). The other paths read them here.
-    if (!intra_ && !standing_in_ && views.direct && is_block_method(m) && y.numel() > 0 &&
+    if (!intra_ && !call.standing_in && views.direct && is_block_method(m) && y.numel() > 0 &&
         (!ef || residuals.double_buffered())) {
       std::vector<at::Tensor> checks;
-      run_blocks(y, ef, average, node.g, m, &checks);
-      defer(checks, key,
-            [ef, context = context(), this](const std::vector<bool>& ok) {
-              try {
-                require_tags(ok[0]);
-              } catch (...) {
-                rethrow_with_context(context);
-              }
-              // The new residuals are in the second buffers.
-              keep_residuals(ef, ok.size() < 2 || ok[1], /*double_buffered=*/true);
-            });
+      run_blocks(call, y, ef, node.g, &checks);
+      defer(call, tensor, checks, [ef, this](const std::vector<bool>& ok) {
+        require_tags(ok[0]);
+        // The new residuals are in the second buffers.
+        keep_residuals(ef, ok.size() < 2 || ok[1], /*double_buffered=*/true);
+      });
       return;
     }
     bool finite = true;
     std::exception_ptr failed;
     try {
       if (y.numel() > 0) {
-        finite = is_block_method(m) ? run_blocks(y, ef, average, node.g, m)
-                                    : run_gathered(y, ef, average, node.g, m);
+        finite = is_block_method(m) ? run_blocks(call, y, ef, node.g)
+                                    : run_gathered(call, y, ef, node.g);
       }
     } catch (...) {
       if (!intra_) throw;
@@ -130,9 +124,10 @@ void CompressedBackend::run_compressed(const at::Tensor& tensor, std::optional<i
 // of each chunk is reduced by rank j (an all_to_all of the workers'
 // payloads, decoded and summed in float32, then compressed again: the
 // compressed reduce-scatter), and the reduced segments are all-gathered.
-bool CompressedBackend::run_blocks(const at::Tensor& x, ErrorFeedback* ef, bool average,
-                                   const Group& g, const std::string& method,
-                                   std::vector<at::Tensor>* deferred_checks) {
+bool CompressedBackend::run_blocks(const Call& call, const at::Tensor& x, ErrorFeedback* ef,
+                                   const Group& g, std::vector<at::Tensor>* deferred_checks) {
+  const std::string& method = call.method;
+  const bool average = call.average;
   const int world = g.world, rank = g.rank;
   const BlockCodec codec = BlockCodec::of(method, block_for(method));
   const int64_t n = x.numel(), C = chunk_length(n, config_.chunk_numel), B = codec.block;
@@ -169,7 +164,7 @@ bool CompressedBackend::run_blocks(const at::Tensor& x, ErrorFeedback* ef, bool 
     st.push_back(Chunk{begin, BlockLayout(m, world, B, codec.bits), {}, {}, {}, {}});
     Chunk& ch = st.back();
     const BlockLayout& lay = ch.lay;
-    const int64_t seed = seeds_.at(i, 0);
+    const int64_t seed = call.seeds.at(i, 0);
     auto [data, scales] = ef ? compress_ef(x.narrow(0, begin, m), ef->worker.narrow(0, begin, m),
                                            ef->worker_backup.narrow(0, begin, m), seed)
                              : codec.compress(x.narrow(0, begin, m), std::nullopt, seed);
@@ -207,7 +202,7 @@ bool CompressedBackend::run_blocks(const at::Tensor& x, ErrorFeedback* ef, bool 
       }
       Span span(profile_.encode_s);
       if (average) acc.div_(world);
-      const int64_t seed = seeds_.at(i, 1);
+      const int64_t seed = call.seeds.at(i, 1);
       auto [sd, ss] = ef ? compress_ef(acc, ef->server[i], ef->server_backup[i], seed)
                          : codec.compress(acc, std::nullopt, seed);
       parts = codec.segment(sd, ss, 0, len);
@@ -216,7 +211,7 @@ bool CompressedBackend::run_blocks(const at::Tensor& x, ErrorFeedback* ef, bool 
     const int64_t slot = lay.size[0] + kTagWords;
     if (const int64_t pad = lay.size[0] - (len > 0 ? lay.size[rank] : 0); pad > 0)
       parts.push_back(at::zeros({pad}, int_opts));
-    parts.push_back(tag_);
+    parts.push_back(call.tag);
     at::Tensor mine = at::cat(parts);
     ch.gathered = at::empty({world * slot}, int_opts);
     ch.ag = g.pg->_allgather_base(ch.gathered, mine, c10d::AllgatherOptions());
@@ -245,8 +240,8 @@ bool CompressedBackend::run_blocks(const at::Tensor& x, ErrorFeedback* ef, bool 
   std::vector<at::Tensor> checks;
   {
     Span span(profile_.decode_s);
-    checks.push_back(tags_ok(tags));
-    if (!scales.empty()) checks.push_back(codec.finite(at::cat(scales)));
+    checks.push_back(tags_ok(call, tags));
+    if (!scales.empty()) checks.push_back(codec.finite(scales));
   }
   if (deferred_checks) {
     *deferred_checks = std::move(checks);
@@ -257,20 +252,20 @@ bool CompressedBackend::run_blocks(const at::Tensor& x, ErrorFeedback* ef, bool 
   return ok.size() < 2 || ok[1];
 }
 
-bool CompressedBackend::run_gathered(const at::Tensor& x, ErrorFeedback* ef, bool average,
-                                     const Group& g, const std::string& m) {
+bool CompressedBackend::run_gathered(const Call& call, const at::Tensor& x, ErrorFeedback* ef,
+                                     const Group& g) {
   // Sums of finite values can overflow, so the output itself is checked (a
   // sum per chunk, small next to the selection); only for error feedback.
   std::vector<at::Tensor> sums;
   const std::vector<at::Tensor> tags =
-      exchange_payloads(m, x, x.numel(), /*all_to_all=*/false, ef, g,
+      exchange_payloads(call, x, x.numel(), /*all_to_all=*/false, ef, g,
                         [&](const PayloadCodec& codec, const PayloadChunk& ch) {
                           const at::Tensor out = x.narrow(0, ch.begin, ch.len);
                           codec.decode(ch.recv, ch.slot, ch.layout, {out});
-                          if (average) out.div_(g.world);
+                          if (call.average) out.div_(g.world);
                           if (ef) sums.push_back(out.sum());
                         });
-  return checked_finite(tags, sums, x);
+  return checked_finite(call, tags, sums, x);
 }
 
 }  // namespace dist

@@ -8,7 +8,6 @@
 
 #include <sstream>
 
-#include "call_scope.h"
 
 namespace pycomm {
 namespace dist {
@@ -113,10 +112,10 @@ WorkPtr CompressedBackend::refuse(const at::Tensor& tensor, std::optional<int64_
                                   bool average, const std::string& m, int collective,
                                   std::string why) {
   return submit(c10d::OpType::UNKNOWN, {}, [this, tensor, key, average, m, collective, why] {
-    const RunningCollective running(collective_, collective);
-    const std::string context = failure_context(tensor, key, average, m);
+    const Call call{collective, key, average, m};
+    const std::string context = failure_context(call, tensor);
     try {
-      check_call(tensor, key, average, m, /*refused=*/true);
+      check_call(call, tensor, /*refused=*/true);
     } catch (const c10::Error& e) {
       TORCH_CHECK(false, context, why, "; ", e.what_without_backtrace());
     }

@@ -36,6 +36,7 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include "call.h"
 #include "codecs.h"
 #include "config.h"
 #include "error_feedback.h"
@@ -180,6 +181,12 @@ class CompressedBackend : public c10d::Backend {
                                         std::function<void()> body,
                                         std::optional<c10::Stream> stream = std::nullopt,
                                         bool overlaps = false);
+  // A compressed call: `body` returns its deferred finish, if it has one
+  // (the Work then completes when settle finishes it).
+  c10::intrusive_ptr<c10d::Work> submit_call(
+      c10d::OpType type, std::vector<at::Tensor> result,
+      std::function<std::optional<PendingCall>()> body, std::optional<c10::Stream> stream,
+      bool overlaps = true);
   void run_worker();
   // Runs `task` on the calling thread when the worker is idle and nothing
   // is queued (see CallerWaits); false (nothing run) otherwise.
@@ -189,9 +196,10 @@ class CompressedBackend : public c10d::Backend {
   // `key` (waiting for the device as needed).
   void settle(bool wait, std::optional<int64_t> key = std::nullopt);
   void finish_pending(PendingCall& call);
-  // Called by a running compressed call instead of reading `checks`: the
-  // call is finished later by `finish` (see PendingCall).
-  void defer(const std::vector<at::Tensor>& checks, std::optional<int64_t> key,
+  // Called by a running compressed call (on `tensor`) instead of reading
+  // `checks`: the call is finished later by `finish` (see PendingCall),
+  // whose errors are rethrown naming the call (the message made only then).
+  void defer(Call& call, const at::Tensor& tensor, const std::vector<at::Tensor>& checks,
              std::function<void(const std::vector<bool>&)> finish);
 
   // ---- forward.cpp ----
@@ -219,12 +227,12 @@ class CompressedBackend : public c10d::Backend {
   }
 
   // ---- call_scope.cpp ----
-  // Runs `body`, one compressed call of collective `collective` (index into
-  // kCollectives) on `tensor`, on the worker thread: counted and timed
-  // (Profile), checked across ranks (check_call), tagged (set_tag), and any
-  // error rethrown naming the call and this rank.
-  void run_call(int collective, const at::Tensor& tensor, std::optional<int64_t> key,
-                bool average, const std::string& method, const std::function<void()>& body);
+  // Runs `body`, the compressed call `call` on `tensor`, on the issuing
+  // thread: counted and timed (Profile), checked across ranks
+  // (check_call), tagged (set_tag), and any error rethrown naming the call
+  // and this rank. Returns its deferred finish, if it has one.
+  std::optional<PendingCall> run_call(Call& call, const at::Tensor& tensor,
+                                      const std::function<void()>& body);
   // The exact or 16-bit path of every collective ("none", "fp16", "bf16";
   // false for the methods that compress, which it leaves to the caller):
   // `exchange` runs the inner collective on the float32 (exact) or 16-bit
@@ -234,8 +242,7 @@ class CompressedBackend : public c10d::Backend {
   // by one element, 0 from a call and NaN from a stand-in, and *slot_ok is
   // set to whether the sum of them is 0 (a 0-dim bool, to be checked
   // where the call finishes): every rank raises where a rank refused.
-  bool run_uncompressed(const Float32Views& views, const at::Tensor& output, bool average,
-                        const std::string& method,
+  bool run_uncompressed(const Call& call, const Float32Views& views, const at::Tensor& output,
                         const std::function<at::Tensor(const at::Tensor&)>& exchange,
                         at::Tensor* slot_ok = nullptr);
   // Waits for an inner collective of a compressed call (Profile::wire_s).
@@ -246,10 +253,8 @@ class CompressedBackend : public c10d::Backend {
   // rank, when they differ (Config::check_calls decides when).
   // `refused`: this rank will raise instead of running the call; its
   // descriptor then matches no valid call, so every rank raises.
-  void check_call(const at::Tensor& tensor, std::optional<int64_t> key, bool average,
-                  const std::string& method, bool refused = false);
-  std::string describe_call(const at::Tensor& tensor, std::optional<int64_t> key, bool average,
-                            const std::string& method) const;
+  void check_call(const Call& call, const at::Tensor& tensor, bool refused = false);
+  std::string describe_call(const Call& call, const at::Tensor& tensor) const;
   // A call of a checked key that this rank refuses, or that differs from
   // the key's first call, when the ranks compare first calls only: the
   // peers run the key's first call and would wait for this rank's part.
@@ -259,36 +264,31 @@ class CompressedBackend : public c10d::Backend {
   void stand_in(int64_t key, const CallRecord& first);
   // "a <collective> of <numel> <dtype> elements on <device> (<method>, <op>)".
   std::string describe_record(const CallRecord& r) const;
-  // Set while stand_in runs: no call check, the stand-in tag, copied residuals.
-  bool standing_in_ = false;
-  ErrorFeedback stand_in_residuals_;
   // "pycomm rank R of W [(peer: rank P)]: <call> failed: " for errors.
-  std::string failure_context(const at::Tensor& tensor, std::optional<int64_t> key,
-                              bool average, const std::string& method) const;
-  // The running call's tag (spec.h, kTagWords int32s on its device), set
-  // before its payloads are built.
-  void set_tag(const at::Tensor& tensor, std::optional<int64_t> key, bool average);
+  std::string failure_context(const Call& call, const at::Tensor& tensor) const;
+  // The call's tag (spec.h, kTagWords int32s on its device), set before
+  // its payloads are built.
+  void set_tag(Call& call, const at::Tensor& tensor);
   // The tags ending each of the `world` slots of `slot` elements (int32
   // words or bytes) of an exchanged buffer: a view, checked later.
   at::Tensor tag_words(const at::Tensor& buf, int world, int64_t slot) const;
-  // Whether all of them are the running call's tag (a 0-dim bool tensor).
-  at::Tensor tags_ok(const std::vector<at::Tensor>& words) const;
+  // Whether all of them are the call's tag (a 0-dim bool tensor).
+  at::Tensor tags_ok(const Call& call, const std::vector<at::Tensor>& words) const;
   // Raises, naming the cause, unless the tags matched.
   void require_tags(bool ok) const;
-  void require_tags(const std::vector<at::Tensor>& words);
+  void require_tags(const Call& call, const std::vector<at::Tensor>& words);
   // Reads a call's 0-dim bool checks together (Profile::sync_s).
   std::vector<bool> read_checks(const std::vector<at::Tensor>& checks);
   // The tag check and whether `t` is finite (`sums`: float32 sums of its
   // parts, taken on the way), with one host read when both hold.
-  bool checked_finite(const std::vector<at::Tensor>& words, const std::vector<at::Tensor>& sums,
-                      const at::Tensor& t);
+  bool checked_finite(const Call& call, const std::vector<at::Tensor>& words,
+                      const std::vector<at::Tensor>& sums, const at::Tensor& t);
 
   // ---- error_feedback.cpp ----
-  // The running call's hold on the residuals of `key` for `x` (none when
-  // keyless or `x` is empty), kept under `method` (with the collective's
-  // suffix when not an all-reduce); sets the call's rounding seeds.
-  CallResiduals residuals_for(std::optional<int64_t> key, const at::Tensor& x,
-                              const std::string& method, const Group& g);
+  // The call's hold on the residuals of its key for `x` (none when keyless
+  // or `x` is empty), kept under its method (with the collective's suffix
+  // when not an all-reduce); sets the call's rounding seeds.
+  CallResiduals residuals_for(Call& call, const at::Tensor& x, const Group& g);
   // Every rank, for the steps that are not hierarchical.
   Group flat_group() const { return Group{inner_.get(), getRank(), getSize()}; }
   ErrorFeedback* error_feedback_for(int64_t key, const at::Tensor& x, const std::string& method,
@@ -297,9 +297,9 @@ class CompressedBackend : public c10d::Backend {
   // true where the compress writes the new residual to the second buffer
   // (onebit on CPU: no copy), false where the old one is copied there first.
   bool double_buffered(const at::Tensor& x, const std::string& method) const;
-  // Sets seeds_ for the running call: its key's stream (counted in `ef`),
-  // or the keyless one.
-  void begin_seeds(std::optional<int64_t> key, ErrorFeedback* ef);
+  // Sets the call's seeds: its key's stream (counted in `ef`), or the
+  // keyless one.
+  void begin_seeds(Call& call, ErrorFeedback* ef);
 
   // ---- pipeline.cpp ----
   // The payload exchange of the gathered all-reduce, the reduce-scatter and
@@ -310,7 +310,7 @@ class CompressedBackend : public c10d::Backend {
   // every rank); `received` then decodes the chunk's buffer, one slot per
   // rank. Returns the received tags, to be checked.
   std::vector<at::Tensor> exchange_payloads(
-      const std::string& method, const at::Tensor& in, int64_t S, bool all_to_all,
+      const Call& call, const at::Tensor& in, int64_t S, bool all_to_all,
       ErrorFeedback* ef, const Group& g,
       const std::function<void(const PayloadCodec&, const PayloadChunk&)>& received);
 
@@ -322,20 +322,17 @@ class CompressedBackend : public c10d::Backend {
                             const c10::Device& device, std::exception_ptr failed = nullptr);
 
   // ---- all_reduce.cpp ----
-  void run_compressed(const at::Tensor& tensor, std::optional<int64_t> key, bool average,
-                      const std::string& method);
+  std::optional<PendingCall> run_compressed(Call call, const at::Tensor& tensor);
   // Both return whether the reduced result is finite (the same on every
   // rank of `g`).
   // `deferred_checks`: filled with the call's checks instead of reading
   // them (the return value is then meaningless).
-  bool run_blocks(const at::Tensor& x, ErrorFeedback* ef, bool average, const Group& g,
-                  const std::string& method,
+  bool run_blocks(const Call& call, const at::Tensor& x, ErrorFeedback* ef, const Group& g,
                   std::vector<at::Tensor>* deferred_checks = nullptr);
   // top-k and registered compressors: each rank's payload of a chunk is
   // gathered by every rank, which decodes and adds them in rank order
   // (docs/allreduce.md).
-  bool run_gathered(const at::Tensor& x, ErrorFeedback* ef, bool average, const Group& g,
-                    const std::string& method);
+  bool run_gathered(const Call& call, const at::Tensor& x, ErrorFeedback* ef, const Group& g);
 
   // ---- hierarchy.cpp ----
   // This rank's part of a hierarchical all-reduce (docs/hierarchy.md).
@@ -357,10 +354,10 @@ class CompressedBackend : public c10d::Backend {
   bool node_allreduces() const { return intra_ && intra_->getBackendName() == "gloo"; }
 
   // ---- reduce_scatter.cpp, all_gather.cpp ----
-  void run_reduce_scatter(const at::Tensor& output, const at::Tensor& input,
-                          std::optional<int64_t> key, bool average, const std::string& method);
-  void run_all_gather(const at::Tensor& output, const at::Tensor& input,
-                      std::optional<int64_t> key, const std::string& method);
+  std::optional<PendingCall> run_reduce_scatter(Call call, const at::Tensor& output,
+                                                const at::Tensor& input);
+  std::optional<PendingCall> run_all_gather(Call call, const at::Tensor& output,
+                                            const at::Tensor& input);
 
   c10::intrusive_ptr<c10d::Backend> inner_;
   Config config_;
@@ -376,7 +373,6 @@ class CompressedBackend : public c10d::Backend {
   std::deque<Task> queue_;
   // Touched under issue_mutex_ only, as everything below.
   std::deque<PendingCall> pending_;
-  std::optional<PendingCall> deferred_;  // set by the running call (defer)
   bool stopping_ = false;
   std::thread worker_;
 
@@ -389,20 +385,14 @@ class CompressedBackend : public c10d::Backend {
   // (reset, load): its next call is checked again.
   std::map<int64_t, CallRecord> checked_keys_;
   std::set<std::tuple<int64_t, int, bool>> checked_signatures_;
-  // The collective the worker is running (index into kCollectives), for the
-  // call check and error messages.
-  int collective_ = 0;
   // Written by the issuing thread only; read through the queue.
   Profile profile_;
-  at::Tensor tag_;  // the running call's (set_tag)
   // Tags already on a device, by (hash, device): a call's tag is copied to
   // its device once, not every call (a blocking host-to-device copy).
   std::map<std::pair<uint64_t, std::string>, at::Tensor> device_tags_;
   // Keyless calls run by a compressor with error feedback (onebit, topk,
   // int8, int4, registered): the stream of their rounding seeds.
   int64_t keyless_calls_ = 0;
-  // The seeds of the running call's compresses (begin_seeds).
-  CallSeeds seeds_;
 };
 
 }  // namespace dist

@@ -75,36 +75,38 @@ bool all_finite(const std::vector<at::Tensor>& sums, const at::Tensor& t) {
   return at::isfinite(t).all().item<bool>();
 }
 
-std::string CompressedBackend::describe_call(const at::Tensor& tensor, std::optional<int64_t> key,
-                                             bool average, const std::string& method) const {
+std::string CompressedBackend::describe_call(const Call& call, const at::Tensor& tensor) const {
   std::ostringstream o;
-  o << kCollectives[collective_] << " key=" << (key ? std::to_string(*key) : "None") << " "
-    << tensor.numel() << " "
-    << dtype_name(tensor.scalar_type()) << " " << method << " "
-    << (average ? "avg" : "sum");
+  o << kCollectives[call.collective] << " key="
+    << (call.key ? std::to_string(*call.key) : "None") << " " << tensor.numel() << " "
+    << dtype_name(tensor.scalar_type()) << " " << call.method << " "
+    << (call.average ? "avg" : "sum");
   return o.str();
 }
 
-void CompressedBackend::check_call(const at::Tensor& tensor, std::optional<int64_t> key,
-                                   bool average, const std::string& method, bool refused) {
-  if (config_.check_calls == 0 || standing_in_) return;
+void CompressedBackend::check_call(const Call& call, const at::Tensor& tensor, bool refused) {
+  if (config_.check_calls == 0 || call.standing_in) return;
   Span span(profile_.check_s);
+  const std::optional<int64_t> key = call.key;
+  const bool average = call.average;
+  const std::string& method = call.method;
   const int64_t numel = tensor.numel();
   const int dtype = static_cast<int>(tensor.scalar_type());
-  const auto signature = std::make_tuple(numel, dtype + 256 * collective_, average);
+  const auto signature = std::make_tuple(numel, dtype + 256 * call.collective, average);
   auto this_call = [&] {
-    return CallRecord{collective_, numel, tensor.scalar_type(), average, method, tensor.device()};
+    return CallRecord{call.collective, numel, tensor.scalar_type(), average, method,
+                      tensor.device()};
   };
   if (config_.check_calls == 1) {
     if (!key) {
       if (checked_signatures_.count(signature) > 0) return;
     } else if (auto it = checked_keys_.find(*key); it != checked_keys_.end()) {
-      const CallRecord first = it->second, call = this_call();
-      if (!refused && first == call) return;
+      const CallRecord first = it->second, now = this_call();
+      if (!refused && first == now) return;
       stand_in(*key, first);
       TORCH_CHECK(refused, "error-feedback key ", *key, " was first used for ",
                   describe_record(first), " on every rank, and this call is ",
-                  describe_record(call),
+                  describe_record(now),
                   ": a key's calls must keep its collective, size, dtype, op and compressor. "
                   "Use another key, or reset_error_feedback(", *key,
                   ") on every rank first. Every rank raises.");
@@ -124,7 +126,7 @@ void CompressedBackend::check_call(const at::Tensor& tensor, std::optional<int64
   mine[kDensity] = density_bits;
   mine[kApprox] = config_.approx;
   mine[kDevice] = static_cast<int64_t>(tensor.device().type());
-  mine[kCollective] = collective_;
+  mine[kCollective] = call.collective;
   mine[kRounding] = method_rounds(method) ? config_.rounding_seed : -1;
   const int world = getSize();
   const auto opts = tensor.options().dtype(at::kLong);
@@ -150,7 +152,7 @@ void CompressedBackend::check_call(const at::Tensor& tensor, std::optional<int64
     diffs << ")";
   }
   TORCH_CHECK(diffs.tellp() == 0,
-              "ranks called the compressed ", kCollectives[collective_],
+              "ranks called the compressed ", kCollectives[call.collective],
               " with different arguments: ", diffs.str(),
               ". Every rank must make the same compressed calls in the same order with the same "
               "settings (checked at the first use of each key and of each keyless "
@@ -175,45 +177,39 @@ std::string CompressedBackend::describe_record(const CallRecord& r) const {
 void CompressedBackend::stand_in(int64_t key, const CallRecord& first) {
   const int world = getSize();
   const at::Tensor zeros = at::zeros({first.numel}, at::TensorOptions(first.dtype).device(first.device));
-  standing_in_ = true;
+  Call call{first.collective, key, first.average, first.method, /*standing_in=*/true};
   try {
     switch (first.collective) {
       case 0:
-        run_compressed(zeros, key, first.average, first.method);
+        run_compressed(std::move(call), zeros);
         break;
       case 1:
-        run_reduce_scatter(at::empty({first.numel / world}, zeros.options()), zeros, key,
-                           first.average, first.method);
+        run_reduce_scatter(std::move(call), at::empty({first.numel / world}, zeros.options()),
+                           zeros);
         break;
       default:
-        run_all_gather(at::empty({first.numel * world}, zeros.options()), zeros, key,
-                       first.method);
+        run_all_gather(std::move(call), at::empty({first.numel * world}, zeros.options()), zeros);
     }
   } catch (...) {
     // Expected: its tags match no rank's. The caller raises the reason.
   }
-  standing_in_ = false;
-  stand_in_residuals_ = ErrorFeedback();
 }
 
-std::string CompressedBackend::failure_context(const at::Tensor& tensor,
-                                               std::optional<int64_t> key, bool average,
-                                               const std::string& method) const {
+std::string CompressedBackend::failure_context(const Call& call, const at::Tensor& tensor) const {
   std::ostringstream o;
   o << "pycomm rank " << getRank() << " of " << getSize();
   // With two ranks the peer is known; with more, Gloo's own message below
   // names the peer's address when the failure is a connection.
   if (getSize() == 2) o << " (peer: rank " << 1 - getRank() << ")";
-  o << ": " << describe_call(tensor, key, average, method) << " failed: ";
+  o << ": " << describe_call(call, tensor) << " failed: ";
   return o.str();
 }
 
-void CompressedBackend::set_tag(const at::Tensor& tensor, std::optional<int64_t> key,
-                                bool average) {
+void CompressedBackend::set_tag(Call& call, const at::Tensor& tensor) {
   // A stand-in's tag: each rank's differs from every call's, its own too.
-  const int64_t numel = standing_in_ ? kRefusedNumel - getRank() : tensor.numel();
-  const uint64_t h = call_tag(collective_, key ? *key : -1, numel,
-                              static_cast<int>(tensor.scalar_type()), average);
+  const int64_t numel = call.standing_in ? kRefusedNumel - getRank() : tensor.numel();
+  const uint64_t h = call_tag(call.collective, call.key ? *call.key : -1, numel,
+                              static_cast<int>(tensor.scalar_type()), call.average);
   int32_t words[kTagWords];
   static_assert(sizeof(words) == sizeof(h), "a tag is 64 bits");
   memcpy(words, &h, sizeof(h));
@@ -229,7 +225,7 @@ void CompressedBackend::set_tag(const at::Tensor& tensor, std::optional<int64_t>
         at::tensor(std::vector<int32_t>(words, words + kTagWords), at::kInt).to(tensor.device());
     it = device_tags_.emplace(where, t).first;
   }
-  tag_ = it->second;
+  call.tag = it->second;
 }
 
 at::Tensor CompressedBackend::tag_words(const at::Tensor& buf, int world, int64_t slot) const {
@@ -237,10 +233,25 @@ at::Tensor CompressedBackend::tag_words(const at::Tensor& buf, int world, int64_
   return buf.view({world, slot}).narrow(1, slot - t, t);
 }
 
-at::Tensor CompressedBackend::tags_ok(const std::vector<at::Tensor>& words) const {
-  if (words.empty()) return at::ones({}, tag_.options().dtype(at::kBool));
+at::Tensor CompressedBackend::tags_ok(const Call& call,
+                                      const std::vector<at::Tensor>& words) const {
+  const at::Tensor& tag = call.tag;
+  if (words.empty()) return at::ones({}, tag.options().dtype(at::kBool));
+  if (tag.is_cpu()) {
+    // On a CPU a comparison in place: each view is [ranks, tag] rows of a
+    // received buffer, a tag's bytes apart from the next.
+    const auto* want = static_cast<const char*>(tag.const_data_ptr());
+    bool ok = true;
+    for (const at::Tensor& w : words) {
+      const auto* row = static_cast<const char*>(w.const_data_ptr());
+      const int64_t step = w.stride(0) * w.element_size();
+      for (int64_t r = 0; r < w.size(0) && ok; ++r)
+        ok = memcmp(row + r * step, want, kTagBytes) == 0;
+    }
+    return at::scalar_tensor(ok, at::kBool);
+  }
   const at::Tensor all = at::cat(words);
-  return all.eq(all.scalar_type() == at::kByte ? tag_.view(at::kByte) : tag_).all();
+  return all.eq(all.scalar_type() == at::kByte ? tag.view(at::kByte) : tag).all();
 }
 
 void CompressedBackend::require_tags(bool ok) const {
@@ -255,8 +266,8 @@ void CompressedBackend::require_tags(bool ok) const {
               "check_calls=\"every\" names the difference)");
 }
 
-void CompressedBackend::require_tags(const std::vector<at::Tensor>& words) {
-  require_tags(read_checks({tags_ok(words)})[0]);
+void CompressedBackend::require_tags(const Call& call, const std::vector<at::Tensor>& words) {
+  require_tags(read_checks({tags_ok(call, words)})[0]);
 }
 
 std::vector<bool> CompressedBackend::read_checks(const std::vector<at::Tensor>& checks) {
@@ -264,12 +275,12 @@ std::vector<bool> CompressedBackend::read_checks(const std::vector<at::Tensor>& 
   return read_flags(checks);
 }
 
-bool CompressedBackend::checked_finite(const std::vector<at::Tensor>& words,
+bool CompressedBackend::checked_finite(const Call& call, const std::vector<at::Tensor>& words,
                                        const std::vector<at::Tensor>& sums, const at::Tensor& t) {
   std::vector<at::Tensor> checks;
   {
     Span span(profile_.decode_s);
-    checks.push_back(tags_ok(words));
+    checks.push_back(tags_ok(call, words));
     if (!sums.empty()) checks.push_back(at::isfinite(at::stack(sums)).all());
   }
   const std::vector<bool> ok = read_checks(checks);

@@ -37,10 +37,8 @@ bool Float32Views::write_back(const at::Tensor& output, bool check) const {
   return !check || all_finite({output.sum(at::kFloat)}, output);
 }
 
-void CompressedBackend::run_call(int collective, const at::Tensor& tensor,
-                                 std::optional<int64_t> key, bool average, const std::string& m,
-                                 const std::function<void()>& body) {
-  const RunningCollective running(collective_, collective);
+std::optional<PendingCall> CompressedBackend::run_call(Call& call, const at::Tensor& tensor,
+                                                       const std::function<void()>& body) {
   // The engine's own tensor operations skip autograd's dispatch (views,
   // version counters), as c10d's collectives do: several microseconds per
   // call, most of a small call's host time on a CPU.
@@ -48,11 +46,12 @@ void CompressedBackend::run_call(int collective, const at::Tensor& tensor,
   ++profile_.calls;
   Span span(profile_.run_s);
   try {
-    check_call(tensor, key, average, m);
-    set_tag(tensor, key, average);
+    check_call(call, tensor);
+    set_tag(call, tensor);
     body();
+    return std::move(call.deferred);
   } catch (...) {
-    if (key) {
+    if (const auto key = call.key) {
       // A refused or failed call is this key's last call: undo_error_feedback
       // must not roll back the one before it, which was kept. Its previous
       // call is decided first, so that deciding it later cannot make it
@@ -60,13 +59,15 @@ void CompressedBackend::run_call(int collective, const at::Tensor& tensor,
       settle(/*wait=*/true, *key);
       if (auto it = error_feedback_.find(*key); it != error_feedback_.end()) it->second.undoable = false;
     }
-    rethrow_with_context(failure_context(tensor, key, average, m));
+    rethrow_with_context(failure_context(call, tensor));
   }
 }
 
 bool CompressedBackend::run_uncompressed(
-    const Float32Views& views, const at::Tensor& output, bool average, const std::string& m,
+    const Call& call, const Float32Views& views, const at::Tensor& output,
     const std::function<at::Tensor(const at::Tensor&)>& exchange, at::Tensor* slot_ok) {
+  const std::string& m = call.method;
+  const bool average = call.average;
   const bool check_slot = slot_ok != nullptr;
   const bool exact = method_is(m, "exact");
   if (!exact && !method_is(m, "cast")) return false;
@@ -84,7 +85,7 @@ bool CompressedBackend::run_uncompressed(
       // so that the sum tells every rank (NaN + anything is NaN).
       send = at::empty({n + 1}, values.options().dtype(dtype));
       send.narrow(0, 0, n).copy_(values);
-      send.narrow(0, n, 1).fill_(standing_in_ ? NAN : 0.0);
+      send.narrow(0, n, 1).fill_(call.standing_in ? NAN : 0.0);
     } else {
       send = values.to(dtype);
     }
@@ -100,7 +101,7 @@ bool CompressedBackend::run_uncompressed(
   // Read when the call is finished, as the block codecs' tags are: no
   // wait for an accelerator inside the call. A stand-in's own call fails
   // anyway.
-  if (slot_ok && !standing_in_) *slot_ok = wire.narrow(0, n, 1).eq(0).squeeze(0);
+  if (slot_ok && !call.standing_in) *slot_ok = wire.narrow(0, n, 1).eq(0).squeeze(0);
   return true;
 }
 

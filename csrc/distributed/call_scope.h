@@ -1,28 +1,11 @@
-// What every compressed call shares on the worker thread, whichever the
-// collective: the collective it runs (for its check and its messages) and
-// the flat float32 views it computes on.
+// What every compressed call shares, whichever the collective: the flat
+// float32 views it computes on.
 #pragma once
 
 #include <ATen/ATen.h>
 
 namespace pycomm {
 namespace dist {
-
-// Sets the running collective (index into kCollectives) for a scope, and
-// sets it back to the all-reduce's after.
-class RunningCollective {
- public:
-  RunningCollective(int& running, int collective) : running_(running), outer_(running) {
-    running_ = collective;
-  }
-  ~RunningCollective() { running_ = outer_; }  // a stand-in runs inside a call
-  RunningCollective(const RunningCollective&) = delete;
-  RunningCollective& operator=(const RunningCollective&) = delete;
-
- private:
-  int& running_;
-  const int outer_;
-};
 
 // A call's input and output as flat, contiguous float32 tensors: views of
 // the caller's when they are float32 and contiguous (`direct`), else

@@ -5,6 +5,8 @@
 
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#include <cmath>
+
 #include "config.h"
 
 namespace pycomm {
@@ -150,8 +152,20 @@ at::Tensor BlockCodec::scales_at(const at::Tensor& buf, int64_t offset, int64_t 
       .view(at::kFloat);
 }
 
-at::Tensor BlockCodec::finite(const at::Tensor& s) const {
-  return at::isfinite(quant ? s * float(quant_qmax(bits)) : s).all();
+at::Tensor BlockCodec::finite(const std::vector<at::Tensor>& scales) const {
+  const float qmax = quant ? float(quant_qmax(bits)) : 1.0f;
+  if (scales.empty() || !scales[0].is_cpu()) {
+    const at::Tensor s = at::cat(scales);
+    return at::isfinite(quant ? s * qmax : s).all();
+  }
+  // On a CPU a read of the scales where they are: no concatenation, no
+  // product tensor (the same float32 product as above).
+  bool ok = true;
+  for (const at::Tensor& s : scales) {
+    const float* p = s.const_data_ptr<float>();
+    for (int64_t i = 0, n = s.numel(); i < n && ok; ++i) ok = std::isfinite(p[i] * qmax);
+  }
+  return at::scalar_tensor(ok, at::kBool);
 }
 
 void BlockCodec::decompress(const at::Tensor& out, const at::Tensor& buf, int64_t offset,

@@ -50,10 +50,11 @@ struct BlockCodec {
                                   int64_t len) const;
   // The scales of the len-element segment at `offset` of an int32 buffer.
   at::Tensor scales_at(const at::Tensor& buf, int64_t offset, int64_t len) const;
-  // Whether segments with these scales decode to finite values only: their
-  // largest value is +-scale (onebit) or qmax * scale (quant; the
-  // product can overflow even where the scale does not). A 0-dim bool.
-  at::Tensor finite(const at::Tensor& s) const;
+  // Whether segments with these scales (contiguous float32 views) decode
+  // to finite values only: their largest value is +-scale (onebit) or
+  // qmax * scale (quant; the product can overflow even where the scale
+  // does not). A 0-dim bool.
+  at::Tensor finite(const std::vector<at::Tensor>& scales) const;
   // Decodes the len-element segment at `offset` of an int32 buffer into out.
   void decompress(const at::Tensor& out, const at::Tensor& buf, int64_t offset,
                   bool accumulate) const;

@@ -47,25 +47,27 @@ void CallResiduals::commit(bool finite) {
   keep_residuals(ef_, finite, double_buffered_);
 }
 
-CallResiduals CompressedBackend::residuals_for(std::optional<int64_t> key, const at::Tensor& x,
-                                               const std::string& method, const Group& g) {
+CallResiduals CompressedBackend::residuals_for(Call& call, const at::Tensor& x, const Group& g) {
+  const std::optional<int64_t> key = call.key;
+  const std::string& method = call.method;
   // A reduce-scatter's or all-gather's residuals are never mixed with an
   // all-reduce's under the same key; only the all-reduce double-buffers.
   static const char* const suffix[kNumCollectives] = {"", kReduceScatterSuffix,
                                                       kAllGatherSuffix};
   ErrorFeedback* ef = key && x.numel() > 0
-                          ? error_feedback_for(*key, x, method + suffix[collective_], g)
+                          ? error_feedback_for(*key, x, method + suffix[call.collective], g)
                           : nullptr;
-  if (ef && standing_in_) {  // a copy: a stand-in never changes the residuals
-    stand_in_residuals_ = *ef;
-    stand_in_residuals_.worker = ef->worker.clone();
-    for (auto& s : stand_in_residuals_.server) s = s.clone();
-    stand_in_residuals_.worker_backup = at::Tensor();
-    stand_in_residuals_.server_backup.clear();
-    ef = &stand_in_residuals_;
+  if (ef && call.standing_in) {  // a copy: a stand-in never changes the residuals
+    ErrorFeedback& copy = call.stand_in_residuals;
+    copy = *ef;
+    copy.worker = ef->worker.clone();
+    for (auto& s : copy.server) s = s.clone();
+    copy.worker_backup = at::Tensor();
+    copy.server_backup.clear();
+    ef = &copy;
   }
-  begin_seeds(key, ef);
-  return CallResiduals(ef, collective_ == 0 && double_buffered(x, method));
+  begin_seeds(call, ef);
+  return CallResiduals(ef, call.collective == 0 && double_buffered(x, method));
 }
 
 ErrorFeedback* CompressedBackend::error_feedback_for(int64_t key, const at::Tensor& x,
@@ -120,14 +122,15 @@ bool CompressedBackend::double_buffered(const at::Tensor& x, const std::string& 
   return x.is_cuda() && cuda_into;
 }
 
-void CompressedBackend::begin_seeds(std::optional<int64_t> key, ErrorFeedback* ef) {
+void CompressedBackend::begin_seeds(Call& call, ErrorFeedback* ef) {
   // Every rank runs the same calls in the same order, so the keyless count
   // is the same on all; a key's count travels with its residuals.
-  seeds_ = CallSeeds{config_.rounding_seed, key ? *key : -1, 0, collective_, getRank()};
+  const std::optional<int64_t> key = call.key;
+  call.seeds = CallSeeds{config_.rounding_seed, key ? *key : -1, 0, call.collective, getRank()};
   if (ef) {
-    seeds_.call = ef->calls;  // counted when the call keeps its residuals
+    call.seeds.call = ef->calls;  // counted when the call keeps its residuals
   } else if (!key) {
-    seeds_.call = keyless_calls_++;
+    call.seeds.call = keyless_calls_++;
   }
 }
 

@@ -10,9 +10,10 @@ namespace pycomm {
 namespace dist {
 
 std::vector<at::Tensor> CompressedBackend::exchange_payloads(
-    const std::string& method, const at::Tensor& in, int64_t S, bool all_to_all,
-    ErrorFeedback* ef, const Group& g,
+    const Call& call, const at::Tensor& in, int64_t S, bool all_to_all, ErrorFeedback* ef,
+    const Group& g,
     const std::function<void(const PayloadCodec&, const PayloadChunk&)>& received) {
+  const std::string& method = call.method;
   const PayloadCodec codec(method, config_, block_for(method));
   const int world = g.world, segments = all_to_all ? world : 1;
   const int64_t C = chunk_length(S, config_.chunk_numel), chunks = ceil_div(S, C);
@@ -37,7 +38,7 @@ std::vector<at::Tensor> CompressedBackend::exchange_payloads(
         std::optional<at::Tensor> r;
         if (ef) r = ef->worker.narrow(0, at0, ch.len);
         payloads.push_back(
-            codec.encode(in.narrow(0, at0, ch.len), r, seeds_.at(i, j), tag_, ch.layout));
+            codec.encode(in.narrow(0, at0, ch.len), r, call.seeds.at(i, j), call.tag, ch.layout));
       }
       ch.slot = payloads[0].numel();
       for (const auto& p : payloads)

@@ -14,11 +14,11 @@ WorkPtr CompressedBackend::reduce_scatter_keyed(at::Tensor output, at::Tensor in
   const std::string m = method_for(input.numel());
   if (auto bad = bad_pair("reduce_scatter", input, output, "input", "output"); !bad.empty())
     return refuse(input, key, average, m, 1, bad);
-  return submit(c10d::OpType::_REDUCE_SCATTER_BASE, {output},
-                [this, output, input, key, average, m] {
-                  run_reduce_scatter(output, input, key, average, m);
-                },
-                caller_stream({input}), /*overlaps=*/true);
+  return submit_call(c10d::OpType::_REDUCE_SCATTER_BASE, {output},
+                     [this, output, input, key, average, m] {
+                       return run_reduce_scatter(Call{1, key, average, m}, output, input);
+                     },
+                     caller_stream({input}));
 }
 
 // Per chunk of the shard, each rank compresses its W segments (segment j =
@@ -26,14 +26,15 @@ WorkPtr CompressedBackend::reduce_scatter_keyed(at::Tensor output, at::Tensor in
 // payload to rank j (one all_to_all of equal payloads), and decodes the W
 // payloads it receives in rank order into its output. No server stage: the
 // output is the decoded sum, in float32.
-void CompressedBackend::run_reduce_scatter(const at::Tensor& output, const at::Tensor& input,
-                                           std::optional<int64_t> key, bool average,
-                                           const std::string& m) {
-  run_call(1, input, key, average, m, [&] {
+std::optional<PendingCall> CompressedBackend::run_reduce_scatter(Call call,
+                                                                 const at::Tensor& output,
+                                                                 const at::Tensor& input) {
+  return run_call(call, input, [&] {
+    const bool average = call.average;
     const int world = getSize();
     const Float32Views views(input, output);
     const int64_t S = views.out.numel();
-    if (run_uncompressed(views, output, average, m, [&](const at::Tensor& send) {
+    if (run_uncompressed(call, views, output, [&](const at::Tensor& send) {
           at::Tensor mine = send, recv = at::empty({S}, send.options());
           c10d::ReduceScatterOptions rs;
           rs.reduceOp = c10d::ReduceOp::SUM;
@@ -42,10 +43,10 @@ void CompressedBackend::run_reduce_scatter(const at::Tensor& output, const at::T
         }))
       return;
     const Group g = flat_group();
-    CallResiduals residuals = residuals_for(key, views.in, m, g);
+    CallResiduals residuals = residuals_for(call, views.in, g);
     ErrorFeedback* ef = residuals.get();
     std::vector<at::Tensor> sums;
-    require_tags(exchange_payloads(m, views.in, S, /*all_to_all=*/true, ef, g,
+    require_tags(call, exchange_payloads(call, views.in, S, /*all_to_all=*/true, ef, g,
                                    [&](const PayloadCodec& codec, const PayloadChunk& ch) {
                                      const at::Tensor dst = views.out.narrow(0, ch.begin, ch.len);
                                      codec.decode(ch.recv, ch.slot, ch.layout, {dst});

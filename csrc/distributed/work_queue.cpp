@@ -7,6 +7,7 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 
 #include "backend.hpp"
+#include "call_check.h"
 
 namespace pycomm {
 namespace dist {
@@ -153,23 +154,48 @@ void CompressedBackend::finish_pending(PendingCall& call) {
   }
 }
 
-void CompressedBackend::defer(const std::vector<at::Tensor>& checks, std::optional<int64_t> key,
+void CompressedBackend::defer(Call& c, const at::Tensor& tensor,
+                              const std::vector<at::Tensor>& checks,
                               std::function<void(const std::vector<bool>&)> finish) {
-  const at::Tensor dev = at::stack(checks);
-  const c10::Device device = dev.device();
-  PendingCall call{std::nullopt, dev, std::move(finish), {}, std::nullopt, key};
+  finish = [this, finish = std::move(finish), tensor, collective = c.collective, key = c.key,
+            average = c.average, method = c.method](const std::vector<bool>& ok) {
+    try {
+      finish(ok);
+    } catch (...) {
+      rethrow_with_context(failure_context(Call{collective, key, average, method}, tensor));
+    }
+  };
+  const c10::Device device = checks.at(0).device();
+  at::Tensor dev;
+  if (device.is_cpu()) {  // the values, without a stack
+    dev = at::empty({static_cast<int64_t>(checks.size())}, at::kBool);
+    bool* v = dev.data_ptr<bool>();
+    for (size_t i = 0; i < checks.size(); ++i) v[i] = *checks[i].const_data_ptr<bool>();
+  } else {
+    dev = at::stack(checks);
+  }
+  PendingCall call{std::nullopt, dev, std::move(finish), {}, std::nullopt, c.key};
   if (!dev.is_cpu()) {
     call.checks = at::empty({dev.numel()}, at::TensorOptions().dtype(at::kBool).pinned_memory(true));
     call.checks.copy_(dev, /*non_blocking=*/true);
     call.done.emplace(device.type());
     call.done->record(c10::impl::VirtualGuardImpl(device.type()).getStream(device));
   }
-  deferred_.emplace(std::move(call));
+  c.deferred.emplace(std::move(call));
 }
 
 WorkPtr CompressedBackend::submit(c10d::OpType type, std::vector<at::Tensor> result,
                                   std::function<void()> body, std::optional<c10::Stream> stream,
                                   bool overlaps) {
+  return submit_call(type, std::move(result), [body = std::move(body)] {
+    body();
+    return std::optional<PendingCall>();
+  }, stream, overlaps);
+}
+
+WorkPtr CompressedBackend::submit_call(c10d::OpType type, std::vector<at::Tensor> result,
+                                       std::function<std::optional<PendingCall>()> body,
+                                       std::optional<c10::Stream> stream, bool overlaps) {
   auto work = c10::make_intrusive<PycommWork>(getRank(), type, std::move(result));
   Task task{[this, work, body = std::move(body), stream,
              queued = std::chrono::steady_clock::now()] {
@@ -181,17 +207,18 @@ WorkPtr CompressedBackend::submit(c10d::OpType type, std::vector<at::Tensor> res
     std::optional<c10::StreamGuard> guard;
     if (stream) guard.emplace(*stream);
     try {
-      body();
-      if (deferred_) {  // finished later, by settle
-        deferred_->work = work;
-        deferred_->stream = stream;
-        pending_.push_back(std::move(*deferred_));
-        deferred_.reset();
+      if (std::optional<PendingCall> deferred = body()) {
+        deferred->work = work;
+        deferred->stream = stream;
+        if (!deferred->done && pending_.empty()) {
+          finish_pending(*deferred);  // on a CPU its checks are read: finished now
+        } else {
+          pending_.push_back(std::move(*deferred));  // finished later, by settle
+        }
       } else {
         work->complete();
       }
     } catch (...) {
-      deferred_.reset();
       work->complete(std::current_exception());
     }
   }, overlaps};
