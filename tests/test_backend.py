@@ -425,3 +425,56 @@ def _wrap_pycomm_default(rank, world):
 def test_wrap_of_a_pycomm_group():
     for method, x in run_ranks(_wrap_pycomm_default, 2, init_process_group=False, timeout=60):
         assert method == "int4" and torch.equal(x, torch.full((1000,), 2.0))
+
+
+def _rank_calls_on_the_callers_thread(rank, world):
+    """Synchronous calls run on the caller's thread when the engine's
+    worker is idle (CallerWaits): they must keep the submission order with
+    async calls still queued, give the worker's results, and fall back to
+    the worker under inference mode (whose tensors could not be kept as
+    residuals)."""
+    import pycomm.distributed as pd
+
+    pg = pd.wrap(compressor="int8", min_compress_numel=1)
+    ref = pd.wrap(compressor="int8", min_compress_numel=1)
+    out = {}
+    xs = [torch.randn(4096, generator=torch.Generator().manual_seed(10 * rank + i)) for i in range(6)]
+    # The same calls, all async on `ref` (the worker), mixed sync/async on `pg`.
+    expected = [x.clone() for x in xs]
+    works = [pd.all_reduce(t, key=i % 2, group=ref, async_op=True) for i, t in enumerate(expected)]
+    for w in works:
+        w.wait()
+    got = [x.clone() for x in xs]
+    pending = []
+    for i, t in enumerate(got):
+        if i % 3 == 2:
+            pd.all_reduce(t, key=i % 2, group=pg)  # while the async ones may still be queued
+        else:
+            pending.append(pd.all_reduce(t, key=i % 2, group=pg, async_op=True))
+    for w in pending:
+        w.wait()
+    out["same"] = all(torch.equal(a, b) for a, b in zip(got, expected))
+    # Inference mode: the call runs (on the worker) and later calls outside it work.
+    def inputs(i):
+        return torch.randn(4096, generator=torch.Generator().manual_seed(100 * rank + i))
+
+    with torch.inference_mode():
+        y = inputs(0)
+        pd.all_reduce(y, key=5, group=pg)
+    z = inputs(1)
+    pd.all_reduce(z, key=5, group=pg)
+    pd.error_feedback_state(group=pg)[5]["worker"].add_(0)  # an ordinary tensor outside inference mode
+    # A parameter that requires grad, reduced in place without autograd complaining.
+    p = torch.nn.Parameter(inputs(2))
+    pd.all_reduce(p, key=5, group=pg)
+    ref_out = [inputs(i) for i in range(3)]
+    for t in ref_out:
+        pd.all_reduce(t, key=5, group=ref, async_op=True).wait()
+    out["inference_and_param"] = all(torch.equal(a, b) for a, b in zip((y, z, p.detach()), ref_out))
+    return out
+
+
+def test_calls_on_the_callers_thread_keep_order_and_results():
+    results = run_ranks(_rank_calls_on_the_callers_thread, 2, timeout=120)
+    for res in results:
+        assert res["same"] and res["inference_and_param"], res

@@ -192,6 +192,18 @@ def test_get_compressor_names_the_argument():
 
 
 # ------------------------------------------- a key's later calls change ----
+def _keyed_calls(pg, world):
+    """The three keyed collectives on ``pg`` by name, ``call(tensor, key)``,
+    and the reduce-scatter's and all-gather's output buffers they write."""
+    rs_out, ag_out = torch.empty(N // world), torch.empty(N * world)
+    calls = {
+        "all_reduce": lambda t, k: pd.all_reduce(t, key=k, group=pg),
+        "reduce_scatter": lambda t, k: pd.reduce_scatter(rs_out[: t.numel() // world], t, key=k, group=pg),
+        "all_gather": lambda t, k: pd.all_gather(ag_out[: t.numel() * world], t, key=k, group=pg),
+    }
+    return calls, rs_out, ag_out
+
+
 def _rank_key_changes(rank, world):
     """Ranks agree on a key's first call; later, every rank but rank 0
     changes it (or refuses it). The call check compares first calls only:
@@ -207,12 +219,7 @@ def _rank_key_changes(rank, world):
     }
     for name, settings in cases.items():
         pg = pd.wrap(min_compress_numel=1, **settings)
-        rs_out, ag_out = torch.empty(N // world), torch.empty(N * world)
-        calls = {
-            "all_reduce": lambda t, k: pd.all_reduce(t, key=k, group=pg),
-            "reduce_scatter": lambda t, k: pd.reduce_scatter(rs_out[: t.numel() // world], t, key=k, group=pg),
-            "all_gather": lambda t, k: pd.all_gather(ag_out[: t.numel() * world], t, key=k, group=pg),
-        }
+        calls, rs_out, ag_out = _keyed_calls(pg, world)
         for c, (collective, call) in enumerate(calls.items()):
             key = 100 * c
             call(torch.randn(N), key)
@@ -291,36 +298,46 @@ def test_a_refused_change_leaves_the_residuals_and_the_group(key_change_results)
 
 def _rank_tagless_key_changes(rank, world):
     """The methods whose payloads carry no call tag (the casts and the
-    exact all-reduce): a key's call changed or refused on one rank must
-    still raise on every rank, where the rank's stand-in used to be summed
-    as zeros into its peers' results without an error."""
+    exact path), in every collective: a key's call changed or refused on
+    one rank must still raise on every rank, where the rank's stand-in used
+    to be summed (or gathered) as zeros by its peers without an error."""
     out = {}
     for method in ("fp16", "bf16", "none"):
         pg = pd.wrap(compressor=method, min_compress_numel=1)
-        pd.all_reduce(torch.ones(N), key=7, group=pg)
-        changed = {
-            "resized": lambda: torch.full((N - 8 * rank,), 2.0),
-            "refused": lambda: torch.full((N,), 2.0) if rank == 0 else torch.ones(N, dtype=torch.int32),
-        }
-        for what, make in changed.items():
-            x = make()
-            out[(method, what)] = _attempt(lambda: pd.all_reduce(x, key=7, group=pg))
-        # The group goes on: the key's own call, exact for constants.
-        x = torch.full((N,), float(rank + 1))
-        pd.all_reduce(x, key=7, group=pg)
-        out[(method, "after")] = x
+        calls, rs_out, ag_out = _keyed_calls(pg, world)
+        for c, (collective, call) in enumerate(calls.items()):
+            key = 7 + c
+            call(torch.ones(N), key)
+            changed = {
+                "resized": lambda: torch.full((N - 8 * world * rank,), 2.0),
+                "refused": lambda: torch.full((N,), 2.0) if rank == 0 else torch.ones(N, dtype=torch.int32),
+            }
+            for what, make in changed.items():
+                x = make()
+                out[(method, collective, what)] = _attempt(lambda: call(x, key))
+            # The group goes on: the key's own call, exact for constants.
+            x = torch.full((N,), float(rank + 1))
+            call(x, key)
+            out[(method, collective, "after")] = (x.clone() if collective == "all_reduce" else
+                                                  rs_out.clone() if collective == "reduce_scatter" else ag_out.clone())
     return out
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, 4])
 def test_a_key_changed_on_one_rank_raises_on_every_rank_without_tags(world):
     results = run_ranks(_rank_tagless_key_changes, world, timeout=120)
     for rank, res in enumerate(results):
         for method in ("fp16", "bf16", "none"):
-            for what in ("resized", "refused"):
-                msg = res[(method, what)]
-                assert msg is not None, f"rank {rank}, {method} {what}: no error (a stand-in summed in)"
-                assert f"pycomm rank {rank} of {world}" in msg, msg
-                if rank == 0:
-                    assert "a rank refused its call" in msg, msg
-            assert torch.equal(res[(method, "after")], torch.full((N,), world * (world + 1) / 2)), method
+            for collective in ("all_reduce", "reduce_scatter", "all_gather"):
+                for what in ("resized", "refused"):
+                    msg = res[(method, collective, what)]
+                    assert msg is not None, f"rank {rank}, {method} {collective} {what}: no error (a stand-in summed in)"
+                    assert f"pycomm rank {rank} of {world}" in msg, msg
+                    if rank == 0:
+                        assert "a rank refused its call" in msg, msg
+                after = res[(method, collective, "after")]
+                if collective == "all_gather":  # rank r's input, from every rank
+                    expected = torch.cat([torch.full((N,), float(r + 1)) for r in range(world)])
+                else:
+                    expected = torch.full_like(after, world * (world + 1) / 2)
+                assert torch.equal(after, expected), (method, collective)

@@ -21,7 +21,8 @@ CompressedBackend::CompressedBackend(c10::intrusive_ptr<c10d::Backend> inner, Co
       inner_(std::move(inner)),
       config_(std::move(config)),
       intra_(std::move(intra)),
-      inter_(std::move(inter)) {
+      inter_(std::move(inter)),
+      queue_(getRank(), profile_) {
   const auto& m = config_.method;
   TORCH_CHECK(known_method(m) || m == "auto" || is_plugin(m),
               "compressor must be one of the methods of pycomm.distributed.spec.GROUP_METHODS "
@@ -57,7 +58,6 @@ CompressedBackend::CompressedBackend(c10::intrusive_ptr<c10d::Backend> inner, Co
               config_.check_calls);
   // Gloo has no AVG: forwarded AVGs become SUM and a division here.
   inner_has_avg_ = inner_->getBackendName() != "gloo";
-  worker_ = std::thread([this] { run_worker(); });
 }
 
 CompressedBackend::~CompressedBackend() {
@@ -67,12 +67,7 @@ CompressedBackend::~CompressedBackend() {
   // the GIL elsewhere: release it while shutting down.
   std::optional<pybind11::gil_scoped_release> no_gil;
   if (Py_IsInitialized() && PyGILState_Check()) no_gil.emplace();
-  {
-    std::lock_guard<std::mutex> lock(queue_mutex_);
-    stopping_ = true;
-  }
-  queue_cv_.notify_all();
-  if (worker_.joinable()) worker_.join();
+  queue_.stop();
   intra_.reset();
   inter_.reset();
   inner_.reset();

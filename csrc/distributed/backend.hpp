@@ -6,12 +6,12 @@
 // Ordering: Gloo and NCCL match collectives across ranks by the order in
 // which they are issued. The compressed algorithms issue several dependent
 // collectives per call, so all collectives of this backend (forwarded ones
-// included) are issued from ONE worker thread, in the order the caller
-// submitted them; the caller gets a Work at once. Point-to-point ops are
-// matched by tag, not order, and go straight to the inner backend.
+// included) are issued by one thread at a time, in the order the callers
+// submitted them (WorkQueue); the caller gets a Work at once. Point-to-point
+// ops are matched by tag, not order, and go straight to the inner backend.
 //
-// Where the parts live: work_queue.cpp (the worker thread, deferred
-// finishing), call_scope.cpp (what every compressed call shares),
+// Where the parts live: work_queue.cpp (the work queue: the worker thread,
+// deferred finishing), call_scope.cpp (what every compressed call shares),
 // call_check.cpp (cross-rank call checks and tags), error_feedback.cpp
 // (residual state), codecs.cpp (the compressors and the payload format),
 // pipeline.cpp (the chunked payload exchange), all_reduce.cpp with
@@ -20,16 +20,12 @@
 #pragma once
 
 #include <chrono>
-#include <condition_variable>
-#include <deque>
 #include <exception>
 #include <functional>
 #include <map>
-#include <mutex>
 #include <optional>
 #include <set>
 #include <string>
-#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -171,36 +167,19 @@ class CompressedBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
 
  private:
-  // ---- work_queue.cpp ----
-  // Queues `body` for the worker thread; the Work completes when it returns.
-  // `stream` (an accelerator's, see caller_stream): the body runs with it
-  // current, and the Work's completion is recorded on it, so the work is
-  // ordered after what the caller queued before the call, and the caller's
-  // stream (not its host thread) waits for the result.
+  // ---- the work queue (work_queue.cpp) ----
   c10::intrusive_ptr<c10d::Work> submit(c10d::OpType type, std::vector<at::Tensor> result,
                                         std::function<void()> body,
                                         std::optional<c10::Stream> stream = std::nullopt,
-                                        bool overlaps = false);
-  // A compressed call: `body` returns its deferred finish, if it has one
-  // (the Work then completes when settle finishes it).
+                                        bool overlaps = false) {
+    return queue_.submit(type, std::move(result), std::move(body), stream, overlaps);
+  }
   c10::intrusive_ptr<c10d::Work> submit_call(
       c10d::OpType type, std::vector<at::Tensor> result,
-      std::function<std::optional<PendingCall>()> body, std::optional<c10::Stream> stream,
-      bool overlaps = true);
-  void run_worker();
-  // Runs `task` on the calling thread when the worker is idle and nothing
-  // is queued (see CallerWaits); false (nothing run) otherwise.
-  bool run_on_caller(Task& task);
-  // Finishes pending calls in order: those the device has passed (`wait`
-  // false), or all of them (`wait` true), or all up to the last one on
-  // `key` (waiting for the device as needed).
-  void settle(bool wait, std::optional<int64_t> key = std::nullopt);
-  void finish_pending(PendingCall& call);
-  // Called by a running compressed call (on `tensor`) instead of reading
-  // `checks`: the call is finished later by `finish` (see PendingCall),
-  // whose errors are rethrown naming the call (the message made only then).
-  void defer(Call& call, const at::Tensor& tensor, const std::vector<at::Tensor>& checks,
-             std::function<void(const std::vector<bool>&)> finish);
+      std::function<std::optional<PendingCall>()> body, std::optional<c10::Stream> stream) {
+    return queue_.submit_call(type, std::move(result), std::move(body), stream);
+  }
+  void settle(bool wait, std::optional<int64_t> key = std::nullopt) { queue_.settle(wait, key); }
 
   // ---- forward.cpp ----
   // Issues an inner collective from the worker thread and waits for it there,
@@ -233,18 +212,24 @@ class CompressedBackend : public c10d::Backend {
   // and this rank. Returns its deferred finish, if it has one.
   std::optional<PendingCall> run_call(Call& call, const at::Tensor& tensor,
                                       const std::function<void()>& body);
+  // Called by a running compressed call (on `tensor`) instead of reading
+  // `checks`: the call is finished later by `finish` (see PendingCall),
+  // whose errors are rethrown naming the call (the message made only then).
+  void defer(Call& call, const at::Tensor& tensor, const std::vector<at::Tensor>& checks,
+             std::function<void(const std::vector<bool>&)> finish);
   // The exact or 16-bit path of every collective ("none", "fp16", "bf16";
   // false for the methods that compress, which it leaves to the caller):
   // `exchange` runs the inner collective on the float32 (exact) or 16-bit
   // values it is given and returns where the result is (they themselves
   // when in place); the result is written to `output`.
-  // `slot_ok` given (the all-reduce): the values exchanged are followed
-  // by one element, 0 from a call and NaN from a stand-in, and *slot_ok is
-  // set to whether the sum of them is 0 (a 0-dim bool, to be checked
-  // where the call finishes): every rank raises where a rank refused.
+  // The values exchanged carry one element more per row, 0 from a call
+  // and NaN from a stand-in, and *slot_ok is set to whether every such
+  // element received is 0 (a 0-dim bool, to be checked where the call
+  // finishes; left undefined in a stand-in): every rank raises where a
+  // rank refused.
   bool run_uncompressed(const Call& call, const Float32Views& views, const at::Tensor& output,
                         const std::function<at::Tensor(const at::Tensor&)>& exchange,
-                        at::Tensor* slot_ok = nullptr);
+                        at::Tensor* slot_ok);
   // Waits for an inner collective of a compressed call (Profile::wire_s).
   void wait_wire(const c10::intrusive_ptr<c10d::Work>& work);
 
@@ -364,20 +349,8 @@ class CompressedBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Backend> intra_, inter_;
   bool inner_has_avg_;
 
-  std::mutex queue_mutex_;
-  // Held by whichever thread issues collectives and touches the state
-  // below: the worker, or a caller running its call itself
-  // (run_on_caller). Taken after queue_mutex_ when both are.
-  std::mutex issue_mutex_;
-  std::condition_variable queue_cv_;
-  std::deque<Task> queue_;
-  // Touched under issue_mutex_ only, as everything below.
-  std::deque<PendingCall> pending_;
-  bool stopping_ = false;
-  std::thread worker_;
-
-  // Only the issuing thread (issue_mutex_) touches these while collectives
-  // run; the state accessors go through the queue too.
+  // Only the queue's tasks touch these (one at a time, WorkQueue); the
+  // state accessors go through the queue too.
   std::map<int64_t, ErrorFeedback> error_feedback_;
   // Keys already checked, with the call they were checked on (every later
   // call of a key must repeat it), and keyless (numel, dtype, op)
@@ -393,6 +366,8 @@ class CompressedBackend : public c10d::Backend {
   // Keyless calls run by a compressor with error feedback (onebit, topk,
   // int8, int4, registered): the stream of their rounding seeds.
   int64_t keyless_calls_ = 0;
+  // Last: its worker thread starts once everything its tasks use is set up.
+  WorkQueue queue_;
 };
 
 }  // namespace dist

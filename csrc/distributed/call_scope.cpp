@@ -4,6 +4,8 @@
 
 #include <cmath>
 
+#include <c10/core/impl/VirtualGuardImpl.h>
+
 #include "backend.hpp"
 #include "call_check.h"
 
@@ -68,42 +70,70 @@ bool CompressedBackend::run_uncompressed(
     const std::function<at::Tensor(const at::Tensor&)>& exchange, at::Tensor* slot_ok) {
   const std::string& m = call.method;
   const bool average = call.average;
-  const bool check_slot = slot_ok != nullptr;
   const bool exact = method_is(m, "exact");
   if (!exact && !method_is(m, "cast")) return false;
-  const int64_t n = views.in.numel();
+  // These payloads carry no tag, so one element more per row (a
+  // reduce-scatter's input has a row per rank, an all-gather's output one
+  // from each rank) stands for it: 0 from every call, NaN from a stand-in
+  // (a rank that refused its call), so that what arrives tells every rank
+  // (NaN + anything is NaN).
+  const int world = getSize();
+  const int64_t rows_in = call.collective == 1 ? world : 1;
+  const int64_t rows_out = call.collective == 2 ? world : 1;
+  const int64_t len_in = views.in.numel() / rows_in, len_out = views.out.numel() / rows_out;
   at::Tensor send;
   {
     // A 16-bit sum is divided first (as PyTorch's fp16 hook does), so that
     // it cannot overflow; an exact one after.
     Span span(profile_.encode_s);
-    const at::Tensor values = average && !exact ? views.in / getSize() : views.in;
+    const at::Tensor values = average && !exact ? views.in / world : views.in;
     const auto dtype = exact ? at::kFloat : wire_dtype(method_row(m)->dtype);
-    if (check_slot) {
-      // These payloads carry no tag, so one more element stands for it: 0
-      // from every call, NaN from a stand-in (a rank that refused its call),
-      // so that the sum tells every rank (NaN + anything is NaN).
-      send = at::empty({n + 1}, values.options().dtype(dtype));
-      send.narrow(0, 0, n).copy_(values);
-      send.narrow(0, n, 1).fill_(call.standing_in ? NAN : 0.0);
-    } else {
-      send = values.to(dtype);
-    }
+    send = at::empty({rows_in, len_in + 1}, values.options().dtype(dtype));
+    send.narrow(1, 0, len_in).copy_(values.view({rows_in, len_in}));
+    send.narrow(1, len_in, 1).fill_(call.standing_in ? NAN : 0.0);
   }
-  const at::Tensor wire = exchange(send);
-  const at::Tensor result = check_slot ? wire.narrow(0, 0, n) : wire;
+  const at::Tensor wire = exchange(send.view({-1})).view({rows_out, len_out + 1});
   {
     Span span(profile_.decode_s);
-    if (!result.is_same(views.out)) views.out.copy_(result);
-    if (average && exact) views.out.div_(getSize());
+    views.out.view({rows_out, len_out}).copy_(wire.narrow(1, 0, len_out));
+    if (average && exact) views.out.div_(world);
   }
   views.write_back(output, false);
-  // Read when the call is finished, as the block codecs' tags are: no
-  // wait for an accelerator inside the call. A stand-in's own call fails
-  // anyway.
-  if (slot_ok && !call.standing_in) *slot_ok = wire.narrow(0, n, 1).eq(0).squeeze(0);
+  // Checked where the call finishes; a stand-in's own call fails anyway.
+  if (!call.standing_in) *slot_ok = wire.narrow(1, len_out, 1).eq(0).all();
   return true;
 }
+
+void CompressedBackend::defer(Call& c, const at::Tensor& tensor,
+                              const std::vector<at::Tensor>& checks,
+                              std::function<void(const std::vector<bool>&)> finish) {
+  finish = [this, finish = std::move(finish), tensor, collective = c.collective, key = c.key,
+            average = c.average, method = c.method](const std::vector<bool>& ok) {
+    try {
+      finish(ok);
+    } catch (...) {
+      rethrow_with_context(failure_context(Call{collective, key, average, method}, tensor));
+    }
+  };
+  const c10::Device device = checks.at(0).device();
+  at::Tensor dev;
+  if (device.is_cpu()) {  // the values, without a stack
+    dev = at::empty({static_cast<int64_t>(checks.size())}, at::kBool);
+    bool* v = dev.data_ptr<bool>();
+    for (size_t i = 0; i < checks.size(); ++i) v[i] = *checks[i].const_data_ptr<bool>();
+  } else {
+    dev = at::stack(checks);
+  }
+  PendingCall call{std::nullopt, dev, std::move(finish), {}, std::nullopt, c.key};
+  if (!dev.is_cpu()) {
+    call.checks = at::empty({dev.numel()}, at::TensorOptions().dtype(at::kBool).pinned_memory(true));
+    call.checks.copy_(dev, /*non_blocking=*/true);
+    call.done.emplace(device.type());
+    call.done->record(c10::impl::VirtualGuardImpl(device.type()).getStream(device));
+  }
+  c.deferred.emplace(std::move(call));
+}
+
 
 void CompressedBackend::wait_wire(const c10::intrusive_ptr<c10d::Work>& work) {
   ++profile_.collectives;

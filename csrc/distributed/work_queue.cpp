@@ -1,13 +1,14 @@
-// The worker thread that issues every collective of a group in submission
-// order, and the deferred finishing of compressed calls whose checks are
-// still on an accelerator (PendingCall).
+// The work queue: the worker thread that issues every collective of a
+// group in submission order (or the caller, for a call it waits for), and
+// the deferred finishing of compressed calls whose checks are still on an
+// accelerator (PendingCall).
+#include <c10/core/GradMode.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
-#include "backend.hpp"
-#include "call_check.h"
+#include "work_queue.h"
 
 namespace pycomm {
 namespace dist {
@@ -55,7 +56,21 @@ CallerWaits::CallerWaits(bool waits) : outer_(caller_waits) { caller_waits = wai
 CallerWaits::~CallerWaits() { caller_waits = outer_; }
 bool CallerWaits::active() { return caller_waits; }
 
-void CompressedBackend::run_worker() {
+WorkQueue::WorkQueue(int rank, Profile& profile)
+    : rank_(rank), profile_(profile), worker_([this] { run_worker(); }) {}
+
+WorkQueue::~WorkQueue() { stop(); }
+
+void WorkQueue::stop() {
+  {
+    std::lock_guard<std::mutex> lock(queue_mutex_);
+    stopping_ = true;
+  }
+  queue_cv_.notify_all();
+  if (worker_.joinable()) worker_.join();
+}
+
+void WorkQueue::run_worker() {
   // Collectives never record autograd history (as on the caller's side of
   // dist.all_reduce): the tensors may be Parameters that require grad.
   const c10::AutoGradMode no_grad(false);
@@ -92,7 +107,7 @@ void CompressedBackend::run_worker() {
   }
 }
 
-bool CompressedBackend::run_on_caller(Task& task) {
+bool WorkQueue::run_on_caller(Task& task) {
   // Only where nothing of the caller's thread state can reach the engine's
   // own tensor operations (inference mode, dispatch keys, a Python
   // dispatch mode): those run as on the worker thread.
@@ -112,7 +127,7 @@ bool CompressedBackend::run_on_caller(Task& task) {
   return true;
 }
 
-void CompressedBackend::settle(bool wait, std::optional<int64_t> key) {
+void WorkQueue::settle(bool wait, std::optional<int64_t> key) {
   size_t last = 0;  // finish pending_[0, last)
   if (key) {
     for (size_t i = 0; i < pending_.size(); ++i)
@@ -137,7 +152,7 @@ void CompressedBackend::settle(bool wait, std::optional<int64_t> key) {
   }
 }
 
-void CompressedBackend::finish_pending(PendingCall& call) {
+void WorkQueue::finish_pending(PendingCall& call) {
   // The Work completes on the caller's stream (see submit).
   std::optional<c10::StreamGuard> guard;
   if (call.stream) guard.emplace(*call.stream);
@@ -154,49 +169,19 @@ void CompressedBackend::finish_pending(PendingCall& call) {
   }
 }
 
-void CompressedBackend::defer(Call& c, const at::Tensor& tensor,
-                              const std::vector<at::Tensor>& checks,
-                              std::function<void(const std::vector<bool>&)> finish) {
-  finish = [this, finish = std::move(finish), tensor, collective = c.collective, key = c.key,
-            average = c.average, method = c.method](const std::vector<bool>& ok) {
-    try {
-      finish(ok);
-    } catch (...) {
-      rethrow_with_context(failure_context(Call{collective, key, average, method}, tensor));
-    }
-  };
-  const c10::Device device = checks.at(0).device();
-  at::Tensor dev;
-  if (device.is_cpu()) {  // the values, without a stack
-    dev = at::empty({static_cast<int64_t>(checks.size())}, at::kBool);
-    bool* v = dev.data_ptr<bool>();
-    for (size_t i = 0; i < checks.size(); ++i) v[i] = *checks[i].const_data_ptr<bool>();
-  } else {
-    dev = at::stack(checks);
-  }
-  PendingCall call{std::nullopt, dev, std::move(finish), {}, std::nullopt, c.key};
-  if (!dev.is_cpu()) {
-    call.checks = at::empty({dev.numel()}, at::TensorOptions().dtype(at::kBool).pinned_memory(true));
-    call.checks.copy_(dev, /*non_blocking=*/true);
-    call.done.emplace(device.type());
-    call.done->record(c10::impl::VirtualGuardImpl(device.type()).getStream(device));
-  }
-  c.deferred.emplace(std::move(call));
-}
-
-WorkPtr CompressedBackend::submit(c10d::OpType type, std::vector<at::Tensor> result,
-                                  std::function<void()> body, std::optional<c10::Stream> stream,
-                                  bool overlaps) {
+WorkPtr WorkQueue::submit(c10d::OpType type, std::vector<at::Tensor> result,
+                          std::function<void()> body, std::optional<c10::Stream> stream,
+                          bool overlaps) {
   return submit_call(type, std::move(result), [body = std::move(body)] {
     body();
     return std::optional<PendingCall>();
   }, stream, overlaps);
 }
 
-WorkPtr CompressedBackend::submit_call(c10d::OpType type, std::vector<at::Tensor> result,
-                                       std::function<std::optional<PendingCall>()> body,
-                                       std::optional<c10::Stream> stream, bool overlaps) {
-  auto work = c10::make_intrusive<PycommWork>(getRank(), type, std::move(result));
+WorkPtr WorkQueue::submit_call(c10d::OpType type, std::vector<at::Tensor> result,
+                               std::function<std::optional<PendingCall>()> body,
+                               std::optional<c10::Stream> stream, bool overlaps) {
+  auto work = c10::make_intrusive<PycommWork>(rank_, type, std::move(result));
   Task task{[this, work, body = std::move(body), stream,
              queued = std::chrono::steady_clock::now()] {
     profile_.queued_s +=

@@ -4,9 +4,13 @@
 #pragma once
 
 #include <chrono>
+#include <condition_variable>
+#include <deque>
 #include <exception>
 #include <functional>
+#include <mutex>
 #include <optional>
+#include <thread>
 #include <vector>
 
 #include <c10/core/Event.h>
@@ -115,6 +119,64 @@ class CallerWaits {
 struct Task {
   std::function<void()> run;
   bool overlaps = false;
+};
+
+// The one thread at a time that issues a group's collectives, in the order
+// they were submitted: the worker thread, or a caller that waits for its
+// call (CallerWaits) while the worker is idle. Gloo and NCCL match
+// collectives across ranks by issue order, and a compressed call issues
+// several dependent ones; point-to-point ops are matched by tag and do not
+// come here. Everything its tasks touch is touched under its issue lock.
+class WorkQueue {
+ public:
+  // `rank`: the Works' rank; `profile`: where the hand-off (queued_s) and
+  // the wait for a device (sync_s) are counted.
+  WorkQueue(int rank, Profile& profile);
+  ~WorkQueue();
+  WorkQueue(const WorkQueue&) = delete;
+  WorkQueue& operator=(const WorkQueue&) = delete;
+
+  // Queues `body` and returns a Work, completed when it returns.
+  // `stream` (an accelerator's, see caller_stream): the body runs with it
+  // current, and the Work's completion is recorded on it, so the work is
+  // ordered after what the caller queued before the call, and the caller's
+  // stream (not its host thread) waits for the result. `overlaps`: see Task.
+  c10::intrusive_ptr<c10d::Work> submit(c10d::OpType type, std::vector<at::Tensor> result,
+                                        std::function<void()> body,
+                                        std::optional<c10::Stream> stream = std::nullopt,
+                                        bool overlaps = false);
+  // A compressed call: `body` returns its deferred finish, if it has one
+  // (the Work then completes when settle finishes it).
+  c10::intrusive_ptr<c10d::Work> submit_call(
+      c10d::OpType type, std::vector<at::Tensor> result,
+      std::function<std::optional<PendingCall>()> body, std::optional<c10::Stream> stream,
+      bool overlaps = true);
+  // Finishes pending calls in order: those the device has passed (`wait`
+  // false), or all of them (`wait` true), or all up to the last one on
+  // `key` (waiting for the device as needed). Called by a running task.
+  void settle(bool wait, std::optional<int64_t> key = std::nullopt);
+  // Runs what is queued, then stops the worker; no submit after. The owner
+  // calls it before the state its tasks use goes.
+  void stop();
+
+ private:
+  void run_worker();
+  // Runs `task` on the calling thread when the worker is idle and nothing
+  // is queued; false (nothing run) otherwise.
+  bool run_on_caller(Task& task);
+  void finish_pending(PendingCall& call);
+
+  const int rank_;
+  Profile& profile_;
+  std::mutex queue_mutex_;
+  // Held by whichever thread runs a task (the worker, or a caller in
+  // run_on_caller). Taken after queue_mutex_ when both are.
+  std::mutex issue_mutex_;
+  std::condition_variable queue_cv_;
+  std::deque<Task> queue_;
+  std::deque<PendingCall> pending_;  // under issue_mutex_
+  bool stopping_ = false;
+  std::thread worker_;  // last: started once the rest is set up
 };
 
 }  // namespace dist

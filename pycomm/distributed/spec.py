@@ -399,8 +399,8 @@ def wire_bytes(method: str, numel: int, world_size: int, *, chunk_numel: int = D
 
     - ``none``: a ring all-reduce, 2 (W-1) steps of n/W elements of
       ``itemsize`` bytes; a cast the same ring on its dtype's width. (The
-      engine's keyed all-reduce of these adds one element, its call check:
-      not counted.)
+      engine's keyed calls of these add one element per row, their call
+      check: not counted.)
     - a block codec, per chunk: the all_to_all sends segment j's payload to
       rank j for every j != r ((W-1)/W of one compressed copy), the
       all_gather this rank's server payload, padded to segment 0's, and the
