@@ -6,7 +6,8 @@ Each of ``--ranks`` local processes (Gloo over 127.0.0.1) makes, per round
 and per contender, ``--calls`` synchronous calls one after another (no
 barrier between them: what a loop of small all-reduces costs), and records
 the mean time per call; the median over ``--rounds`` rounds (contenders in
-rotated order each round) is reported, rank 0's, with its ratio to plain's
+rotated order each round, ``pycomm_bench.timing.time_interleaved``) is
+reported, rank 0's, with its ratio to plain's
 median. Every method runs on a group of its own (``pd.wrap``), one key per
 size. ``<method>:queued`` is the same call made with ``async_op=True`` and
 waited for at once: the engine's worker thread runs it, where a synchronous
@@ -26,23 +27,17 @@ import datetime as _dt
 import json
 import os
 import platform
-import socket
 import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from pycomm_bench.netem import free_port
+from pycomm_bench.timing import time_interleaved
 from tabulate import tabulate
 
 METHODS = "onebit,int8,int4,topk,fp16,none"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:
@@ -59,18 +54,10 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> 
         for m, g in groups.items():
             calls[m] = lambda g=g: pd.all_reduce(x, key=n, group=g, op="avg")
             calls[f"{m}:queued"] = lambda g=g: pd.all_reduce(x, key=n, group=g, op="avg", async_op=True).wait()
-        names = list(calls)
-        for f in calls.values():
-            for _ in range(args.warmup):
-                f()
-        per_call = {k: [] for k in names}
-        for r in range(args.rounds):
-            for k in names[r % len(names):] + names[: r % len(names)]:
-                dist.barrier()
-                t0 = time.perf_counter()
-                for _ in range(args.calls):
-                    calls[k]()
-                per_call[k].append((time.perf_counter() - t0) / args.calls)
+        # One sample = `calls` calls back to back; ranks start each together.
+        batches = {k: (lambda f=f: [f() for _ in range(args.calls)], dist.barrier) for k, f in calls.items()}
+        samples = time_interleaved(batches, repeats=args.rounds, warmup=max(1, args.warmup // args.calls))
+        per_call = {k: [t / args.calls for t in v] for k, v in samples.items()}
         out[n] = {k: statistics.median(v) for k, v in per_call.items()}
     if rank == 0:
         queue.put(out)
@@ -84,7 +71,7 @@ def main(argv=None) -> int:
     p.add_argument("--methods", default=METHODS)
     p.add_argument("--calls", type=int, default=200, help="back-to-back calls per round and contender")
     p.add_argument("--rounds", type=int, default=9)
-    p.add_argument("--warmup", type=int, default=50)
+    p.add_argument("--warmup", type=int, default=200, help="calls per contender before the timed rounds")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--label", default="", help="recorded with the results (e.g. the build measured)")
     args = p.parse_args(argv)
@@ -92,7 +79,7 @@ def main(argv=None) -> int:
     args.methods = args.methods.split(",")
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, args.ranks, port, args, queue)) for r in range(args.ranks)]
     for pr in procs:
         pr.start()
