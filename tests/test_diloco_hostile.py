@@ -93,6 +93,13 @@ def _two_ranks(rank, world, directory):
 
     out["settings"] = _refusal(logged)
 
+    # One rank passes a pycomm group (made by both), the other none: refused
+    # at the first step naming both groups, not at the group timeout.
+    pg = dist.new_group(backend="pycomm")
+    model = _model()
+    opt = _build(model, process_group=pg if rank == 0 else None)
+    out["group"] = _refusal(logged)
+
     # Settings equal but written differently run alike.
     model = _model()
     opt = _build(model, compressor="topk", density=1 if rank == 0 else 1.0)
@@ -198,6 +205,12 @@ def test_parameter_dtypes_that_differ_are_refused(two_ranks):
 def test_settings_that_differ_are_refused_at_the_first_step_not_a_later_sync(two_ranks):
     for r in two_ranks:
         assert "the ranks disagree on sync_every (rank 0: 2, rank 1: 4)" in r["settings"], r["settings"]
+
+
+def test_one_rank_passing_a_group_and_another_none_is_refused_at_the_first_step(two_ranks):
+    for r in two_ranks:
+        assert "different process groups" in r["group"], r["group"]
+        assert "ranks [0, 1] (pycomm)" in r["group"] and "ranks [0, 1] (gloo)" in r["group"], r["group"]
 
 
 def test_equal_settings_written_differently_run_alike(two_ranks):

@@ -341,3 +341,32 @@ def test_a_key_changed_on_one_rank_raises_on_every_rank_without_tags(world):
                 else:
                     expected = torch.full_like(after, world * (world + 1) / 2)
                 assert torch.equal(after, expected), (method, collective)
+
+
+def _rank_old_key_against_a_first_call(rank, world):
+    """One rank repeats a key it has used while another makes a key's (or
+    a keyless signature's) first call of the same size. With the default
+    check only the first call exchanges its descriptor, so the ranks would
+    run different collectives; with every call checked
+    (``check_calls="every"``, ``PYCOMM_DEBUG=detail``) every rank raises
+    naming the keys, and the group goes on."""
+    out = {}
+    for method in ("onebit", "fp16"):
+        pg = pd.wrap(compressor=method, min_compress_numel=1, check_calls="every")
+        pd.all_reduce(torch.ones(N), key=5, group=pg)
+        out[(method, "new key")] = _attempt(lambda: pd.all_reduce(torch.ones(N), key=5 if rank == 0 else 6, group=pg))
+        out[(method, "keyless")] = _attempt(
+            lambda: pd.all_reduce(torch.ones(N), key=5, group=pg) if rank == 0 else pd.all_reduce(torch.ones(N), group=pg))
+        x = torch.full((N,), float(rank + 1))
+        pd.all_reduce(x, key=5, group=pg)
+        out[(method, "after")] = x
+    return out
+
+
+def test_an_old_key_against_a_first_call_raises_on_every_rank_when_every_call_is_checked():
+    results = run_ranks(_rank_old_key_against_a_first_call, 2, timeout=120)
+    for rank, res in enumerate(results):
+        for method in ("onebit", "fp16"):
+            assert "key (rank 0: 5, rank 1: 6)" in str(res[(method, "new key")]), res[(method, "new key")]
+            assert "key (rank 0: 5, rank 1: None)" in str(res[(method, "keyless")]), res[(method, "keyless")]
+            assert torch.equal(res[(method, "after")], torch.full((N,), 3.0)), method

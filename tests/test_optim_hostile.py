@@ -33,6 +33,11 @@ def _disagree(rank, world, case):
         kwargs["warmup_steps"] = 2
     if case == "variance_update_every" and rank == 1:
         kwargs["variance_update_every"] = 2
+    if case == "process_group":  # made by every rank, passed by rank 0 only
+        import pycomm.distributed as pd
+
+        pg = dist.new_group(backend="pycomm", pg_options=pd.PycommOptions(compressor="onebit", block_size=32))
+        kwargs["process_group"] = pg if rank == 0 else None
     if case == "add_param_group":
         opt = OneBitAdam(params[:1], **kwargs)
         _steps(opt, params[:1], 1)
@@ -51,10 +56,16 @@ def _disagree(rank, world, case):
     ("warmup_steps", "warmup_steps (rank 0: 3, rank 1: 2)"),
     ("variance_update_every", "variance_update_every (rank 0: 20, rank 1: 2)"),
     ("add_param_group", "parameter sizes (rank 0: [64], rank 1: [64, 8])"),
+    ("process_group", "different process groups"),
 ])
 def test_ranks_that_disagree_raise_on_every_rank_naming_the_setting(case, named):
-    for msg in run_ranks(_disagree, WORLD, case, timeout=120):
-        assert msg is not None and "the ranks disagree on" in msg and named in msg, msg
+    msgs = run_ranks(_disagree, WORLD, case, timeout=120)
+    for msg in msgs:
+        assert msg is not None and named in msg, msg
+    if case == "process_group":  # each rank names both groups, not a timeout
+        assert "over ranks [0, 1] (pycomm)" in msgs[1] and "over ranks [0, 1] (gloo)" in msgs[0], msgs
+    else:
+        assert all("the ranks disagree on" in m for m in msgs), msgs
 
 
 def _attach_overlap_mismatch(rank, world):

@@ -272,6 +272,44 @@ def agree(owner: str, settings: Dict[str, Any], group: dist.ProcessGroup, device
     )
 
 
+#: Per process: how often each (owner, key_base) checked its group (the
+#: store keys of :func:`same_group` are numbered by it, alike on every rank).
+_GROUP_CHECKS: Dict[Tuple[str, int], int] = {}
+
+
+def same_group(owner: str, group: dist.ProcessGroup, key_base: int = 0) -> None:
+    """Raise on every rank when the ranks that run ``owner`` together name
+    different groups (one passes a pycomm group and another none; other
+    members): a collective over groups that differ never meets, so a
+    settings exchange would wait out the timeout. Through the default store,
+    not a collective: each rank writes the members and backend of its group
+    and reads what each member wrote. A rank that never comes raises at the
+    store's timeout, naming it. Once per client, at its first collective."""
+    members = dist.get_process_group_ranks(group)
+    if len(members) < 2 and dist.get_world_size() < 2:
+        return
+    n = _GROUP_CHECKS.get((owner, key_base), 0)
+    _GROUP_CHECKS[(owner, key_base)] = n + 1
+    mine = f"ranks {members} ({dist.get_backend(group)})"
+    store = dist.distributed_c10d._get_default_store()
+    prefix = f"pycomm/group/{owner}/{key_base}/{n}/"
+    me = dist.get_rank()
+    store.set(prefix + str(me), mine)
+    others = [r for r in members if r != me]
+    try:
+        theirs = [v.decode() for v in store.multi_get([prefix + str(r) for r in others])] if others else []
+    except (RuntimeError, dist.DistError) as exc:  # DistStoreError: a rank that never came
+        raise RuntimeError(f"{owner}: not every rank of {members} reached its first step within the store's "
+                           f"timeout ({store.timeout}); every rank of the group makes it") from exc
+    differ = [(r, t) for r, t in zip(others, theirs) if t != mine]
+    if differ:
+        raise ValueError(
+            f"{owner}: the ranks run it over different process groups: this rank ({me}) over {mine}; "
+            + "; ".join(f"rank {r} over {t}" for r, t in differ)
+            + ". Pass every rank its group (made up front by every rank, in one order), or none on every "
+              "rank. Nothing was changed.")
+
+
 # -------------------------------------------------------------- session ---
 def check_world(owner: str, saved: Optional[Tuple[int, int]], here: Tuple[int, int]) -> None:
     """The world/rank check of every client's loaded residuals, defined
@@ -363,6 +401,7 @@ class EngineSession:
         self._engine: Optional[dist.ProcessGroup] = None
         self._device: Optional[torch.device] = None
         self._private = False  # the engine group is this session's own
+        self._same_group = False  # same_group() done in this process
         #: Offsets whose residual in a shared group is this session's.
         self._claimed: set = set()
 
@@ -373,6 +412,12 @@ class EngineSession:
             raise RuntimeError(f"{self.owner} needs torch.distributed: call dist.init_process_group "
                                f"(or pycomm.distributed.init_process_group) first")
         return self.process_group if self.process_group is not None else dist.group.WORLD
+
+    def same_group(self) -> None:
+        """:func:`same_group` over :meth:`base_group`, once per session."""
+        if not self._same_group:
+            same_group(self.owner, self.base_group(), self.key_base)
+            self._same_group = True
 
     def world(self) -> Tuple[int, int]:
         """``(world size, rank)`` in the base group."""

@@ -302,10 +302,7 @@ class _CompressedMomentum(DDPAttach, Optimizer):
 
     # -- groups ------------------------------------------------------------------
     def _plain_group(self) -> dist.ProcessGroup:
-        if not dist.is_initialized():
-            raise RuntimeError(f"{type(self).__name__}.step needs torch.distributed: call "
-                               f"dist.init_process_group (or pycomm.distributed.init_process_group) first")
-        return self.process_group if self.process_group is not None else dist.group.WORLD
+        return self._session.base_group()
 
     def _uses_ef(self) -> bool:
         return self.compressor == spec.AUTO_METHOD or spec.method_spec(self.compressor).residuals
@@ -378,6 +375,7 @@ class _CompressedMomentum(DDPAttach, Optimizer):
         wrong size aborting inside the backend, or a hang when the ranks
         leave the warm-up at different steps)."""
         whole = settings is None
+        self._session.same_group()  # before the first exchange: it would not meet over groups that differ
         agree(type(self).__name__, self._settings() if whole else settings, self._plain_group(), self._device())
         self._agreed = self._agreed or whole
 

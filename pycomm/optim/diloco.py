@@ -350,6 +350,7 @@ class DiLoCo:
         # Exact on every rank that holds the same anchor (the same kernels on the same values).
         checksum = sum((i + 1) * a.double().sum() for i, a in enumerate(self.anchor))
         shared["anchor checksum"] = float(checksum)
+        self._session.same_group()  # before the exchange: it would not meet over groups that differ
         agree("DiLoCo", shared, self._plain_group(), self.params[0].device)
         self._engine_group()
         self._checked = True
