@@ -5,11 +5,15 @@ bytes of a local text file, its gradients all-reduced in int8 by the hook.
     torchrun --nproc-per-node 2 examples/transformers_train.py --steps 16 --save-at 8 --checkpoint ckpt
     torchrun --nproc-per-node 2 examples/transformers_train.py --steps 16 --resume ckpt/checkpoint-8
     torchrun --nproc-per-node 2 examples/transformers_train.py --compile    # torch_compile=True
+    torchrun --nproc-per-node 2 examples/transformers_train.py --onebit-adam  # OneBitAdam instead of the hook
 
 The Trainer saves its checkpoint folders (``checkpoint-N``) as usual;
 ``compress`` adds each rank's hook state to them (``pycomm_hook_rank{R}.pt``)
 and loads this rank's when ``train(resume_from_checkpoint=...)`` resumes:
 the resumed run ends with exactly the parameters of the uninterrupted one.
+With ``--onebit-adam`` the Trainer's optimizer is OneBitAdam, attached to
+its DDP model by ``attach``, which does the same for each rank's optimizer
+state (``pycomm_optimizer_rank{R}.pt``).
 """
 
 import argparse
@@ -20,7 +24,8 @@ import torch
 import torch.distributed as dist
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
-from pycomm.integrations.transformers import compress
+from pycomm.integrations.transformers import attach, compress
+from pycomm.optim import OneBitAdam
 
 from _common import report
 
@@ -48,6 +53,7 @@ def main():
     parser.add_argument("--steps", type=int, default=16, help="optimizer steps")
     parser.add_argument("--compressor", default="int8", help="the hook's method")
     parser.add_argument("--compile", action="store_true", help="TrainingArguments(torch_compile=True)")
+    parser.add_argument("--onebit-adam", action="store_true", help="OneBitAdam as the Trainer's optimizer, no hook")
     parser.add_argument("--checkpoint", help="the Trainer's output folder (checkpoints every --save-at steps)")
     parser.add_argument("--save-at", type=int, default=0, help="save every this many steps")
     parser.add_argument("--resume", help="a checkpoint-N folder to resume from")
@@ -65,9 +71,15 @@ def main():
         logging_strategy="no", save_strategy="steps" if args.save_at else "no", save_steps=args.save_at or None,
         torch_compile=args.compile, torch_compile_backend="eager" if args.compile else None,
         ddp_find_unused_parameters=False, dataloader_num_workers=0, disable_tqdm=True)
-    trainer = Trainer(model=model, args=training, train_dataset=Bytes(__file__))
-    # The hook on the DDP model the Trainer prepares; each rank's state in its checkpoints.
-    state = compress(trainer, compressor=args.compressor, start_iter=4)
+    if args.onebit_adam:
+        # The momenta compressed (after 4 exact steps), each rank's optimizer state in the checkpoints.
+        opt = OneBitAdam(model.parameters(), lr=3e-3, warmup_steps=4, compressor=args.compressor, block_size=256)
+        trainer = Trainer(model=model, args=training, train_dataset=Bytes(__file__), optimizers=(opt, None))
+        state = attach(trainer)
+    else:
+        trainer = Trainer(model=model, args=training, train_dataset=Bytes(__file__))
+        # The hook on the DDP model the Trainer prepares; each rank's state in its checkpoints.
+        state = compress(trainer, compressor=args.compressor, start_iter=4)
     result = trainer.train(resume_from_checkpoint=args.resume)
     report(args.out, dist.get_rank(), model, result.training_loss, state)
 

@@ -146,17 +146,22 @@ def test_diloco_example(tmp_path):
     assert len({r["params_sha256"] for r in _reports(full)}) == 1
 
 
-@pytest.mark.parametrize("compressor,compile_", [("onebit", False), ("int8", True)])
-def test_transformers_trainer_example(tmp_path, compressor, compile_):
+@pytest.mark.parametrize("compressor,compile_,optimizer", [("onebit", False, False), ("int8", True, False),
+                                                           ("onebit", False, True)])
+def test_transformers_trainer_example(tmp_path, compressor, compile_, optimizer):
     # A Hugging Face Trainer: checkpoint at step 8 (the Trainer's folder, with
     # every rank's hook state), resume from it in fresh processes; onebit
-    # keeps residuals, int8 runs under torch_compile=True.
+    # keeps residuals, int8 runs under torch_compile=True. With OneBitAdam as
+    # the Trainer's optimizer, each rank's optimizer state (its residuals)
+    # is saved and loaded beside the Trainer's rank-0 optimizer.pt.
     full, resumed, ckpt = tmp_path / "full", tmp_path / "resumed", tmp_path / "ckpt"
-    args = ("--compressor", compressor, "--steps", 16, *(("--compile",) if compile_ else ()))
+    args = ("--compressor", compressor, "--steps", 16, *(("--compile",) if compile_ else ()),
+            *(("--onebit-adam",) if optimizer else ()))
     _torchrun("transformers_train.py", *args, "--save-at", 8, "--checkpoint", ckpt, "--out", full)
-    assert {"pycomm_hook_rank0.pt", "pycomm_hook_rank1.pt"} <= set(os.listdir(ckpt / "checkpoint-8"))
+    what = "optimizer" if optimizer else "hook"
+    assert {f"pycomm_{what}_rank0.pt", f"pycomm_{what}_rank1.pt"} <= set(os.listdir(ckpt / "checkpoint-8"))
     _torchrun("transformers_train.py", *args, "--resume", ckpt / "checkpoint-8", "--out", resumed)
-    keeps = [0] if spec.error_feedback_for(compressor, None) else []
+    keeps = [0] if optimizer or spec.error_feedback_for(compressor, None) else []
     for a, b in zip(_reports(full), _reports(resumed)):
         assert a["hook_iteration"] == b["hook_iteration"] == 16  # the resumed hook went on from 8
         assert a["residual_buckets"] == b["residual_buckets"] == keeps

@@ -350,3 +350,32 @@ def test_transformers_compress_refuses_what_it_cannot_run(tmp_path):
     assert state.compressor == "int8" and state.start_iter == 3
     with pytest.raises(ValueError, match="already called on this Trainer"):
         compress(trainer, compressor="int8")
+
+
+def test_transformers_attach_refuses_what_it_cannot_run(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    from pycomm.integrations.transformers import attach
+    from pycomm.optim import OneBitAdam
+
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=16, n_positions=8, n_embd=8, n_layer=1, n_head=1))
+    args = TrainingArguments(str(tmp_path), use_cpu=True, report_to=[])
+    with pytest.raises(TypeError, match=r"needs a Trainer given a pycomm optimizer .* got NoneType"):
+        attach(Trainer(model=model, args=args))
+    with pytest.raises(TypeError, match=r"needs a Trainer given a pycomm optimizer .* got AdamW"):
+        attach(Trainer(model=model, args=args, optimizers=(torch.optim.AdamW(model.parameters()), None)))
+    opt = OneBitAdam(model.parameters(), lr=1e-3, warmup_steps=2)
+    trainer = Trainer(model=model, args=args, optimizers=(opt, None))
+    with pytest.raises(TypeError, match="overlap must be a bool"):
+        attach(trainer, overlap=1)
+    with pytest.raises(TypeError, match="reset_error_feedback must be a bool"):
+        attach(trainer, reset_error_feedback="yes")
+    assert attach(trainer) is opt
+    with pytest.raises(ValueError, match=r"attach\(\) was already called on this Trainer"):
+        attach(trainer)
+    # A checkpoint saved without attach(): this rank's optimizer state is missing, named.
+    folder = tmp_path / "checkpoint-4"
+    folder.mkdir()
+    with pytest.raises(FileNotFoundError, match=r"pycomm_optimizer_rank0.pt is missing: .*\(saved without attach"):
+        trainer._load_optimizer_and_scheduler(str(folder))
+    assert "load_state_dict" not in vars(opt)  # nothing left patched

@@ -12,7 +12,9 @@ adapter module imports its own when it is imported.
   each rank's hook state with ``save_state`` / ``load_state``.
 * :mod:`pycomm.integrations.transformers`: :func:`~pycomm.integrations.transformers.compress`
   registers the hook on the DDP model a Hugging Face Trainer prepares and
-  keeps each rank's hook state in the Trainer's checkpoint folders.
+  keeps each rank's hook state in the Trainer's checkpoint folders;
+  :func:`~pycomm.integrations.transformers.attach` does the same for a
+  OneBitAdam or OneBitSGD given as the Trainer's optimizer.
 * Here, for frameworks that take only a backend name or initialize
   torch.distributed themselves: :func:`backend` (a backend name that carries
   pycomm's settings) and :func:`init_process_group` (the default group, from
@@ -46,7 +48,8 @@ from torch.nn.parallel import DistributedDataParallel
 from .. import distributed as pd
 from ..ddp import CompressionState
 
-__all__ = ["PerRankState", "backend", "ddp_of", "hook_state", "init_process_group", "load_rank_file", "rank_file"]
+__all__ = ["PerRankState", "backend", "ddp_of", "hook_state", "init_process_group", "load_rank_file", "rank_file",
+           "read_rank_file"]
 
 #: Backend names registered by :func:`backend`, and their settings.
 _REGISTERED: Dict[str, Dict[str, Any]] = {}
@@ -77,34 +80,41 @@ def hook_state(state: Optional[CompressionState], settings: Dict[str, Any],
     return state
 
 
-def rank_file(directory: str, rank: int) -> str:
-    """Where an adapter keeps rank ``rank``'s hook state in a checkpoint
-    folder (beside the framework's own per-rank files).
+def rank_file(directory: str, rank: int, what: str = "hook") -> str:
+    """Where an adapter keeps rank ``rank``'s state (``what``: "hook" or
+    "optimizer") in a checkpoint folder, beside the framework's own files.
 
     >>> rank_file("ckpt/checkpoint_3", 1)
     'ckpt/checkpoint_3/pycomm_hook_rank1.pt'
+    >>> rank_file("ckpt/checkpoint_3", 0, "optimizer")
+    'ckpt/checkpoint_3/pycomm_optimizer_rank0.pt'
     """
-    return os.path.join(directory, f"pycomm_hook_rank{rank}.pt")
+    return os.path.join(directory, f"pycomm_{what}_rank{rank}.pt")
+
+
+def read_rank_file(directory: str, rank: int, reset_error_feedback: bool, how: str,
+                   what: str = "hook") -> Dict[str, Any]:
+    """Rank ``rank``'s saved state from a checkpoint folder; ``how``: the
+    adapter call that saves it, for the error. A folder saved by fewer
+    ranks gives rank 0's, with ``reset_error_feedback`` (whose load keeps
+    all but the residuals)."""
+    path = rank_file(directory, rank, what)
+    if not os.path.exists(path):
+        fallback = rank_file(directory, 0, what)
+        if reset_error_feedback and os.path.exists(fallback):
+            path = fallback  # more ranks than saved: all but the residuals
+        else:
+            raise FileNotFoundError(
+                f"{path} is missing: the checkpoint holds no pycomm {what} state for rank {rank} (saved without "
+                f"{how}, or by fewer ranks; {how}(..., reset_error_feedback=True) starts the residuals over)")
+    return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def load_rank_file(state: CompressionState, directory: str, rank: int, reset_error_feedback: bool,
                    how: str) -> None:
     """Load rank ``rank``'s hook state from a checkpoint folder into
-    ``state``; ``how``: the adapter call that saves it, for the error. A
-    folder saved by fewer ranks gives the iteration only, with
-    ``reset_error_feedback``."""
-    import torch
-
-    path = rank_file(directory, rank)
-    if not os.path.exists(path):
-        fallback = rank_file(directory, 0)
-        if reset_error_feedback and os.path.exists(fallback):
-            path = fallback  # more ranks than saved: the iteration only
-        else:
-            raise FileNotFoundError(
-                f"{path} is missing: the checkpoint holds no pycomm hook state for rank {rank} (saved without "
-                f"{how}, or by fewer ranks; {how}(..., reset_error_feedback=True) starts the residuals over)")
-    state.load_state_dict(torch.load(path, map_location="cpu", weights_only=True),
+    ``state`` (:func:`read_rank_file`)."""
+    state.load_state_dict(read_rank_file(directory, rank, reset_error_feedback, how),
                           reset_error_feedback=reset_error_feedback)
 
 
