@@ -426,7 +426,15 @@ def test_diloco_end_to_end(tmp_path):
     # top-k at 5%: int32 index + float32 value per kept entry, gathered from both ranks.
     assert recs["diloco-H4-topk-0.05"]["diloco_bytes_per_sync"] < exact_sync / 4
     assert recs["diloco-H4-topk-0.05"]["per_seed"][0]["diloco_syncs"] == 2
-    assert "MB/step by DiLoCo.bytes_per_step" in proc.stdout and "no verdict" not in proc.stdout
+    assert "MB/step measured (" in proc.stdout and "MB by DiLoCo.bytes_per_step" in proc.stdout
+    assert "no verdict" not in proc.stdout
+    # One step time per row: a DiLoCo row's is its mean, and its speedup is against plain's mean.
+    row = next(line for line in proc.stdout.splitlines() if line.startswith("| diloco-H4-int4 "))
+    mean_ms = recs["diloco-H4-int4"]["step_time_mean_s"] * 1e3
+    assert f"| {mean_ms:.0f} mean (" in row, row
+    assert recs["diloco-H4-int4"]["speedup_vs_allreduce"] == pytest.approx(
+        plain["step_time_mean_s"] / recs["diloco-H4-int4"]["step_time_mean_s"])
+    assert "mean step" not in proc.stdout  # no second step time in the DiLoCo lines
 
 
 def test_time_only_trains_nothing(tmp_path):

@@ -50,7 +50,8 @@ Methods, side by side in the same rank processes (same seed, same batches):
   bytes not counted); the record adds ``diloco_bytes_per_step``
   (``DiLoCo.bytes_per_step``), ``diloco_syncs`` and ``diloco_memory_bytes``,
   and checks that every rank holds the same anchor. Its step time varies
-  (a sync every H/F steps): compare ``step_time_mean_s``, not the median.
+  (a sync every H/F steps): its table cell and speedup use the mean
+  (``step_time_mean_s``, against plain's mean), not the median.
 
 Every compressing method, PyTorch's and pycomm's, starts after the same
 ``start_iter`` plain warm-up steps (``optim-*``: after ``--optim-warmup``;
@@ -99,7 +100,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from pycomm.distributed import spec
 
 from .launch import Rank, RanksFailed
-from .methods import ALLREDUCE, AUTO, DDP_BASES, Method, parse_method as _parse_method, vocabulary
+from .methods import ALLREDUCE, AUTO, DDP_BASES, DILOCO, Method, parse_method as _parse_method, vocabulary
 from .report import fail, finish, fmt_number, machine_info, progress_bar, table
 from .sweep import (DEFAULT_LR, EVAL_BATCHES, EVAL_RANK, FINAL_LOSS_WINDOW,
                     add_sweep_options, effective_bw, error_feedback_suffix, eval_batch_fn, json_key, mean,
@@ -1029,12 +1030,25 @@ def _seq_len(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- analysis
 
 
+def step_time_stat(r: Dict[str, Any]) -> str:
+    """The statistic a record's step time is reported and compared by: the
+    median, robust on a shared machine, but the mean for DiLoCo, whose
+    median is a step without a sync and hides the sync every H/F steps.
+
+    >>> step_time_stat(dict(entry="diloco")), step_time_stat(dict(entry="hook"))
+    ('mean', 'median')
+    """
+    return "mean" if r.get("entry") == DILOCO else "median"
+
+
 def add_speedups(records: List[Dict[str, Any]]) -> None:
-    """Add ``speedup_vs_allreduce`` (plain median / method median, same bandwidth)."""
-    base = {r["bandwidth"]: r["step_time_median_s"] for r in records if r["method"] == ALLREDUCE}
+    """Add ``speedup_vs_allreduce``: plain's step time over the method's, at
+    the same bandwidth, both by the method's statistic (:func:`step_time_stat`)."""
+    base = {r["bandwidth"]: r for r in records if r["method"] == ALLREDUCE}
     for r in records:
-        b = base.get(r["bandwidth"])
-        r["speedup_vs_allreduce"] = b / r["step_time_median_s"] if b else None
+        key = f"step_time_{step_time_stat(r)}_s"
+        b = base.get(r["bandwidth"], {}).get(key)
+        r["speedup_vs_allreduce"] = b / r[key] if b and r.get(key) else None
 
 
 def break_even(records: List[Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
@@ -1105,8 +1119,9 @@ def format_table(records: List[Dict[str, Any]]) -> str:
             if r is None:
                 row.append("-")
                 continue
-            sp = r.get("speedup_vs_allreduce")
-            row.append(f"{r['step_time_median_s'] * 1e3:.0f} ({sp:.2f}x)" if sp else f"{r['step_time_median_s'] * 1e3:.0f}")
+            sp, stat = r.get("speedup_vs_allreduce"), step_time_stat(r)
+            t = f"{r[f'step_time_{stat}_s'] * 1e3:.0f}" + ("" if stat == "median" else f" {stat}")
+            row.append(f"{t} ({sp:.2f}x)" if sp else t)
         t = train.get(m) or next((r for r in records if r["method"] == m and r.get("loss_from")), {})
         sent = t.get("bytes_sent_per_rank_per_step")
         row.append(fmt_number(sent / 1e6) if sent is not None else "-")
@@ -1184,15 +1199,16 @@ def format_profile(records: List[Dict[str, Any]]) -> str:
 
 
 def format_diloco(records: List[Dict[str, Any]]) -> str:
-    """One line per ``diloco-*`` record: its bytes per step by
-    ``DiLoCo.bytes_per_step`` against plain all-reduce's measured bytes,
-    and its mean step time (its median hides the sync steps); "" without one.
+    """One line per ``diloco-*`` record: its bytes per step as measured
+    (the table's column) with ``DiLoCo.bytes_per_step``'s formula beside it,
+    against plain all-reduce's measured bytes, and its state; the table's
+    step time for these rows is the mean (:func:`step_time_stat`). "" without one.
 
-    >>> print(format_diloco([dict(method="allreduce", bandwidth=None, bytes_sent_per_rank_per_step=3e7,
-    ...                           step_time_mean_s=0.4),
-    ...                      dict(method="diloco-H16", bandwidth=None, diloco_bytes_per_step=2e6,
-    ...                           step_time_mean_s=0.2, diloco_memory_bytes=4e7)]))
-    diloco-H16 (unshaped): 2.00 MB/step by DiLoCo.bytes_per_step (15x fewer than allreduce's measured 30.0 MB), mean step 200 ms (allreduce: 400 ms), 40.0 MB of DiLoCo state per rank
+    >>> print(format_diloco([dict(method="allreduce", bandwidth=None, bytes_sent_per_rank_per_step=3e7),
+    ...                      dict(method="diloco-H16", bandwidth=None, bytes_sent_per_rank_per_step=2.1e6,
+    ...                           diloco_bytes_per_step=2e6, diloco_memory_bytes=4e7)]))
+    DiLoCo rows: step time is the mean over the timed steps (the median is a step without a sync).
+    diloco-H16 (unshaped): 2.10 MB/step measured (2.00 MB by DiLoCo.bytes_per_step; 14x fewer than allreduce's measured 30.0 MB), 40.0 MB of DiLoCo state per rank
     """
     plain = {r["bandwidth"]: r for r in records if r["method"] == ALLREDUCE}
     lines = []
@@ -1201,13 +1217,16 @@ def format_diloco(records: List[Dict[str, Any]]) -> str:
             continue
         p = plain.get(r["bandwidth"], {})
         link = "unshaped" if not r["bandwidth"] else f"{r['bandwidth'] / 1e9:g} Gbit/s"
-        sent, mine = p.get("bytes_sent_per_rank_per_step"), r["diloco_bytes_per_step"]
-        vs = f" ({sent / mine:.0f}x fewer than allreduce's measured {fmt_number(sent / 1e6)} MB)" if sent else ""
-        step = f", mean step {r['step_time_mean_s'] * 1e3:.0f} ms"
-        if p.get("step_time_mean_s"):
-            step += f" (allreduce: {p['step_time_mean_s'] * 1e3:.0f} ms)"
-        lines.append(f"{r['method']} ({link}): {fmt_number(mine / 1e6)} MB/step by DiLoCo.bytes_per_step{vs}{step}, "
+        sent, formula = r.get("bytes_sent_per_rank_per_step"), r["diloco_bytes_per_step"]
+        mine = sent if sent is not None else formula
+        head = f"{fmt_number(sent / 1e6)} MB/step measured (" if sent is not None else "not measured ("
+        plain_sent = p.get("bytes_sent_per_rank_per_step")
+        vs = f"; {plain_sent / mine:.0f}x fewer than allreduce's measured {fmt_number(plain_sent / 1e6)} MB" \
+            if plain_sent and mine else ""
+        lines.append(f"{r['method']} ({link}): {head}{fmt_number(formula / 1e6)} MB by DiLoCo.bytes_per_step{vs}), "
                      f"{fmt_number(r['diloco_memory_bytes'] / 1e6)} MB of DiLoCo state per rank")
+    if lines:
+        lines.insert(0, "DiLoCo rows: step time is the mean over the timed steps (the median is a step without a sync).")
     return "\n".join(lines)
 
 
