@@ -435,6 +435,8 @@ def test_diloco_end_to_end(tmp_path):
     assert recs["diloco-H4-int4"]["speedup_vs_allreduce"] == pytest.approx(
         plain["step_time_mean_s"] / recs["diloco-H4-int4"]["step_time_mean_s"])
     assert "mean step" not in proc.stdout  # no second step time in the DiLoCo lines
+    # The harness's diloco-*-int4 keeps residuals (its names: on unless -noef), where DiLoCo() defaults off.
+    assert "diloco-H4-int4 (unshaped, error feedback on)" in proc.stdout
 
 
 def test_time_only_trains_nothing(tmp_path):

@@ -1206,9 +1206,9 @@ def format_diloco(records: List[Dict[str, Any]]) -> str:
 
     >>> print(format_diloco([dict(method="allreduce", bandwidth=None, bytes_sent_per_rank_per_step=3e7),
     ...                      dict(method="diloco-H16", bandwidth=None, bytes_sent_per_rank_per_step=2.1e6,
-    ...                           diloco_bytes_per_step=2e6, diloco_memory_bytes=4e7)]))
+    ...                           diloco_bytes_per_step=2e6, diloco_memory_bytes=4e7, error_feedback=False)]))
     DiLoCo rows: step time is the mean over the timed steps (the median is a step without a sync).
-    diloco-H16 (unshaped): 2.10 MB/step measured (2.00 MB by DiLoCo.bytes_per_step; 14x fewer than allreduce's measured 30.0 MB), 40.0 MB of DiLoCo state per rank
+    diloco-H16 (unshaped, error feedback off): 2.10 MB/step measured (2.00 MB by DiLoCo.bytes_per_step; 14x fewer than allreduce's measured 30.0 MB), 40.0 MB of DiLoCo state per rank
     """
     plain = {r["bandwidth"]: r for r in records if r["method"] == ALLREDUCE}
     lines = []
@@ -1223,7 +1223,9 @@ def format_diloco(records: List[Dict[str, Any]]) -> str:
         plain_sent = p.get("bytes_sent_per_rank_per_step")
         vs = f"; {plain_sent / mine:.0f}x fewer than allreduce's measured {fmt_number(plain_sent / 1e6)} MB" \
             if plain_sent and mine else ""
-        lines.append(f"{r['method']} ({link}): {head}{fmt_number(formula / 1e6)} MB by DiLoCo.bytes_per_step{vs}), "
+        # The harness's names keep residuals unless -noef, where DiLoCo() defaults to the method's own rule.
+        ef = "" if r.get("error_feedback") is None else f", error feedback {'on' if r['error_feedback'] else 'off'}"
+        lines.append(f"{r['method']} ({link}{ef}): {head}{fmt_number(formula / 1e6)} MB by DiLoCo.bytes_per_step{vs}), "
                      f"{fmt_number(r['diloco_memory_bytes'] / 1e6)} MB of DiLoCo state per rank")
     if lines:
         lines.insert(0, "DiLoCo rows: step time is the mean over the timed steps (the median is a step without a sync).")
