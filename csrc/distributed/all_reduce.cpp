@@ -2,6 +2,7 @@
 // of the block codecs, and the gathered one of top-k and registered
 // compressors, over every rank or, hierarchical, over this rank's shard
 // group (hierarchy.cpp).
+#include "algorithms.h"
 #include "backend.hpp"
 #include "call_check.h"
 #include "call_scope.h"
@@ -83,7 +84,7 @@ std::optional<PendingCall> CompressedBackend::run_compressed(Call call,
     if (!intra_ && !call.standing_in && views.direct && is_block_method(m) && y.numel() > 0 &&
         (!ef || residuals.double_buffered())) {
       std::vector<at::Tensor> checks;
-      run_blocks(call, y, ef, node.g, &checks);
+      run_blocks(env(), call, y, ef, node.g, &checks);
       defer(call, tensor, checks, [ef, this](const std::vector<bool>& ok) {
         require_tags(ok[0]);
         // The new residuals are in the second buffers.
@@ -95,8 +96,8 @@ std::optional<PendingCall> CompressedBackend::run_compressed(Call call,
     std::exception_ptr failed;
     try {
       if (y.numel() > 0) {
-        finite = is_block_method(m) ? run_blocks(call, y, ef, node.g)
-                                    : run_gathered(call, y, ef, node.g);
+        finite = is_block_method(m) ? run_blocks(env(), call, y, ef, node.g)
+                                    : run_gathered(env(), call, y, ef, node.g);
       }
     } catch (...) {
       if (!intra_) throw;
@@ -124,13 +125,15 @@ std::optional<PendingCall> CompressedBackend::run_compressed(Call call,
 // of each chunk is reduced by rank j (an all_to_all of the workers'
 // payloads, decoded and summed in float32, then compressed again: the
 // compressed reduce-scatter), and the reduced segments are all-gathered.
-bool CompressedBackend::run_blocks(const Call& call, const at::Tensor& x, ErrorFeedback* ef,
-                                   const Group& g, std::vector<at::Tensor>* deferred_checks) {
+bool run_blocks(const CallEnv& env, const Call& call, const at::Tensor& x, ErrorFeedback* ef,
+                const Group& g, std::vector<at::Tensor>* deferred_checks) {
+  const Config& config = env.config;
+  Profile& profile = env.profile;
   const std::string& method = call.method;
   const bool average = call.average;
   const int world = g.world, rank = g.rank;
-  const BlockCodec codec = BlockCodec::of(method, block_for(method));
-  const int64_t n = x.numel(), C = chunk_length(n, config_.chunk_numel), B = codec.block;
+  const BlockCodec codec = BlockCodec::of(method, block_for(config, method));
+  const int64_t n = x.numel(), C = chunk_length(n, config.chunk_numel), B = codec.block;
   const int64_t chunks = ceil_div(n, C);
   const auto int_opts = x.options().dtype(at::kInt);
   const bool spare_out = double_buffered(x, method);
@@ -159,7 +162,7 @@ bool CompressedBackend::run_blocks(const Call& call, const at::Tensor& x, ErrorF
 
   // Stage 1: worker compress, all_to_all of segment payloads.
   auto stage1 = [&](int64_t i) {
-    Span span(profile_.encode_s);
+    Span span(profile.encode_s);
     const int64_t begin = i * C, m = std::min(C, n - begin);
     st.push_back(Chunk{begin, BlockLayout(m, world, B, codec.bits), {}, {}, {}, {}});
     Chunk& ch = st.back();
@@ -185,7 +188,7 @@ bool CompressedBackend::run_blocks(const Call& call, const at::Tensor& x, ErrorF
   auto stage2 = [&](int64_t i) {
     Chunk& ch = st[i];
     const BlockLayout& lay = ch.lay;
-    wait_wire(ch.a2a);
+    env.wait(ch.a2a);
     // This rank's server payload, padded to segment 0's, then the tag:
     // assembled by one concatenation.
     std::vector<at::Tensor> parts;
@@ -196,18 +199,18 @@ bool CompressedBackend::run_blocks(const Call& call, const at::Tensor& x, ErrorF
       // change the sign of zero sums, which encode alike.)
       at::Tensor acc = at::empty({len}, x.options().dtype(at::kFloat));
       {
-        Span span(profile_.decode_s);
+        Span span(profile.decode_s);
         for (int src = 0; src < world; ++src)
           codec.decompress(acc, ch.recv, src * lay.size[rank], /*accumulate=*/src > 0);
       }
-      Span span(profile_.encode_s);
+      Span span(profile.encode_s);
       if (average) acc.div_(world);
       const int64_t seed = call.seeds.at(i, 1);
       auto [sd, ss] = ef ? compress_ef(acc, ef->server[i], ef->server_backup[i], seed)
                          : codec.compress(acc, std::nullopt, seed);
       parts = codec.segment(sd, ss, 0, len);
     }
-    Span span(profile_.encode_s);
+    Span span(profile.encode_s);
     const int64_t slot = lay.size[0] + kTagWords;
     if (const int64_t pad = lay.size[0] - (len > 0 ? lay.size[rank] : 0); pad > 0)
       parts.push_back(at::zeros({pad}, int_opts));
@@ -221,8 +224,8 @@ bool CompressedBackend::run_blocks(const Call& call, const at::Tensor& x, ErrorF
   auto stage3 = [&](int64_t i) {
     Chunk& ch = st[i];
     const BlockLayout& lay = ch.lay;
-    wait_wire(ch.ag);
-    Span span(profile_.decode_s);
+    env.wait(ch.ag);
+    Span span(profile.decode_s);
     const int64_t slot = lay.size[0] + kTagWords;
     tags.push_back(tag_words(ch.gathered, world, slot));
     for (int j = 0; j < world; ++j) {
@@ -239,33 +242,33 @@ bool CompressedBackend::run_blocks(const Call& call, const at::Tensor& x, ErrorF
   run_pipeline(chunks, stage1, stage2, stage3);
   std::vector<at::Tensor> checks;
   {
-    Span span(profile_.decode_s);
-    checks.push_back(tags_ok(call, tags));
+    Span span(profile.decode_s);
+    checks.push_back(tags_ok(call.tag, tags));
     if (!scales.empty()) checks.push_back(codec.finite(scales));
   }
   if (deferred_checks) {
     *deferred_checks = std::move(checks);
     return true;
   }
-  const std::vector<bool> ok = read_checks(checks);
+  const std::vector<bool> ok = env.read(checks);
   require_tags(ok[0]);
   return ok.size() < 2 || ok[1];
 }
 
-bool CompressedBackend::run_gathered(const Call& call, const at::Tensor& x, ErrorFeedback* ef,
-                                     const Group& g) {
+bool run_gathered(const CallEnv& env, const Call& call, const at::Tensor& x, ErrorFeedback* ef,
+                  const Group& g) {
   // Sums of finite values can overflow, so the output itself is checked (a
   // sum per chunk, small next to the selection); only for error feedback.
   std::vector<at::Tensor> sums;
   const std::vector<at::Tensor> tags =
-      exchange_payloads(call, x, x.numel(), /*all_to_all=*/false, ef, g,
+      exchange_payloads(env, call, x, x.numel(), /*all_to_all=*/false, ef, g,
                         [&](const PayloadCodec& codec, const PayloadChunk& ch) {
                           const at::Tensor out = x.narrow(0, ch.begin, ch.len);
                           codec.decode(ch.recv, ch.slot, ch.layout, {out});
                           if (call.average) out.div_(g.world);
                           if (ef) sums.push_back(out.sum());
                         });
-  return checked_finite(call, tags, sums, x);
+  return checked_finite(env, call, tags, sums, x);
 }
 
 }  // namespace dist

@@ -153,5 +153,45 @@ Profile CompressedBackend::profile(bool reset) {
   return copy;
 }
 
+// -------------------------------------------------- error-feedback state ---
+// Between collectives, through the queue: the worker is the store's one user.
+std::map<int64_t, ErrorFeedback> CompressedBackend::error_feedback_state(
+    std::optional<std::vector<int64_t>> keys) {
+  std::map<int64_t, ErrorFeedback> copy;
+  submit(c10d::OpType::UNKNOWN, {}, [this, &copy, &keys] { copy = residuals_.copy(keys); })->wait();
+  return copy;
+}
+
+void CompressedBackend::load_error_feedback_state(std::map<int64_t, ErrorFeedback> state,
+                                                  bool replace) {
+  // Hierarchical: residuals are per shard, over the inter-node group.
+  residuals_.check(state, inter_ ? inter_->getSize() : getSize(),
+                   inter_ ? inter_->getRank() : getRank());
+  submit(c10d::OpType::UNKNOWN, {}, [this, replace, state = std::move(state)]() mutable {
+    // The loaded keys' next calls are compared across ranks again (every
+    // rank loads).
+    if (replace) {
+      checker_.forget(std::nullopt);
+    } else {
+      for (const auto& kv : state) checker_.forget(kv.first);
+    }
+    residuals_.put(std::move(state), replace);
+  })->wait();
+}
+
+void CompressedBackend::undo_error_feedback(const std::vector<int64_t>& keys) {
+  std::string error;
+  submit(c10d::OpType::UNKNOWN, {}, [this, &keys, &error] { error = residuals_.undo(keys); })->wait();
+  TORCH_CHECK(error.empty(), error);
+}
+
+void CompressedBackend::reset_error_feedback(std::optional<int64_t> key) {
+  submit(c10d::OpType::UNKNOWN, {}, [this, key] {
+    // The key's next call is compared across ranks again (every rank resets).
+    residuals_.erase(key);
+    checker_.forget(key);
+  })->wait();
+}
+
 }  // namespace dist
 }  // namespace pycomm

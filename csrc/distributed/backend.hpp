@@ -10,13 +10,17 @@
 // submitted them (WorkQueue); the caller gets a Work at once. Point-to-point
 // ops are matched by tag, not order, and go straight to the inner backend.
 //
-// Where the parts live: work_queue.cpp (the work queue: the worker thread,
+// Where the parts live: work_queue.cpp (WorkQueue: the worker thread,
 // deferred finishing), call_scope.cpp (what every compressed call shares),
-// call_check.cpp (cross-rank call checks and tags), error_feedback.cpp
-// (residual state), codecs.cpp (the compressors and the payload format),
-// pipeline.cpp (the chunked payload exchange), all_reduce.cpp with
-// hierarchy.cpp, reduce_scatter.cpp, all_gather.cpp, forward.cpp (every
-// other collective) and backend.cpp (set-up, settings).
+// call_check.cpp (CallChecker: cross-rank call checks and tags),
+// error_feedback.cpp (ResidualStore: the residuals), codecs.cpp (the
+// compressors and the payload format), algorithms.h (the algorithms as
+// functions of a call, its codec and its ranks: pipeline.cpp's chunked
+// payload exchange, all_reduce.cpp's two-phase and gathered all-reduce),
+// all_reduce.cpp with hierarchy.cpp, reduce_scatter.cpp, all_gather.cpp,
+// forward.cpp (every other collective) and backend.cpp (set-up, settings,
+// the residual state). The queue, the checker and the store are members;
+// none of their files, nor the codecs' or the pipeline's, includes this one.
 #pragma once
 
 #include <chrono>
@@ -32,7 +36,9 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include "algorithms.h"
 #include "call.h"
+#include "call_check.h"
 #include "codecs.h"
 #include "config.h"
 #include "error_feedback.h"
@@ -44,20 +50,6 @@ namespace pycomm {
 namespace dist {
 
 struct Float32Views;
-
-// What a call the ranks compared was: its key's later calls must repeat it.
-struct CallRecord {
-  int collective;
-  int64_t numel;
-  at::ScalarType dtype;
-  bool average;
-  std::string method;
-  c10::Device device;
-  bool operator==(const CallRecord& o) const {
-    return collective == o.collective && numel == o.numel && dtype == o.dtype &&
-           average == o.average && method == o.method && device == o.device;
-  }
-};
 
 class CompressedBackend : public c10d::Backend {
  public:
@@ -101,8 +93,8 @@ class CompressedBackend : public c10d::Backend {
   // Ranks per node when hierarchical, else 1.
   int ranks_per_node() const { return intra_ ? intra_->getSize() : 1; }
 
-  // Error-feedback state, read and replaced between collectives.
-  // Copies of the residuals (of `keys` only, when given).
+  // Error-feedback state (the residual store), read and replaced between
+  // collectives (backend.cpp). Copies of the residuals (of `keys` only, when given).
   std::map<int64_t, ErrorFeedback> error_feedback_state(
       std::optional<std::vector<int64_t>> keys = std::nullopt);
   // Checks `state` whole, then replaces every key's residuals with it
@@ -200,15 +192,10 @@ class CompressedBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> refuse(const at::Tensor& tensor, std::optional<int64_t> key,
                                         bool average, const std::string& m, int collective,
                                         std::string why);
-  // The block length `method` runs with: the configured one, or its default.
-  int64_t block_for(const std::string& method) const {
-    return config_.block_size > 0 ? config_.block_size : default_block_size(method);
-  }
-
   // ---- call_scope.cpp ----
   // Runs `body`, the compressed call `call` on `tensor`, on the issuing
   // thread: counted and timed (Profile), checked across ranks
-  // (check_call), tagged (set_tag), and any error rethrown naming the call
+  // (check_call), tagged (CallChecker::tag), and any error rethrown naming the call
   // and this rank. Returns its deferred finish, if it has one.
   std::optional<PendingCall> run_call(Call& call, const at::Tensor& tensor,
                                       const std::function<void()>& body);
@@ -232,14 +219,15 @@ class CompressedBackend : public c10d::Backend {
                         at::Tensor* slot_ok);
   // Waits for an inner collective of a compressed call (Profile::wire_s).
   void wait_wire(const c10::intrusive_ptr<c10d::Work>& work);
+  // The settings and profile the algorithms use (algorithms.h).
+  CallEnv env() { return CallEnv{config_, profile_}; }
 
-  // ---- call_check.cpp ----
+  // ---- the call check (CallChecker, call_check.cpp; run from call_scope.cpp) ----
   // Exchanges a descriptor of this call with every rank and throws, on every
   // rank, when they differ (Config::check_calls decides when).
   // `refused`: this rank will raise instead of running the call; its
   // descriptor then matches no valid call, so every rank raises.
   void check_call(const Call& call, const at::Tensor& tensor, bool refused = false);
-  std::string describe_call(const Call& call, const at::Tensor& tensor) const;
   // A call of a checked key that this rank refuses, or that differs from
   // the key's first call, when the ranks compare first calls only: the
   // peers run the key's first call and would wait for this rank's part.
@@ -247,77 +235,24 @@ class CompressedBackend : public c10d::Backend {
   // residuals, with a tag no rank's call has, so every rank's tag check
   // fails at the same point, the group stays in step, and nothing changes.
   void stand_in(int64_t key, const CallRecord& first);
-  // "a <collective> of <numel> <dtype> elements on <device> (<method>, <op>)".
-  std::string describe_record(const CallRecord& r) const;
   // "pycomm rank R of W [(peer: rank P)]: <call> failed: " for errors.
   std::string failure_context(const Call& call, const at::Tensor& tensor) const;
-  // The call's tag (spec.h, kTagWords int32s on its device), set before
-  // its payloads are built.
-  void set_tag(Call& call, const at::Tensor& tensor);
-  // The tags ending each of the `world` slots of `slot` elements (int32
-  // words or bytes) of an exchanged buffer: a view, checked later.
-  at::Tensor tag_words(const at::Tensor& buf, int world, int64_t slot) const;
-  // Whether all of them are the call's tag (a 0-dim bool tensor).
-  at::Tensor tags_ok(const Call& call, const std::vector<at::Tensor>& words) const;
-  // Raises, naming the cause, unless the tags matched.
-  void require_tags(bool ok) const;
-  void require_tags(const Call& call, const std::vector<at::Tensor>& words);
-  // Reads a call's 0-dim bool checks together (Profile::sync_s).
-  std::vector<bool> read_checks(const std::vector<at::Tensor>& checks);
-  // The tag check and whether `t` is finite (`sums`: float32 sums of its
-  // parts, taken on the way), with one host read when both hold.
-  bool checked_finite(const Call& call, const std::vector<at::Tensor>& words,
-                      const std::vector<at::Tensor>& sums, const at::Tensor& t);
+  // Raises, naming the cause, unless every tag in `words` is the call's.
+  void require_call_tags(const Call& call, const std::vector<at::Tensor>& words);
 
-  // ---- error_feedback.cpp ----
   // The call's hold on the residuals of its key for `x` (none when keyless
   // or `x` is empty), kept under its method (with the collective's suffix
   // when not an all-reduce); sets the call's rounding seeds.
   CallResiduals residuals_for(Call& call, const at::Tensor& x, const Group& g);
   // Every rank, for the steps that are not hierarchical.
   Group flat_group() const { return Group{inner_.get(), getRank(), getSize()}; }
-  ErrorFeedback* error_feedback_for(int64_t key, const at::Tensor& x, const std::string& method,
-                                    const Group& g);
-  // Error feedback with a rollback (docs/allreduce.md, "Non-finite results"):
-  // true where the compress writes the new residual to the second buffer
-  // (onebit on CPU: no copy), false where the old one is copied there first.
-  bool double_buffered(const at::Tensor& x, const std::string& method) const;
   // Sets the call's seeds: its key's stream (counted in `ef`), or the
   // keyless one.
   void begin_seeds(Call& call, ErrorFeedback* ef);
 
-  // ---- pipeline.cpp ----
-  // The payload exchange of the gathered all-reduce, the reduce-scatter and
-  // the all-gather, pipelined over chunks of `S` elements: per chunk
-  // [c0, c0 + len), this rank encodes (PayloadCodec) segment j at j S + c0 of `in` (error
-  // feedback at the same place of ef->worker), for j < world with
-  // `all_to_all` (segment j goes to rank j), else segment 0 (gathered by
-  // every rank); `received` then decodes the chunk's buffer, one slot per
-  // rank. Returns the received tags, to be checked.
-  std::vector<at::Tensor> exchange_payloads(
-      const Call& call, const at::Tensor& in, int64_t S, bool all_to_all,
-      ErrorFeedback* ef, const Group& g,
-      const std::function<void(const PayloadCodec&, const PayloadChunk&)>& received);
-
-  // Raises on every rank unless every rank's payload of chunk `ch` of a
-  // registered compressor has the same size and tensor shapes (one small
-  // all-gather of both over `g`); `failed`: this rank's compressor raised
-  // (rethrown here, after the exchange, and named on the other ranks).
-  void check_payload_layout(const std::string& method, const PayloadChunk& ch, const Group& g,
-                            const c10::Device& device, std::exception_ptr failed = nullptr);
-
   // ---- all_reduce.cpp ----
+  // Scopes the call, then runs the algorithm (algorithms.h) its method has.
   std::optional<PendingCall> run_compressed(Call call, const at::Tensor& tensor);
-  // Both return whether the reduced result is finite (the same on every
-  // rank of `g`).
-  // `deferred_checks`: filled with the call's checks instead of reading
-  // them (the return value is then meaningless).
-  bool run_blocks(const Call& call, const at::Tensor& x, ErrorFeedback* ef, const Group& g,
-                  std::vector<at::Tensor>* deferred_checks = nullptr);
-  // top-k and registered compressors: each rank's payload of a chunk is
-  // gathered by every rank, which decodes and adds them in rank order
-  // (docs/allreduce.md).
-  bool run_gathered(const Call& call, const at::Tensor& x, ErrorFeedback* ef, const Group& g);
 
   // ---- hierarchy.cpp ----
   // This rank's part of a hierarchical all-reduce (docs/hierarchy.md).
@@ -351,18 +286,12 @@ class CompressedBackend : public c10d::Backend {
 
   // Only the queue's tasks touch these (one at a time, WorkQueue); the
   // state accessors go through the queue too.
-  std::map<int64_t, ErrorFeedback> error_feedback_;
-  // Keys already checked, with the call they were checked on (every later
-  // call of a key must repeat it), and keyless (numel, dtype, op)
-  // signatures already checked. A key's record goes with its residuals
-  // (reset, load): its next call is checked again.
-  std::map<int64_t, CallRecord> checked_keys_;
-  std::set<std::tuple<int64_t, int, bool>> checked_signatures_;
+  ResidualStore residuals_{config_};
+  // The calls the ranks compared, and the call tags. A key's record goes
+  // with its residuals (reset, load): its next call is checked again.
+  CallChecker checker_{config_, getRank(), getSize()};
   // Written by the issuing thread only; read through the queue.
   Profile profile_;
-  // Tags already on a device, by (hash, device): a call's tag is copied to
-  // its device once, not every call (a blocking host-to-device copy).
-  std::map<std::pair<uint64_t, std::string>, at::Tensor> device_tags_;
   // Keyless calls run by a compressor with error feedback (onebit, topk,
   // int8, int4, registered): the stream of their rounding seeds.
   int64_t keyless_calls_ = 0;

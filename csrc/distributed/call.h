@@ -26,7 +26,7 @@ struct Call {
   // A stand-in for a key's first call (CompressedBackend::stand_in): no
   // call check, a tag no call has, a copy of the residuals.
   bool standing_in = false;
-  at::Tensor tag;                        // ends every payload (set_tag)
+  at::Tensor tag;                        // ends every payload (CallChecker::tag)
   CallSeeds seeds;                       // its compresses' rounding seeds (begin_seeds)
   ErrorFeedback stand_in_residuals;      // a stand-in's copy of its key's
   std::optional<PendingCall> deferred;   // finished later, by settle (defer)

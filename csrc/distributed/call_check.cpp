@@ -7,7 +7,8 @@
 
 #include <sstream>
 
-#include "backend.hpp"
+#include "codecs.h"
+#include "spec.h"
 
 namespace pycomm {
 namespace dist {
@@ -46,16 +47,14 @@ std::string field_value(int field, int64_t v) {
   }
 }
 
-// The values of 0-dim bool tensors of one device, read together: one
-// host synchronization on an accelerator, whatever their number.
+}  // namespace
+
 std::vector<bool> read_flags(const std::vector<at::Tensor>& flags) {
   if (flags.empty()) return {};
   const at::Tensor host = at::stack(flags).to(at::kCPU);
   const bool* p = host.const_data_ptr<bool>();
   return std::vector<bool>(p, p + host.numel());
 }
-
-}  // namespace
 
 void rethrow_with_context(const std::string& context) {
   try {
@@ -75,7 +74,13 @@ bool all_finite(const std::vector<at::Tensor>& sums, const at::Tensor& t) {
   return at::isfinite(t).all().item<bool>();
 }
 
-std::string CompressedBackend::describe_call(const Call& call, const at::Tensor& tensor) const {
+// ------------------------------------------------------------ CallChecker ---
+CallRecord CallChecker::record(const Call& call, const at::Tensor& tensor) {
+  return CallRecord{call.collective, tensor.numel(), tensor.scalar_type(), call.average,
+                    call.method, tensor.device()};
+}
+
+std::string CallChecker::describe(const Call& call, const at::Tensor& tensor) {
   std::ostringstream o;
   o << kCollectives[call.collective] << " key="
     << (call.key ? std::to_string(*call.key) : "None") << " " << tensor.numel() << " "
@@ -84,56 +89,75 @@ std::string CompressedBackend::describe_call(const Call& call, const at::Tensor&
   return o.str();
 }
 
-void CompressedBackend::check_call(const Call& call, const at::Tensor& tensor, bool refused) {
-  if (config_.check_calls == 0 || call.standing_in) return;
-  Span span(profile_.check_s);
-  const std::optional<int64_t> key = call.key;
-  const bool average = call.average;
-  const std::string& method = call.method;
-  const int64_t numel = tensor.numel();
-  const int dtype = static_cast<int>(tensor.scalar_type());
-  const auto signature = std::make_tuple(numel, dtype + 256 * call.collective, average);
-  auto this_call = [&] {
-    return CallRecord{call.collective, numel, tensor.scalar_type(), average, method,
-                      tensor.device()};
-  };
+std::string CallChecker::describe(const CallRecord& r) {
+  std::ostringstream o;
+  const char* name = kCollectives[r.collective];
+  o << (name[0] == 'a' ? "an " : "a ") << name << " of " << r.numel << " " << dtype_name(r.dtype)
+    << " elements on " << r.device.type() << " (" << r.method << ", "
+    << (r.average ? "avg" : "sum") << ")";
+  return o.str();
+}
+
+namespace {
+
+// A keyless call's signature: calls alike in it are compared once.
+std::tuple<int64_t, int, bool> signature(const Call& call, const at::Tensor& tensor) {
+  return std::make_tuple(tensor.numel(),
+                         static_cast<int>(tensor.scalar_type()) + 256 * call.collective,
+                         call.average);
+}
+
+}  // namespace
+
+CallChecker::Need CallChecker::need(const Call& call, const at::Tensor& tensor, bool refused,
+                                    std::optional<CallRecord>* first) const {
+  if (config_.check_calls == 0 || call.standing_in) return Need::kNothing;
   if (config_.check_calls == 1) {
-    if (!key) {
-      if (checked_signatures_.count(signature) > 0) return;
-    } else if (auto it = checked_keys_.find(*key); it != checked_keys_.end()) {
-      const CallRecord first = it->second, now = this_call();
-      if (!refused && first == now) return;
-      stand_in(*key, first);
-      TORCH_CHECK(refused, "error-feedback key ", *key, " was first used for ",
-                  describe_record(first), " on every rank, and this call is ",
-                  describe_record(now),
-                  ": a key's calls must keep its collective, size, dtype, op and compressor. "
-                  "Use another key, or reset_error_feedback(", *key,
-                  ") on every rank first. Every rank raises.");
-      TORCH_CHECK(false, "every rank raises (the call of key ", *key, " was stopped on each)");
+    if (!call.key) {
+      if (signatures_.count(signature(call, tensor)) > 0) return Need::kNothing;
+    } else if (auto it = keys_.find(*call.key); it != keys_.end()) {
+      if (!refused && it->second == record(call, tensor)) return Need::kNothing;
+      *first = it->second;
+      return Need::kStandIn;
     }
   }
+  return Need::kExchange;
+}
+
+void CallChecker::changed(int64_t key, const CallRecord& first, const CallRecord& now,
+                          bool refused) {
+  TORCH_CHECK(refused, "error-feedback key ", key, " was first used for ", describe(first),
+              " on every rank, and this call is ", describe(now),
+              ": a key's calls must keep its collective, size, dtype, op and compressor. "
+              "Use another key, or reset_error_feedback(", key,
+              ") on every rank first. Every rank raises.");
+  TORCH_CHECK(false, "every rank raises (the call of key ", key, " was stopped on each)");
+}
+
+void CallChecker::exchange(c10d::Backend* pg, const Call& call, const at::Tensor& tensor,
+                           bool refused,
+                           const std::function<void(const c10::intrusive_ptr<c10d::Work>&)>& wait) {
+  const std::string& method = call.method;
   int64_t density_bits;
   memcpy(&density_bits, &config_.density, sizeof(density_bits));
   std::vector<int64_t> mine(kFields);
-  mine[kNumel] = refused ? kRefusedNumel : numel;  // never equal to a peer's valid call
-  mine[kDtype] = dtype;
-  mine[kOp] = average;
-  mine[kKey] = key ? *key : -1;
+  mine[kNumel] = refused ? kRefusedNumel : tensor.numel();  // never equal to a peer's valid call
+  mine[kDtype] = static_cast<int>(tensor.scalar_type());
+  mine[kOp] = call.average;
+  mine[kKey] = call.key ? *call.key : -1;
   mine[kMethod] = is_plugin(method) ? plugin_code(method, config_.plugin_options) : method_code(method);
   mine[kChunk] = config_.chunk_numel;
-  mine[kBlock] = block_for(method);
+  mine[kBlock] = block_for(config_, method);
   mine[kDensity] = density_bits;
   mine[kApprox] = config_.approx;
   mine[kDevice] = static_cast<int64_t>(tensor.device().type());
   mine[kCollective] = call.collective;
   mine[kRounding] = method_rounds(method) ? config_.rounding_seed : -1;
-  const int world = getSize();
+  const int world = world_;
   const auto opts = tensor.options().dtype(at::kLong);
   at::Tensor in = at::tensor(mine, at::kLong).to(tensor.device());
   at::Tensor out = at::empty({world * kFields}, opts);
-  ++profile_.collectives;  // its wait counts as the check's, not the wire's
-  wait_inner(inner_->_allgather_base(out, in, c10d::AllgatherOptions()));
+  wait(pg->_allgather_base(out, in, c10d::AllgatherOptions()));
   const at::Tensor all = out.cpu().view({world, kFields});
   const int64_t* a = all.data_ptr<int64_t>();
   auto same = [&](int f) {
@@ -158,56 +182,24 @@ void CompressedBackend::check_call(const Call& call, const at::Tensor& tensor, b
               "settings (checked at the first use of each key and of each keyless "
               "(numel, dtype, op); PYCOMM_DEBUG=detail checks every call)");
   if (refused) return;  // every rank refused alike: nothing to remember
-  if (key) {
-    checked_keys_.insert_or_assign(*key, this_call());
+  if (call.key) {
+    keys_.insert_or_assign(*call.key, record(call, tensor));
   } else {
-    checked_signatures_.insert(signature);
+    signatures_.insert(signature(call, tensor));
   }
 }
 
-std::string CompressedBackend::describe_record(const CallRecord& r) const {
-  std::ostringstream o;
-  const char* name = kCollectives[r.collective];
-  o << (name[0] == 'a' ? "an " : "a ") << name << " of " << r.numel << " " << dtype_name(r.dtype)
-    << " elements on " << r.device.type() << " (" << r.method << ", "
-    << (r.average ? "avg" : "sum") << ")";
-  return o.str();
-}
-
-void CompressedBackend::stand_in(int64_t key, const CallRecord& first) {
-  const int world = getSize();
-  const at::Tensor zeros = at::zeros({first.numel}, at::TensorOptions(first.dtype).device(first.device));
-  Call call{first.collective, key, first.average, first.method, /*standing_in=*/true};
-  try {
-    switch (first.collective) {
-      case 0:
-        run_compressed(std::move(call), zeros);
-        break;
-      case 1:
-        run_reduce_scatter(std::move(call), at::empty({first.numel / world}, zeros.options()),
-                           zeros);
-        break;
-      default:
-        run_all_gather(std::move(call), at::empty({first.numel * world}, zeros.options()), zeros);
-    }
-  } catch (...) {
-    // Expected: its tags match no rank's. The caller raises the reason.
+void CallChecker::forget(std::optional<int64_t> key) {
+  if (key.has_value()) {
+    keys_.erase(*key);
+  } else {
+    keys_.clear();
   }
 }
 
-std::string CompressedBackend::failure_context(const Call& call, const at::Tensor& tensor) const {
-  std::ostringstream o;
-  o << "pycomm rank " << getRank() << " of " << getSize();
-  // With two ranks the peer is known; with more, Gloo's own message below
-  // names the peer's address when the failure is a connection.
-  if (getSize() == 2) o << " (peer: rank " << 1 - getRank() << ")";
-  o << ": " << describe_call(call, tensor) << " failed: ";
-  return o.str();
-}
-
-void CompressedBackend::set_tag(Call& call, const at::Tensor& tensor) {
+at::Tensor CallChecker::tag(const Call& call, const at::Tensor& tensor) {
   // A stand-in's tag: each rank's differs from every call's, its own too.
-  const int64_t numel = call.standing_in ? kRefusedNumel - getRank() : tensor.numel();
+  const int64_t numel = call.standing_in ? kRefusedNumel - rank_ : tensor.numel();
   const uint64_t h = call_tag(call.collective, call.key ? *call.key : -1, numel,
                               static_cast<int>(tensor.scalar_type()), call.average);
   int32_t words[kTagWords];
@@ -225,17 +217,16 @@ void CompressedBackend::set_tag(Call& call, const at::Tensor& tensor) {
         at::tensor(std::vector<int32_t>(words, words + kTagWords), at::kInt).to(tensor.device());
     it = device_tags_.emplace(where, t).first;
   }
-  call.tag = it->second;
+  return it->second;
 }
 
-at::Tensor CompressedBackend::tag_words(const at::Tensor& buf, int world, int64_t slot) const {
+// ------------------------------------------------------------------ tags ---
+at::Tensor tag_words(const at::Tensor& buf, int world, int64_t slot) {
   const int64_t t = buf.scalar_type() == at::kByte ? kTagBytes : kTagWords;
   return buf.view({world, slot}).narrow(1, slot - t, t);
 }
 
-at::Tensor CompressedBackend::tags_ok(const Call& call,
-                                      const std::vector<at::Tensor>& words) const {
-  const at::Tensor& tag = call.tag;
+at::Tensor tags_ok(const at::Tensor& tag, const std::vector<at::Tensor>& words) {
   if (words.empty()) return at::ones({}, tag.options().dtype(at::kBool));
   if (tag.is_cpu()) {
     // On a CPU a comparison in place: each view is [ranks, tag] rows of a
@@ -254,7 +245,7 @@ at::Tensor CompressedBackend::tags_ok(const Call& call,
   return all.eq(all.scalar_type() == at::kByte ? tag.view(at::kByte) : tag).all();
 }
 
-void CompressedBackend::require_tags(bool ok) const {
+void require_tags(bool ok) {
   TORCH_CHECK(ok,
               "the ranks ran different compressed calls at the same position (another key, "
               "size, dtype or op: the payloads' call tags differ; or a rank refused its call, "
@@ -264,30 +255,6 @@ void CompressedBackend::require_tags(bool ok) const {
               "they were submitted: calls submitted from several threads must reach it in the "
               "same order on every rank (issue the compressed calls of a group from one thread; "
               "check_calls=\"every\" names the difference)");
-}
-
-void CompressedBackend::require_tags(const Call& call, const std::vector<at::Tensor>& words) {
-  require_tags(read_checks({tags_ok(call, words)})[0]);
-}
-
-std::vector<bool> CompressedBackend::read_checks(const std::vector<at::Tensor>& checks) {
-  Span span(profile_.sync_s);
-  return read_flags(checks);
-}
-
-bool CompressedBackend::checked_finite(const Call& call, const std::vector<at::Tensor>& words,
-                                       const std::vector<at::Tensor>& sums, const at::Tensor& t) {
-  std::vector<at::Tensor> checks;
-  {
-    Span span(profile_.decode_s);
-    checks.push_back(tags_ok(call, words));
-    if (!sums.empty()) checks.push_back(at::isfinite(at::stack(sums)).all());
-  }
-  const std::vector<bool> ok = read_checks(checks);
-  require_tags(ok[0]);
-  // A sum is finite only if every term is; the exact check only when the
-  // sum itself is not (an overflow of finite values, or a non-finite one).
-  return sums.empty() || ok[1] || at::isfinite(t).all().item<bool>();
 }
 
 }  // namespace dist

@@ -3,9 +3,11 @@
 #include "call_scope.h"
 
 #include <cmath>
+#include <sstream>
 
 #include <c10/core/impl/VirtualGuardImpl.h>
 
+#include "algorithms.h"
 #include "backend.hpp"
 #include "call_check.h"
 
@@ -49,7 +51,7 @@ std::optional<PendingCall> CompressedBackend::run_call(Call& call, const at::Ten
   Span span(profile_.run_s);
   try {
     check_call(call, tensor);
-    set_tag(call, tensor);
+    call.tag = checker_.tag(call, tensor);
     body();
     return std::move(call.deferred);
   } catch (...) {
@@ -59,7 +61,7 @@ std::optional<PendingCall> CompressedBackend::run_call(Call& call, const at::Ten
       // call is decided first, so that deciding it later cannot make it
       // undoable again.
       settle(/*wait=*/true, *key);
-      if (auto it = error_feedback_.find(*key); it != error_feedback_.end()) it->second.undoable = false;
+      if (ErrorFeedback* ef = residuals_.find(*key)) ef->undoable = false;
     }
     rethrow_with_context(failure_context(call, tensor));
   }
@@ -135,10 +137,108 @@ void CompressedBackend::defer(Call& c, const at::Tensor& tensor,
 }
 
 
-void CompressedBackend::wait_wire(const c10::intrusive_ptr<c10d::Work>& work) {
-  ++profile_.collectives;
-  Span span(profile_.wire_s);
-  wait_inner(work);
+void CompressedBackend::wait_wire(const c10::intrusive_ptr<c10d::Work>& work) { env().wait(work); }
+
+CallResiduals CompressedBackend::residuals_for(Call& call, const at::Tensor& x, const Group& g) {
+  const std::optional<int64_t> key = call.key;
+  const std::string& method = call.method;
+  // A reduce-scatter's or all-gather's residuals are never mixed with an
+  // all-reduce's under the same key; only the all-reduce double-buffers.
+  static const char* const suffix[kNumCollectives] = {"", kReduceScatterSuffix,
+                                                      kAllGatherSuffix};
+  ErrorFeedback* ef = nullptr;
+  if (key && x.numel() > 0) {
+    settle(/*wait=*/true, *key);  // its last call's residuals decided first
+    ef = &residuals_.for_call(*key, x, method + suffix[call.collective], g.world, g.rank);
+  }
+  if (ef && call.standing_in) {  // a copy: a stand-in never changes the residuals
+    ErrorFeedback& copy = call.stand_in_residuals;
+    copy = *ef;
+    copy.worker = ef->worker.clone();
+    for (auto& s : copy.server) s = s.clone();
+    copy.worker_backup = at::Tensor();
+    copy.server_backup.clear();
+    ef = &copy;
+  }
+  begin_seeds(call, ef);
+  return CallResiduals(ef, call.collective == 0 && double_buffered(x, method));
+}
+
+void CompressedBackend::begin_seeds(Call& call, ErrorFeedback* ef) {
+  // Every rank runs the same calls in the same order, so the keyless count
+  // is the same on all; a key's count travels with its residuals.
+  const std::optional<int64_t> key = call.key;
+  call.seeds = CallSeeds{config_.rounding_seed, key ? *key : -1, 0, call.collective, getRank()};
+  if (ef) {
+    call.seeds.call = ef->calls;  // counted when the call keeps its residuals
+  } else if (!key) {
+    call.seeds.call = keyless_calls_++;
+  }
+}
+
+// ------------------------------------------------------------ call check ---
+void CompressedBackend::check_call(const Call& call, const at::Tensor& tensor, bool refused) {
+  std::optional<CallRecord> first;
+  const CallChecker::Need need = checker_.need(call, tensor, refused, &first);
+  if (need == CallChecker::Need::kNothing) return;
+  Span span(profile_.check_s);
+  if (need == CallChecker::Need::kStandIn) {
+    stand_in(*call.key, *first);
+    CallChecker::changed(*call.key, *first, CallChecker::record(call, tensor), refused);
+  }
+  ++profile_.collectives;  // its wait counts as the check's, not the wire's
+  checker_.exchange(inner_.get(), call, tensor, refused,
+                    [](const c10::intrusive_ptr<c10d::Work>& w) { wait_inner(w); });
+}
+
+void CompressedBackend::stand_in(int64_t key, const CallRecord& first) {
+  const int world = getSize();
+  const at::Tensor zeros = at::zeros({first.numel}, at::TensorOptions(first.dtype).device(first.device));
+  Call call{first.collective, key, first.average, first.method, /*standing_in=*/true};
+  try {
+    switch (first.collective) {
+      case 0:
+        run_compressed(std::move(call), zeros);
+        break;
+      case 1:
+        run_reduce_scatter(std::move(call), at::empty({first.numel / world}, zeros.options()),
+                           zeros);
+        break;
+      default:
+        run_all_gather(std::move(call), at::empty({first.numel * world}, zeros.options()), zeros);
+    }
+  } catch (...) {
+    // Expected: its tags match no rank's. The caller raises the reason.
+  }
+}
+
+std::string CompressedBackend::failure_context(const Call& call, const at::Tensor& tensor) const {
+  std::ostringstream o;
+  o << "pycomm rank " << getRank() << " of " << getSize();
+  // With two ranks the peer is known; with more, Gloo's own message below
+  // names the peer's address when the failure is a connection.
+  if (getSize() == 2) o << " (peer: rank " << 1 - getRank() << ")";
+  o << ": " << CallChecker::describe(call, tensor) << " failed: ";
+  return o.str();
+}
+
+void CompressedBackend::require_call_tags(const Call& call, const std::vector<at::Tensor>& words) {
+  require_tags(env().read({tags_ok(call.tag, words)})[0]);
+}
+
+bool checked_finite(const CallEnv& env, const Call& call, const std::vector<at::Tensor>& words,
+                    const std::vector<at::Tensor>& sums, const at::Tensor& t) {
+  std::vector<at::Tensor> checks;
+  {
+    Span span(env.profile.decode_s);
+    checks.push_back(tags_ok(call.tag, words));
+    if (!sums.empty()) checks.push_back(at::isfinite(at::stack(sums)).all());
+  }
+  const std::vector<bool> ok = env.read(checks);
+  require_tags(ok[0]);
+  // A sum is finite only if every term is; the exact check only when the
+  // sum itself is not (an overflow of finite values, or a non-finite one).
+  return sums.empty() || ok[1] || at::isfinite(t).all().item<bool>();
 }
 
 }  // namespace dist

@@ -41,6 +41,12 @@ struct Config {
   int64_t rounding_seed = -1;
 };
 
+// The block size a group runs block method `method` with: its setting, or
+// the method's default.
+inline int64_t block_for(const Config& c, const std::string& method) {
+  return c.block_size > 0 ? c.block_size : default_block_size(method);
+}
+
 // Config's fields, listed once: the Python binding reports the settings a
 // group runs with (pycomm.distributed.options_of) field by field from it.
 #define PYCOMM_CONFIG_FIELDS(X)                                                                   \

@@ -3,10 +3,14 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
+
+#include "config.h"
 
 namespace pycomm {
 namespace dist {
@@ -47,6 +51,45 @@ void swap_residuals(ErrorFeedback& ef);
 // old ones are (restore them if not). The result is identical on every
 // rank, so every rank decides alike.
 void keep_residuals(ErrorFeedback* ef, bool finite, bool double_buffered);
+
+// Whether a block method's compress on x writes the new residuals to the
+// second buffers (compress_into: every CPU, and a GPU when the build has its
+// CUDA kernels) rather than in place.
+bool double_buffered(const at::Tensor& x, const std::string& method);
+
+// A group's residuals by key, and the layout rules they follow: made at a
+// key's first call, checked at every call and at a load, copied out, undone,
+// reset. Not thread-safe: the group's work queue is its one user at a time.
+class ResidualStore {
+ public:
+  explicit ResidualStore(const Config& config) : config_(config) {}
+
+  // The residuals of `key` for a call of x by `method` over `world` ranks
+  // (this one `rank`): made, zero, at the key's first call; refused when
+  // they belong to another tensor, method, world size or device.
+  ErrorFeedback& for_call(int64_t key, const at::Tensor& x, const std::string& method, int world,
+                          int rank);
+  // The residuals a key holds (null: none).
+  ErrorFeedback* find(int64_t key);
+  // Copies of the residuals of `keys` (all when none given).
+  std::map<int64_t, ErrorFeedback> copy(const std::optional<std::vector<int64_t>>& keys) const;
+  // Checks every key of `state` against this group's layout (`world` ranks,
+  // this one `rank`: the server residuals are its segments) and makes its
+  // tensors copies of its own; throws, naming the key and the field, before
+  // anything is changed.
+  void check(std::map<int64_t, ErrorFeedback>& state, int world, int rank) const;
+  // Puts checked residuals in: in place of all (`replace`), or of their keys.
+  void put(std::map<int64_t, ErrorFeedback> state, bool replace);
+  // Puts back the residuals before the last call of each key; "" or why not
+  // (nothing is changed then).
+  std::string undo(const std::vector<int64_t>& keys);
+  // Forgets the residuals of `key` (all when none given).
+  void erase(std::optional<int64_t> key);
+
+ private:
+  const Config& config_;
+  std::map<int64_t, ErrorFeedback> keys_;
+};
 
 // One call's hold on its key's residuals (none: `ef` null). The second
 // buffers are allocated at the first call. Compressors that update the
