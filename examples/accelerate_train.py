@@ -25,7 +25,7 @@ from pycomm.integrations.accelerate import register_hook
 
 from _common import dataset, make_model, parse_epoch_args, report
 
-# Exact all-reduce for 5 iterations, then int8 with error feedback: the
+# Exact all-reduce for 5 iterations, then int8 (no error feedback, its default): the
 # setup for momentum SGD (onebit on gradients costs final loss under
 # momentum; docs/results.md, "Which method with which optimizer").
 HOOK = dict(compressor="int8", start_iter=5)

@@ -25,7 +25,7 @@ from pycomm.ddp import CompressionState, compressed_hook
 
 from _common import add_run_options, make_model, report, train
 
-# Exact all-reduce for 5 iterations, then int8 with error feedback: the
+# Exact all-reduce for 5 iterations, then int8 (no error feedback, its default): the
 # setup for momentum SGD (onebit on gradients costs final loss under
 # momentum; docs/results.md, "Which method with which optimizer").
 HOOK = dict(compressor="int8", start_iter=5)
