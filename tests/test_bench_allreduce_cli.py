@@ -115,6 +115,36 @@ def test_bytes_follow_the_algorithms():
     assert bytes_sent(parse_method("onebit"), 1 << 20, 4, 1 << 20) == (2 * 3 * (8192 + 128) + 3 * 2) * 4
 
 
+def test_per_call_section_runs_one_rank_and_writes_json(tmp_path):
+    # The engine's cost per call beside plain Gloo's: one rank allowed,
+    # every method keyed, plus its ":queued" (async) variant.
+    out = tmp_path / "p.json"
+    cmd = [sys.executable, "-m", "pycomm_bench", "allreduce", "--per-call", "--ranks", "1", "--sizes", "1k",
+           "--methods", "plain,onebit,topk-0.01", "--repeats", "2", "--calls", "5", "--warmup", "1",
+           "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["benchmark"] == "allreduce-per-call" and doc["ranks"] == [1] and doc["failures"] == []
+    recs = {r["method"]: r for r in doc["records"]}
+    assert sorted(recs) == ["onebit", "onebit:queued", "plain", "topk-0.01", "topk-0.01:queued"]
+    for name, r in recs.items():
+        assert r["numel"] == 1024 and r["calls"] == 5 and len(r["per_call_s"]) == 2
+        assert _positive_finite(r["median_s"]) and _positive_finite(r["vs_plain"]), (name, r)
+    assert recs["plain"]["vs_plain"] == 1.0
+    assert "us/call" in proc.stdout and "onebit:queued" in proc.stdout
+
+
+def test_per_call_defaults_and_refusals(tmp_path):
+    args = allreduce.make_args(per_call=True)
+    assert args.ranks == [1] and args.sizes == [1024, 65536, 25 * 2 ** 20 // 4] and args.calls == 200
+    assert "plain" in args.methods and args.json.split("/")[-1].startswith("allreduce-per-call-cpu-")
+    with pytest.raises(ValueError, match="between 2 and"):
+        allreduce.make_args(ranks="1")  # one rank only for the per-call section
+    with pytest.raises(ValueError, match="calls"):
+        allreduce.make_args(per_call=True, calls=0)
+
+
 def test_defaults_and_quick():
     args = allreduce.make_args()
     assert args.ranks == [2, 4] and args.sizes == [1 << 20, 1 << 22, 1 << 24, 1 << 26]

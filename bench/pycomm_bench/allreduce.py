@@ -53,6 +53,7 @@ from pycomm.distributed import spec
 from pycomm.distributed.spec import TAG_WORDS, block_segments, block_wire_numel, topk_wire_numel
 from pycomm.wire import quant_num_bytes
 
+from . import per_call
 from .launch import Rank, RanksFailed, run_ranks, threads_per_rank
 from .methods import ALLREDUCE_BASES, PLAIN, Method, parse_method as _parse_method, vocabulary
 from .report import (default_json_path, finish, fmt_number, loadavg, machine_info, ms, progress_bar, size_label,
@@ -547,24 +548,32 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
         return engine_cuda.resolve_args(args)
     a = argparse.Namespace(**vars(args))
     quick = bool(getattr(a, "quick", False))
-    fill_defaults(a, quick, repeats=(DEFAULT_REPEATS, QUICK_REPEATS), warmup=(DEFAULT_WARMUP, QUICK_WARMUP))
+    a.per_call = bool(getattr(a, "per_call", False))
+    fill_defaults(a, quick, repeats=(DEFAULT_REPEATS, QUICK_REPEATS), warmup=(DEFAULT_WARMUP, QUICK_WARMUP),
+                  calls=(per_call.DEFAULT_CALLS, per_call.DEFAULT_CALLS // 10))
+    # --per-call: one rank is allowed (it isolates the engine's own cost).
+    least = 1 if a.per_call else 2
 
     def world_size(text: str) -> int:
         try:
             w = int(text)
         except ValueError:
             raise ValueError(f"expected integers like 2,4, got {text!r}") from None
-        if not 2 <= w <= MAX_RANKS:
-            raise ValueError(f"a world size must be between 2 and {MAX_RANKS}, got {w}")
+        if not least <= w <= MAX_RANKS:
+            raise ValueError(f"a world size must be between {least} and {MAX_RANKS}, got {w}")
         return w
 
     def method_name(text: str) -> str:
         parse_method(text)
         return text
 
-    a.ranks = list_option(getattr(a, "ranks", None), "ranks", QUICK_RANKS if quick else DEFAULT_RANKS, world_size)
-    a.sizes = list_option(getattr(a, "sizes", None), "sizes", QUICK_SIZES if quick else DEFAULT_SIZES, positive_int)
-    a.methods = list_option(getattr(a, "methods", None), "methods", DEFAULT_METHODS, method_name)
+    ranks, sizes, methods = ((per_call.DEFAULT_RANKS, per_call.DEFAULT_SIZES, per_call.DEFAULT_METHODS)
+                             if a.per_call else
+                             (QUICK_RANKS if quick else DEFAULT_RANKS, QUICK_SIZES if quick else DEFAULT_SIZES,
+                              DEFAULT_METHODS))
+    a.ranks = list_option(getattr(a, "ranks", None), "ranks", ranks, world_size)
+    a.sizes = list_option(getattr(a, "sizes", None), "sizes", sizes, positive_int)
+    a.methods = list_option(getattr(a, "methods", None), "methods", methods, method_name)
 
     chunk = getattr(a, "chunk_numel", None)
     if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
@@ -583,7 +592,7 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
     a.progress = bool(getattr(a, "progress", True))
     a.threads = getattr(a, "threads", None)
     if getattr(a, "json", None) is None:
-        a.json = default_json_path("allreduce", "cpu", quick=quick)
+        a.json = default_json_path("allreduce-per-call" if a.per_call else "allreduce", "cpu", quick=quick)
     return a
 
 
@@ -637,7 +646,8 @@ def make_args(**overrides: Any) -> argparse.Namespace:
         [65536]
     """
     base = dict(ranks=None, sizes=None, methods=None, chunk_numel=None, timeout=None, repeats=None,
-                warmup=None, device="cpu", json=None, quick=False, threads=None, progress=False)
+                warmup=None, calls=None, per_call=False, device="cpu", json=None, quick=False, threads=None,
+                progress=False)
     base.update(overrides)
     return resolve_args(argparse.Namespace(**base))
 
@@ -789,6 +799,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--timeout", type=float, default=None,
                    help="seconds any one collective may take before the run fails "
                         f"(default: {DEFAULT_TIMEOUT:g})")
+    g.add_argument("--per-call", action="store_true",
+                   help="the engine's cost per call instead: back-to-back keyed calls against plain Gloo, "
+                        f"on {','.join(map(str, per_call.DEFAULT_RANKS))} rank(s) (1 allowed), "
+                        f"{','.join(map(size_label, per_call.DEFAULT_SIZES))} elements by default "
+                        "(pycomm_bench.per_call)")
+    g.add_argument("--calls", type=positive_int, default=None,
+                   help=f"--per-call: back-to-back calls per round (default: {per_call.DEFAULT_CALLS}, "
+                        "fewer for big tensors)")
 
 
 
@@ -801,5 +819,7 @@ def run(args: argparse.Namespace) -> int:
 
         return engine_cuda.run(args)
     t0 = time.monotonic()
+    if getattr(args, "per_call", False):
+        return per_call.run(resolve_args(args))
     doc = run_allreduce(args)
     return finish(doc, args.json, format_table(doc), failed(doc), t0)
