@@ -56,8 +56,8 @@ from pycomm.wire import quant_num_bytes
 from . import per_call
 from .launch import Rank, RanksFailed, run_ranks, threads_per_rank
 from .methods import ALLREDUCE_BASES, PLAIN, Method, parse_method as _parse_method, vocabulary
-from .report import (default_json_path, finish, fmt_number, loadavg, machine_info, ms, progress_bar, size_label,
-                     spread_ms, status_note, table)
+from .report import (default_json_path, finish, fmt_number, loadavg, machine_info, ms, progress_bar, record_events,
+                     size_label, spread_ms, status_note, table)
 from .timing import Timed, summarize, time_interleaved
 
 HELP = (f"time plain Gloo against the pycomm backend's {', '.join(ALLREDUCE_BASES[1:])} all-reduces "
@@ -679,13 +679,7 @@ def run_allreduce(args: argparse.Namespace) -> Dict[str, Any]:
     failures: List[Dict[str, Any]] = []
     bar = progress_bar(total, "call", args.progress)
 
-    def on_event(event: Dict[str, Any]) -> None:
-        if event["event"] == "tick":
-            bar.update(event["n"])
-        elif event["event"] == "say":
-            bar.set_description(event["text"])
-        elif event["event"] == "records":
-            records.extend(event["records"])
+    on_event = record_events(bar, records)
 
     try:
         for world in args.ranks:

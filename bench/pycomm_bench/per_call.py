@@ -33,7 +33,7 @@ from typing import Any, Dict, List
 
 from .launch import Rank, RanksFailed, run_ranks, threads_per_rank
 from .methods import PLAIN, parse_method
-from .report import finish, fmt_number, loadavg, machine_info, progress_bar, size_label, table
+from .report import finish, fmt_number, loadavg, machine_info, progress_bar, record_events, size_label, table
 from .timing import time_interleaved
 
 #: 1K and 64K elements (small all-reduces) and a 25 MB bucket (DDP's default).
@@ -109,11 +109,7 @@ def run_per_call(args: argparse.Namespace) -> Dict[str, Any]:
     failures: List[Dict[str, Any]] = []
     bar = progress_bar(total, "call", args.progress)
 
-    def on_event(event: Dict[str, Any]) -> None:
-        if event["event"] == "tick":
-            bar.update(event["n"])
-        elif event["event"] == "records":
-            records.extend(event["records"])
+    on_event = record_events(bar, records)
 
     try:
         for world in args.ranks:

@@ -21,7 +21,7 @@ import os
 import platform
 import sys
 import time
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence
 
 
 def fmt_number(x: Optional[float], digits: int = 3) -> str:
@@ -190,6 +190,21 @@ def table(rows: Iterable[object], headers: object, tablefmt: str = "simple", num
     from tabulate import tabulate
 
     return tabulate(rows, headers=headers, tablefmt=tablefmt, disable_numparse=not numparse)
+
+
+def record_events(bar: Any, records: List[Any]) -> Callable[[Dict[str, Any]], None]:
+    """The ``on_event`` of a benchmark's ranks: "tick" advances ``bar``,
+    "say" sets its description, "records" extends ``records``."""
+
+    def on_event(event: Dict[str, Any]) -> None:
+        if event["event"] == "tick":
+            bar.update(event["n"])
+        elif event["event"] == "say":
+            bar.set_description(event["text"])
+        elif event["event"] == "records":
+            records.extend(event["records"])
+
+    return on_event
 
 
 def progress_bar(total: int, unit: str, enabled: bool = True):
