@@ -56,6 +56,9 @@ py::dict spec_dict() {
   d["call_fields"] = py::tuple(fields);
   d["default_chunk_numel"] = kDefaultChunkNumel;
   d["tag_words"] = kTagWords;
+  d["gather_numel"] = kGatherNumel;
+  d["all_reduce_gathers"] = py::cpp_function(
+      [](const std::string& m, int64_t n, int world) { return all_reduce_gathers(m, n, world); });
   py::dict blocks;
   for (const char* m : kMethods) {
     if (is_block_method(m)) blocks[m] = default_block_size(m);
@@ -77,6 +80,13 @@ py::dict spec_dict() {
   d["topk_wire_numel"] = py::cpp_function(
       [](int64_t m, double density, bool approx) { return topk_wire_numel(m, density, approx); });
   return d;
+}
+
+// A Work the caller waits for at once (`wait`), waited for before the
+// binding returns.
+c10::intrusive_ptr<c10d::Work> waited(c10::intrusive_ptr<c10d::Work> work, bool wait) {
+  if (wait) work->wait();
+  return work;
 }
 
 }  // namespace
@@ -112,12 +122,14 @@ PYBIND11_MODULE(_C, m) {
            py::arg("chunk_numel"), py::arg("block_size"), py::arg("density"), py::arg("approx"),
            py::arg("check_calls") = 1, py::arg("intra") = py::none(), py::arg("inter") = py::none(),
            py::arg("plugin_options") = "{}", py::arg("rounding_seed") = -1)
-      // `wait`: the caller waits for the Work at once (CallerWaits).
+      // `wait`: the caller waits for the Work at once (CallerWaits): the
+      // binding waits for it before it returns (its error raised here), one
+      // call from Python instead of two.
       .def("allreduce_keyed",
            [](CompressedBackend& b, at::Tensor tensor, std::optional<int64_t> key, bool average,
               std::optional<std::string> method, bool wait) {
              const CallerWaits waits(wait);
-             return b.allreduce_keyed(tensor, key, average, method);
+             return waited(b.allreduce_keyed(tensor, key, average, method), wait);
            },
            py::arg("tensor"), py::arg("key"), py::arg("average"), py::arg("method") = py::none(),
            py::arg("wait") = false, py::call_guard<py::gil_scoped_release>())
@@ -125,7 +137,7 @@ PYBIND11_MODULE(_C, m) {
            [](CompressedBackend& b, at::Tensor output, at::Tensor input,
               std::optional<int64_t> key, bool average, bool wait) {
              const CallerWaits waits(wait);
-             return b.reduce_scatter_keyed(output, input, key, average);
+             return waited(b.reduce_scatter_keyed(output, input, key, average), wait);
            },
            py::arg("output"), py::arg("input"), py::arg("key"), py::arg("average"),
            py::arg("wait") = false, py::call_guard<py::gil_scoped_release>())
@@ -133,7 +145,7 @@ PYBIND11_MODULE(_C, m) {
            [](CompressedBackend& b, at::Tensor output, at::Tensor input,
               std::optional<int64_t> key, bool wait) {
              const CallerWaits waits(wait);
-             return b.all_gather_keyed(output, input, key);
+             return waited(b.all_gather_keyed(output, input, key), wait);
            },
            py::arg("output"), py::arg("input"), py::arg("key"), py::arg("wait") = false,
            py::call_guard<py::gil_scoped_release>())
@@ -144,7 +156,7 @@ PYBIND11_MODULE(_C, m) {
       .def("allreduce_plain",
            [](CompressedBackend& b, at::Tensor tensor, bool average, bool wait) {
              const CallerWaits waits(wait);
-             return b.allreduce_plain(tensor, average);
+             return waited(b.allreduce_plain(tensor, average), wait);
            },
            py::arg("tensor"), py::arg("average"), py::arg("wait") = false,
            py::call_guard<py::gil_scoped_release>())

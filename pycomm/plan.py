@@ -242,7 +242,9 @@ def predict_allreduce_time(
     - a block codec (a method of kind ``block``, e.g. ``onebit``):
       all-to-all + all-gather, each ``(W-1)`` messages and ``(W-1)/W`` x the
       payload (the method's bits per element + a float32 scale per block,
-      ``block_size`` elements, None: the method's default), and the call's tag;
+      ``block_size`` elements, None: the method's default), and the call's
+      tag; on a small tensor (``spec.all_reduce_gathers``) an all-gather of
+      the payloads, ``(W-1)`` messages and ``(W-1)`` x per rank;
     - a sparse method (e.g. ``topk``): all-gather of the ``4 + 8 cap`` byte
       payloads and the tag, ``(W-1)`` messages and ``(W-1)`` x per rank (``cap = k``, or
       ``floor(1.25 k)`` approximate; ``k = ceil(density n)``);
@@ -268,6 +270,9 @@ def predict_allreduce_time(
         >>> r = predict_allreduce_time("int4", 1_000_000, 4, 1e9, 1e-5)
         >>> r["bytes_per_rank"]         # 4 bits (1/8 of 6 MB) + a float32 per 256 elements, padded, and 3 tags
         773808.0
+        >>> r = predict_allreduce_time("onebit", 2048, 4, 1e9, 1e-5)
+        >>> r["messages"], r["bytes_per_rank"]   # gathered: 3 x (64 words + a scale + the tag) x 4 B
+        (3, 804.0)
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
@@ -290,15 +295,33 @@ def predict_allreduce_time(
         cost = _cost((W - 1) * chunks, nbytes, bandwidth_bytes_per_s, alpha_s)
         work = {"compress": n}
         unmeasurable.append("scatter-add of W payloads")
-    else:  # a ring all-reduce, or a block codec's all-to-all then all-gather
+    elif kind == "block":
+        messages = 0
+        work = {"compress": 0.0, "decompress_acc": 0.0, "decompress": 0.0}
+        q, r = divmod(n, chunks)
+        for m, count in ((q, chunks - r), (q + 1, r)):
+            if count == 0 or m == 0:
+                continue
+            if spec.all_reduce_gathers(method, m, W):
+                # An all-gather of every rank's payload: compress (m); every
+                # rank decodes the first payload (m) and adds the others.
+                messages += count * (W - 1)
+                work["compress"] += count * m
+                work["decompress"] += count * m
+                work["decompress_acc"] += count * (W - 1) * m
+            else:
+                # All-to-all then all-gather: worker compress (m) + server
+                # compress of its segment (m/W); the server accumulates W
+                # segment payloads (m); everyone decodes all segments (m).
+                messages += count * 2 * (W - 1)
+                work["compress"] += count * (m + m / W)
+                work["decompress_acc"] += count * m
+                work["decompress"] += count * m
+        cost = _cost(messages, nbytes, bandwidth_bytes_per_s, alpha_s)
+    else:  # a ring all-reduce
         cost = _cost(2 * (W - 1) * chunks, nbytes, bandwidth_bytes_per_s, alpha_s)
         if kind == "cast":
             unmeasurable.append("cast")
-        elif kind == "block":
-            # worker compress (n) + server compress of its segment (n/W); the
-            # server accumulates W segment payloads (n); everyone decodes all
-            # segments (n).
-            work = {"compress": n + n / W, "decompress_acc": n, "decompress": n}
     if isinstance(compress_throughput, (int, float)) and not isinstance(compress_throughput, bool):
         rates: Mapping[str, float] = {op: float(compress_throughput) for op in work}
     else:

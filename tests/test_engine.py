@@ -21,7 +21,8 @@ from _dist import run_ranks
 
 import pycomm
 from pycomm.distributed.simulate import ErrorFeedback, simulate_allreduce
-from pycomm.distributed.spec import BLOCK_METHODS, DEFAULT_CHUNK_NUMEL, block_segments, block_size_for, chunk_bounds
+from pycomm.distributed.spec import (BLOCK_METHODS, DEFAULT_CHUNK_NUMEL, all_reduce_gathers, block_segments,
+                                     block_size_for, chunk_bounds)
 
 WORLD_SIZES = [2, 4]
 SIZES = [1, 33, 5000, 70001]
@@ -82,6 +83,11 @@ EF_CASES = [
     ("int4-b32-n33-c32-avg", "int4", {"block_size": 32}, 33, 32, "avg"),
     ("topk-approx-n70001-c7000-avg", "topk", {"density": 0.01, "approx": True}, 70001, 7000, "avg"),
     ("topk-exact-n5000-c1664-sum", "topk", {"density": 0.05, "approx": False}, 5000, 1664, "sum"),
+    # Either side of spec.GATHER_NUMEL (n x W): 4096 is gathered over 2 and
+    # 4 ranks (the bound itself), 4097 over 2 only, 8193 over neither.
+    ("onebit-b64-n4096-avg", "onebit", {"block_size": 64}, 4096, 1 << 20, "avg"),
+    ("int8-b64-n4097-sum", "int8", {"block_size": 64}, 4097, 1 << 20, "sum"),
+    ("int4-b32-n8193-avg", "int4", {"block_size": 32}, 8193, 1 << 20, "avg"),
 ]
 
 
@@ -269,7 +275,8 @@ def test_error_feedback_invariant(dist_results, world, case):
         D(p_i) = x_i + e_i - e_i'.
     block codecs' server (segment of rank j): c = acc + s, s' = c - D(q), the result is
         D(q) = acc + s - s', acc = sum_i D(p_i) (/ W for AVG).
-    topk: result = sum_i D(p_i) (/ W for AVG), no server residual.
+    topk, and a block codec on a small tensor (spec.all_reduce_gathers):
+        result = sum_i D(p_i) (/ W for AVG), no server residual used.
 
     With w = W for AVG and 1 for SUM, and S the server residuals of all
     ranks laid over the tensor (segment j from rank j):
@@ -308,6 +315,10 @@ def test_error_feedback_invariant(dist_results, world, case):
         assert (err <= 8 * F32_EPS * mag).all(), f"step {step}: worst {(err / mag).max().item():.3g} x magnitude"
         # The EF actually holds something (else the identity says nothing).
         assert torch.stack(e).abs().sum() > 0
+        if method in BLOCK_METHODS:
+            # The two-phase all-reduce keeps server residuals; the gathered
+            # one leaves them as they were (zero).
+            assert bool((s == 0).all()) == all_reduce_gathers(method, n, world), cid
         prev_e, prev_s = e, s
 
         # The simulation, fed the same inputs with its own residuals, agrees.

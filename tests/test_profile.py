@@ -15,6 +15,9 @@ from pycomm.distributed import spec
 N, CHUNK = 5000, 2000
 CHUNKS = len(spec.chunk_bounds(N, CHUNK))  # 3 of 1667
 CALLS = 3
+# Elements per call: int4's over 2 ranks above spec.GATHER_NUMEL (its
+# two-phase all-reduce), onebit's below (gathered whole).
+SIZE = {"onebit": N, "int4": 9000, "topk": N, "fp16": N}
 
 
 def _rank(rank, world):
@@ -25,7 +28,7 @@ def _rank(rank, world):
         pg = pd.wrap(compressor=method, min_compress_numel=64, chunk_numel=CHUNK)
         fresh = pd.profile(pg)
         for step in range(CALLS):
-            pd.all_reduce(torch.randn(N), key=1, group=pg)
+            pd.all_reduce(torch.randn(SIZE[method]), key=1, group=pg)
         dist.all_reduce(torch.ones(3), group=pg)  # below min_compress_numel: forwarded
         p = pd.profile(pg, reset=True)
         out[method] = (fresh, p, pd.profile(pg))
@@ -46,14 +49,23 @@ def results():
     return run_ranks(_rank, 2, timeout=240)
 
 
-# Inner collectives per call: the block codecs an all_to_all and an
-# all_gather per chunk; topk an all_gather per chunk; fp16 one all-reduce.
+def _per_call(method):
+    """Inner collectives per call: a block codec's two-phase all-reduce an
+    all_to_all and an all_gather per chunk; a gathered one (topk, a small
+    tensor's block codec) an all_gather per chunk; fp16 one all-reduce."""
+    if method == "fp16":
+        return 1
+    chunks = len(spec.chunk_bounds(SIZE[method], CHUNK))
+    return chunks if spec.all_reduce_gathers(method, SIZE[method], 2) else 2 * chunks
+
+
 # Plus the call check's all_gather at the key's first use.
-PER_CALL = {"onebit": 2 * CHUNKS, "int4": 2 * CHUNKS, "topk": CHUNKS, "fp16": 1}
+PER_CALL = {m: _per_call(m) for m in SIZE}
 
 
 @pytest.mark.parametrize("method", list(PER_CALL))
 def test_counts_are_exact(results, method):
+    assert PER_CALL["int4"] == 2 * 5 and PER_CALL["onebit"] == CHUNKS  # both algorithms counted
     for fresh, p, after_reset in (r[method] for r in results):
         assert fresh["calls"] == 0 and fresh["collectives"] == 0 and fresh["run_s"] == 0
         assert p["calls"] == CALLS

@@ -29,6 +29,7 @@ def test_names_and_codes_match(cpp):
     assert cpp["call_fields"] == spec.CALL_FIELDS
     assert cpp["default_chunk_numel"] == spec.DEFAULT_CHUNK_NUMEL
     assert cpp["tag_words"] == spec.TAG_WORDS
+    assert cpp["gather_numel"] == spec.GATHER_NUMEL
     assert cpp["collectives"] == spec.COLLECTIVES
     assert cpp["reduce_scatter_suffix"] == spec.REDUCE_SCATTER_SUFFIX
     assert cpp["all_gather_suffix"] == spec.ALL_GATHER_SUFFIX
@@ -78,6 +79,16 @@ def test_rounding_seed_matches(cpp, seed, stream, call, collective, rank, chunk,
     got = cpp["rounding_seed"](seed, stream, call, collective, rank, chunk, part)
     assert got == spec.rounding_seed(seed, stream, call, collective, rank, chunk, part)
     assert 0 <= got < 2**32
+
+
+@settings(max_examples=300, deadline=None)
+@given(n=st.integers(1, 1 << 40), world=st.integers(1, 1 << 12), method=st.sampled_from(spec.METHODS))
+def test_all_reduce_gathers_matches(cpp, n, world, method):
+    # The rule that picks the gathered or the two-phase all-reduce, on both
+    # sides of the bound.
+    assert cpp["all_reduce_gathers"](method, n, world) == spec.all_reduce_gathers(method, n, world)
+    for m in (spec.GATHER_NUMEL // world, spec.GATHER_NUMEL // world + 1):
+        assert cpp["all_reduce_gathers"](method, m, world) == spec.all_reduce_gathers(method, m, world)
 
 
 @pytest.mark.parametrize("n", [0, 1, 20_000, 1 << 40])

@@ -143,6 +143,24 @@ def test_error_feedback_over_many_steps(impl, device):
 
 
 @pytest.mark.parametrize("approx", [False, True], ids=["exact", "approx"])
+@pytest.mark.parametrize("order", ["ascending", "descending", "ties"])
+@pytest.mark.parametrize("n,k", [(1024, 64), (1024, 65), (16384, 10), (16385, 10), (4096, 1), (64, 64)])
+def test_small_selection_orders(approx, order, n, k):
+    # The CPU kernel selects on a small tensor with a heap (k up to 64) or a
+    # selection over the keys, above with histograms: magnitudes in the
+    # order that makes every key enter the heap, the reverse, and few
+    # distinct values (ties at the threshold), each against the reference.
+    mag = torch.arange(1, n + 1, dtype=torch.float32)
+    if order == "descending":
+        mag = mag.flip(0)
+    elif order == "ties":
+        mag = (mag % 7).float()
+    grad = mag * torch.where(torch.arange(n) % 3 == 0, -1.0, 1.0)
+    p_ref, p_imp, r_ref, r_imp = run_both("cpu", "cpu", grad, torch.zeros(n), k / n, approx)
+    assert_same(p_ref, p_imp, r_ref, r_imp)
+
+
+@pytest.mark.parametrize("approx", [False, True], ids=["exact", "approx"])
 @settings(max_examples=60, deadline=None)
 @given(
     data=st.lists(

@@ -45,7 +45,7 @@ std::optional<PendingCall> CompressedBackend::run_all_gather(Call call, const at
     const Group g = flat_group();
     CallResiduals residuals = residuals_for(call, views.in, g);
     ErrorFeedback* ef = residuals.get();
-    require_call_tags(call, exchange_payloads(env(), call, views.in, S, /*all_to_all=*/false, ef, g,
+    require_call_tags(call, exchange_payloads(env(), call, views.in, S, /*all_to_all=*/false, ef, /*into_backup=*/false, g,
                                    [&](const PayloadCodec& codec, const PayloadChunk& ch) {
                                      std::vector<at::Tensor> dst;
                                      for (int j = 0; j < world; ++j)

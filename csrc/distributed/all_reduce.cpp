@@ -1,7 +1,12 @@
 // The compressed all-reduce (docs/allreduce.md): the two-phase algorithm
-// of the block codecs, and the gathered one of top-k and registered
-// compressors, over every rank or, hierarchical, over this rank's shard
-// group (hierarchy.cpp).
+// of the block codecs, and the gathered one of top-k, registered
+// compressors and block codecs on small tensors (all_reduce_gathers), over
+// every rank or, hierarchical, over this rank's shard group (hierarchy.cpp).
+#include <ATen/Parallel.h>
+
+#include <atomic>
+#include <cstring>
+
 #include "algorithms.h"
 #include "backend.hpp"
 #include "call_check.h"
@@ -9,6 +14,33 @@
 
 namespace pycomm {
 namespace dist {
+namespace {
+
+// x /= divisor (the division div_ makes, element by element), and, with
+// `check`, whether every element is finite (a non-finite float has every
+// exponent bit set): one parallel pass over a CPU buffer, no tensor.
+bool average_checked(float* x, int64_t n, int divisor, bool check) {
+  std::atomic<bool> finite{true};
+  const float d = float(divisor);
+  at::parallel_for(0, n, int64_t(1) << 16, [&](int64_t b, int64_t e) {
+    if (divisor != 1) {
+#pragma omp simd
+      for (int64_t i = b; i < e; ++i) x[i] /= d;
+    }
+    if (!check) return;
+    uint32_t bad = 0;
+#pragma omp simd reduction(| : bad)
+    for (int64_t i = b; i < e; ++i) {
+      uint32_t u;
+      std::memcpy(&u, x + i, sizeof u);
+      bad |= uint32_t((u & 0x7f800000u) == 0x7f800000u);
+    }
+    if (bad) finite = false;
+  });
+  return finite;
+}
+
+}  // namespace
 
 using WorkPtr = c10::intrusive_ptr<c10d::Work>;
 
@@ -81,7 +113,8 @@ std::optional<PendingCall> CompressedBackend::run_compressed(Call call,
     // accelerator its checks follow its kernels to the host, and the call is
     // finished (residuals kept or discarded, Work completed) once the device
     // has passed them (settle). The other paths read them here.
-    if (!intra_ && !call.standing_in && views.direct && is_block_method(m) && y.numel() > 0 &&
+    const bool gathered = all_reduce_gathers(m, y.numel(), node.g.world);
+    if (!intra_ && !call.standing_in && views.direct && !gathered && y.numel() > 0 &&
         (!ef || residuals.double_buffered())) {
       std::vector<at::Tensor> checks;
       run_blocks(env(), call, y, ef, node.g, &checks);
@@ -96,8 +129,8 @@ std::optional<PendingCall> CompressedBackend::run_compressed(Call call,
     std::exception_ptr failed;
     try {
       if (y.numel() > 0) {
-        finite = is_block_method(m) ? run_blocks(env(), call, y, ef, node.g)
-                                    : run_gathered(env(), call, y, ef, node.g);
+        finite = gathered ? run_gathered(env(), call, y, ef, residuals.double_buffered(), node.g)
+                          : run_blocks(env(), call, y, ef, node.g);
       }
     } catch (...) {
       if (!intra_) throw;
@@ -256,19 +289,28 @@ bool run_blocks(const CallEnv& env, const Call& call, const at::Tensor& x, Error
 }
 
 bool run_gathered(const CallEnv& env, const Call& call, const at::Tensor& x, ErrorFeedback* ef,
-                  const Group& g) {
-  // Sums of finite values can overflow, so the output itself is checked (a
-  // sum per chunk, small next to the selection); only for error feedback.
+                  bool into_backup, const Group& g) {
+  // Sums of finite values can overflow, so the output itself is checked
+  // (only for error feedback): a sum per chunk, small next to the
+  // selection, or on a CPU a read of it where it is, with the average.
+  const bool direct = direct_cpu(x);
+  bool finite = true;
   std::vector<at::Tensor> sums;
-  const std::vector<at::Tensor> tags =
-      exchange_payloads(env, call, x, x.numel(), /*all_to_all=*/false, ef, g,
-                        [&](const PayloadCodec& codec, const PayloadChunk& ch) {
-                          const at::Tensor out = x.narrow(0, ch.begin, ch.len);
-                          codec.decode(ch.recv, ch.slot, ch.layout, {out});
-                          if (call.average) out.div_(g.world);
-                          if (ef) sums.push_back(out.sum());
-                        });
-  return checked_finite(env, call, tags, sums, x);
+  const std::vector<at::Tensor> tags = exchange_payloads(
+      env, call, x, x.numel(), /*all_to_all=*/false, ef, into_backup, g,
+      [&](const PayloadCodec& codec, const PayloadChunk& ch) {
+        const at::Tensor out = elements(x, ch.begin, ch.len);
+        codec.decode(ch.recv, ch.slot, ch.layout, {out});
+        if (!direct) {
+          if (call.average) out.div_(g.world);
+          if (ef) sums.push_back(out.sum());
+          return;
+        }
+        finite = average_checked(out.data_ptr<float>(), ch.len, call.average ? g.world : 1,
+                                 ef != nullptr) && finite;
+      });
+  const bool checked = checked_finite(env, call, tags, sums, x);  // the tags, at least
+  return direct ? finite : checked;
 }
 
 }  // namespace dist

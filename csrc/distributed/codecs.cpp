@@ -3,11 +3,17 @@
 // a compressor registered in Python.
 #include "codecs.h"
 
+#include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include <cmath>
+#include <cstring>
+#include <memory>
+
+#include "pycomm/cpu.h"
 
 #include "config.h"
+#include "ops/common.h"
 
 namespace pycomm {
 namespace dist {
@@ -113,6 +119,14 @@ void plugin_decompress(const std::string& name, const std::string& options,
   op.callBoxed(&stack);
 }
 
+// A top-k payload of `words` int32s from rank j holds `count` entries:
+// one that does not fit says the ranks compressed different tensors.
+void check_topk_count(int64_t count, int64_t words, int64_t j) {
+  const int64_t cap = (words - 1) / 2;
+  TORCH_CHECK(count >= 0 && count <= cap, "rank ", j, " sent a top-k payload of ", count,
+              " entries, capacity ", cap, ": ranks disagree on the tensor or density");
+}
+
 // Bytes of a payload part on the wire: rounded up to a multiple of 8.
 int64_t padded_nbytes(int64_t n) { return (n + 7) / 8 * 8; }
 
@@ -180,13 +194,81 @@ void BlockCodec::decompress(const at::Tensor& out, const at::Tensor& buf, int64_
   }
 }
 
+at::Tensor BlockCodec::encode_direct(const at::Tensor& g, const float* r_in, float* r_out,
+                                     int64_t seed, const at::Tensor& tag) const {
+  const int64_t n = g.numel(), words = BlockLayout::data_words(n, bits), blocks = ceil_div(n, block);
+  at::Tensor buf = at::empty({4 * (words + blocks + kTagWords)}, g.options().dtype(at::kByte));
+  auto* w = reinterpret_cast<int32_t*>(buf.data_ptr<uint8_t>());
+  float* s = reinterpret_cast<float*>(w + words);
+  const float* x = g.const_data_ptr<float>();
+  constexpr cpu::DType f32 = cpu::DType::kFloat32;
+  if (!quant) {
+    auto* bitw = reinterpret_cast<uint32_t*>(w);
+    at::parallel_for(0, blocks, cpu::block_grain(block), [&](int64_t b, int64_t e) {
+      if (r_in == r_out) {
+        cpu::onebit_compress_blocks(x, f32, r_out, bitw, s, n, block, b, e);
+      } else {
+        cpu::onebit_compress_blocks_into(x, f32, r_in, r_out, bitw, s, n, block, b, e);
+      }
+    });
+  } else {
+    // The level bytes, zero-padded to whole words (the wire's bytes are the
+    // same on every rank and in every run).
+    auto* d = reinterpret_cast<uint8_t*>(w);
+    const int64_t nbytes = quant_num_bytes(n, bits);
+    std::memset(d + nbytes, 0, 4 * words - nbytes);
+    at::parallel_for(0, blocks, cpu::block_grain(block), [&](int64_t b, int64_t e) {
+      cpu::quant_compress_blocks(x, f32, r_in, r_out, d, s, n, bits, block, seed, b, e);
+    });
+  }
+  std::memcpy(w + words + blocks, tag.const_data_ptr<int32_t>(), kTagBytes);
+  return buf;
+}
+
+void BlockCodec::decode_direct(const int32_t* words, int64_t n, float* out,
+                               bool accumulate) const {
+  const float* s = reinterpret_cast<const float*>(words + BlockLayout::data_words(n, bits));
+  if (!quant) {
+    const auto* w = reinterpret_cast<const uint32_t*>(words);
+    at::parallel_for(0, BlockLayout::data_words(n, bits), 2048, [&](int64_t b, int64_t e) {
+      cpu::onebit_decompress_words(w, s, n, block, out, accumulate, b, e);
+    });
+  } else {
+    const auto* d = reinterpret_cast<const uint8_t*>(words);
+    at::parallel_for(0, ceil_div(n, block), cpu::block_grain(block), [&](int64_t b, int64_t e) {
+      cpu::quant_decompress_blocks(d, s, n, bits, block, out, accumulate, b, e);
+    });
+  }
+}
+
 // ---------------------------------------------------------- PayloadCodec ---
+void PayloadCodec::decode_topk_direct(const int32_t* w, int64_t words, int64_t j,
+                                      const at::Tensor& out, bool accumulate) const {
+  const int64_t count = w[0], n = out.numel();
+  check_topk_count(count, words, j);
+  float* o = out.data_ptr<float>();
+  if (!accumulate) {  // then added to, as the ops' path does (-0.0 entries become +0.0)
+    at::parallel_for(0, n, int64_t(1) << 16, [&](int64_t b, int64_t e) { std::fill(o + b, o + e, 0.0f); });
+  }
+  const bool ok = cpu::topk_decompress(w + 1, reinterpret_cast<const float*>(w + 1 + count), count,
+                                       o, n, /*accumulate=*/true, ops::torch_parallel_for());
+  TORCH_CHECK(ok, "rank ", j, " sent top-k indices that are not strictly ascending in [0, ", n,
+              "): ranks disagree on the tensor");
+}
+
 at::Tensor PayloadCodec::encode(const at::Tensor& seg, const std::optional<at::Tensor>& r,
-                                int64_t seed, const at::Tensor& tag,
+                                const at::Tensor* r_out, int64_t seed, const at::Tensor& tag,
                                 std::vector<at::Tensor>& layout) const {
   const int64_t len = seg.numel();
+  TORCH_INTERNAL_ASSERT(!r_out || (r && is_block_method(method)),
+                        "a second residual buffer is a block codec's with error feedback");
   if (is_block_method(method)) {
-    auto [data, scales] = block.compress(seg, r, seed);
+    if (direct_cpu(seg)) {
+      float* r_in = r ? r->data_ptr<float>() : nullptr;
+      return block.encode_direct(seg, r_in, r_out ? r_out->data_ptr<float>() : r_in, seed, tag);
+    }
+    auto [data, scales] = r_out ? block.compress_into(seg, *r, *r_out, seed)
+                                : block.compress(seg, r, seed);
     std::vector<at::Tensor> parts = block.segment(data, scales, 0, len);
     parts.push_back(tag);
     return at::cat(parts).view(at::kByte);
@@ -194,6 +276,23 @@ at::Tensor PayloadCodec::encode(const at::Tensor& seg, const std::optional<at::T
   if (method == "topk") {
     // [count, indices, values as float bits], zero-padded to 1 + 2 cap.
     const int64_t words = topk_wire_numel(len, cfg.density, cfg.approx);
+    if (direct_cpu(seg)) {
+      at::Tensor buf = at::empty({4 * words}, seg.options().dtype(at::kByte));
+      auto* w = reinterpret_cast<int32_t*>(buf.data_ptr<uint8_t>());
+      const int64_t cap = (words - 1 - kTagWords) / 2;
+      // The values land after the indices, whose count the selection tells.
+      std::unique_ptr<float[]> values(new float[cap]);
+      std::unique_ptr<float[]> scratch(r ? nullptr : new float[len]);
+      const int64_t count = cpu::topk_compress(
+          seg.const_data_ptr<float>(), cpu::DType::kFloat32, r ? r->data_ptr<float>() : nullptr,
+          scratch.get(), len, topk_k(len, cfg.density), cfg.approx, w + 1, values.get(),
+          ops::torch_parallel_for());
+      w[0] = int32_t(count);
+      std::memcpy(w + 1 + count, values.get(), 4 * count);
+      std::memset(w + 1 + 2 * count, 0, 4 * (2 * (cap - count)));
+      std::memcpy(w + words - kTagWords, tag.const_data_ptr<int32_t>(), kTagBytes);
+      return buf;
+    }
     auto [idx, vals] = topk_compress(seg, r, topk_k(len, cfg.density), cfg.approx);
     const int64_t count = idx.numel();
     at::Tensor buf = at::zeros({words}, seg.options().dtype(at::kInt));
@@ -223,19 +322,30 @@ void PayloadCodec::decode(const at::Tensor& buf, int64_t slot,
                           const std::vector<at::Tensor>& dst) const {
   const int64_t world = buf.numel() / slot, nbytes = slot - kTagBytes;
   const bool sum = dst.size() == 1;
+  bool direct = buf.is_cpu() && (is_block_method(method) || method == "topk");
+  for (const at::Tensor& d : dst) direct = direct && direct_cpu(d);
   at::Tensor counts;  // top-k: every rank's entry count, read at once
-  if (method == "topk") counts = buf.view(at::kInt).view({world, slot / 4}).select(1, 0).cpu();
+  if (method == "topk" && !direct)
+    counts = buf.view(at::kInt).view({world, slot / 4}).select(1, 0).cpu();
   for (int64_t j = 0; j < world; ++j) {
-    const at::Tensor bytes = buf.narrow(0, j * slot, nbytes);
     const at::Tensor& out = dst[sum ? 0 : j];
     const bool accumulate = sum && j > 0;
+    if (direct) {
+      const auto* w = reinterpret_cast<const int32_t*>(buf.const_data_ptr<uint8_t>() + j * slot);
+      if (is_block_method(method)) {
+        block.decode_direct(w, out.numel(), out.data_ptr<float>(), accumulate);
+        continue;
+      }
+      decode_topk_direct(w, nbytes / 4, j, out, accumulate);
+      continue;
+    }
+    const at::Tensor bytes = buf.narrow(0, j * slot, nbytes);
     if (is_block_method(method)) {
       block.decompress(out, bytes.view(at::kInt), 0, accumulate);
     } else if (method == "topk") {
       const at::Tensor w = bytes.view(at::kInt);
-      const int64_t count = counts[j].item<int32_t>(), cap = (w.numel() - 1) / 2;
-      TORCH_CHECK(count >= 0 && count <= cap, "rank ", j, " sent a top-k payload of ", count,
-                  " entries, capacity ", cap, ": ranks disagree on the tensor or density");
+      const int64_t count = counts[j].item<int32_t>();
+      check_topk_count(count, w.numel(), j);
       if (!accumulate) out.zero_();
       topk_decompress(out, w.narrow(0, 1, count), w.narrow(0, 1 + count, count).view(at::kFloat),
                       true);

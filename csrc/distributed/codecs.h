@@ -19,6 +19,14 @@ namespace dist {
 
 struct Config;
 
+// Whether a codec runs the torch-free CPU kernels (kernels/cpu) on t over
+// raw pointers, no tensor made but the payload: a contiguous float32 CPU
+// tensor. The same kernels as the ops, so the same bits; a small call's
+// host time is mostly the ops' tensor bookkeeping.
+inline bool direct_cpu(const at::Tensor& t) {
+  return t.is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous();
+}
+
 // Any other method name is a compressor registered in Python.
 inline bool is_plugin(const std::string& m) { return !m.empty() && !known_method(m) && m != "auto"; }
 
@@ -58,6 +66,15 @@ struct BlockCodec {
   // Decodes the len-element segment at `offset` of an int32 buffer into out.
   void decompress(const at::Tensor& out, const at::Tensor& buf, int64_t offset,
                   bool accumulate) const;
+
+  // On a CPU (direct_cpu), with the torch-free kernels over raw pointers:
+  // The payload of g (wire words, then `tag`) in one new byte buffer;
+  // r_in/r_out as the kernels take them (both null: no error feedback).
+  at::Tensor encode_direct(const at::Tensor& g, const float* r_in, float* r_out, int64_t seed,
+                           const at::Tensor& tag) const;
+  // Decodes n elements from the wire words at `words` into out (added with
+  // `accumulate`).
+  void decode_direct(const int32_t* words, int64_t n, float* out, bool accumulate) const;
 };
 
 // One segment's payload as bytes, a fixed size for a given length (every
@@ -72,16 +89,23 @@ struct PayloadCodec {
       : method(m), cfg(c), block(BlockCodec::of(m, block_size)) {}
 
   // The payload of `seg` (with error feedback when `r` is given, updated in
-  // place), then `tag` (int32 words). `layout`: a registered compressor's
+  // place, or, a block codec's given `r_out`, written there with r left as
+  // it was), then `tag` (int32 words). `layout`: a registered compressor's
   // payload parts (dtypes and shapes), learned from the first payload of a
   // chunk when empty (its segments are alike).
-  at::Tensor encode(const at::Tensor& seg, const std::optional<at::Tensor>& r, int64_t seed,
-                    const at::Tensor& tag, std::vector<at::Tensor>& layout) const;
+  at::Tensor encode(const at::Tensor& seg, const std::optional<at::Tensor>& r,
+                    const at::Tensor* r_out, int64_t seed, const at::Tensor& tag,
+                    std::vector<at::Tensor>& layout) const;
   // Decodes the payloads of a received buffer of `slot`-byte slots (one per
   // rank, payload first, tag last): slot j into dst[j] (written), or, given
   // one tensor, all of them into it, added in rank order.
   void decode(const at::Tensor& buf, int64_t slot, const std::vector<at::Tensor>& layout,
               const std::vector<at::Tensor>& dst) const;
+
+ private:
+  // Rank j's top-k payload (`words` int32s at w) into out (direct_cpu).
+  void decode_topk_direct(const int32_t* w, int64_t words, int64_t j, const at::Tensor& out,
+                          bool accumulate) const;
 };
 
 }  // namespace dist

@@ -13,6 +13,9 @@ namespace dist {
 
 void swap_residuals(ErrorFeedback& ef) {
   std::swap(ef.worker, ef.worker_backup);
+  // A gathered all-reduce (a block codec's on a small tensor) neither
+  // reads nor writes its server residuals: they stay as they are.
+  if (all_reduce_gathers(ef.method, ef.numel, ef.world_size)) return;
   for (size_t i = 0; i < ef.server.size(); ++i) std::swap(ef.server[i], ef.server_backup[i]);
 }
 

@@ -55,7 +55,7 @@ void check_payload_layout(const CallEnv& env, const std::string& method, const P
 
 std::vector<at::Tensor> exchange_payloads(
     const CallEnv& env, const Call& call, const at::Tensor& in, int64_t S, bool all_to_all,
-    ErrorFeedback* ef, const Group& g,
+    ErrorFeedback* ef, bool into_backup, const Group& g,
     const std::function<void(const PayloadCodec&, const PayloadChunk&)>& received) {
   const std::string& method = call.method;
   const Config& config = env.config;
@@ -82,9 +82,11 @@ std::vector<at::Tensor> exchange_payloads(
       for (int j = 0; j < segments; ++j) {
         const int64_t at0 = j * S + ch.begin;
         std::optional<at::Tensor> r;
-        if (ef) r = ef->worker.narrow(0, at0, ch.len);
-        payloads.push_back(
-            codec.encode(in.narrow(0, at0, ch.len), r, call.seeds.at(i, j), call.tag, ch.layout));
+        at::Tensor r_out;
+        if (ef) r = elements(ef->worker, at0, ch.len);
+        if (ef && into_backup) r_out = elements(ef->worker_backup, at0, ch.len);
+        payloads.push_back(codec.encode(elements(in, at0, ch.len), r, r_out.defined() ? &r_out : nullptr,
+                                        call.seeds.at(i, j), call.tag, ch.layout));
       }
       ch.slot = payloads[0].numel();
       for (const auto& p : payloads)

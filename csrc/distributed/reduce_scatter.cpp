@@ -51,7 +51,7 @@ std::optional<PendingCall> CompressedBackend::run_reduce_scatter(Call call,
     CallResiduals residuals = residuals_for(call, views.in, g);
     ErrorFeedback* ef = residuals.get();
     std::vector<at::Tensor> sums;
-    require_call_tags(call, exchange_payloads(env(), call, views.in, S, /*all_to_all=*/true, ef, g,
+    require_call_tags(call, exchange_payloads(env(), call, views.in, S, /*all_to_all=*/true, ef, /*into_backup=*/false, g,
                                    [&](const PayloadCodec& codec, const PayloadChunk& ch) {
                                      const at::Tensor dst = views.out.narrow(0, ch.begin, ch.len);
                                      codec.decode(ch.recv, ch.slot, ch.layout, {dst});

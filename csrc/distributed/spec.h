@@ -108,6 +108,19 @@ inline bool method_residuals(const std::string& m) {
   return r != nullptr && r->residuals;
 }
 
+// A block codec's all-reduce of n elements over `world` ranks runs the
+// gathered algorithm (one all-gather of every rank's payload, decoded and
+// added by every rank) when n * world <= kGatherNumel, else the two-phase
+// one (spec.GATHER_NUMEL, spec.all_reduce_gathers; docs/allreduce.md,
+// "Small tensors"): such a call waits for one collective instead of two.
+// Top-k's and a registered compressor's all-reduce is always gathered, a
+// cast's or the exact one never.
+inline constexpr int64_t kGatherNumel = int64_t(1) << 14;
+inline bool all_reduce_gathers(const std::string& m, int64_t n, int world) {
+  if (is_block_method(m)) return n <= kGatherNumel / std::max(1, world);
+  return method_is(m, "sparse") || (!known_method(m) && !m.empty() && m != "auto");
+}
+
 // FNV-1a: bytes hashed into `h` (start from kFnvOffset), and the bytes of
 // int64 fields, little end first (as spec.py hashes them).
 inline constexpr uint64_t kFnvOffset = 1469598103934665603ull;

@@ -58,9 +58,7 @@ std::tuple<at::Tensor, at::Tensor> onebit_compress_cpu(const at::Tensor& grad,
   const void* g = grad.const_data_ptr();
   auto* w = reinterpret_cast<uint32_t*>(bits.data_ptr<int32_t>());
   float* s = scales.data_ptr<float>();
-  // Hand each thread at least ~64K elements of whole blocks.
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / block_size);
-  at::parallel_for(0, onebit_num_blocks(n, block_size), grain, [&](int64_t b, int64_t e) {
+  at::parallel_for(0, onebit_num_blocks(n, block_size), cpu::block_grain(block_size), [&](int64_t b, int64_t e) {
     cpu::onebit_compress_blocks(g, dtype, r, w, s, n, block_size, b, e);
   });
   return {bits, scales};
@@ -90,8 +88,7 @@ std::tuple<at::Tensor, at::Tensor> onebit_compress_into_cpu(const at::Tensor& gr
   const void* g = grad.const_data_ptr();
   auto* w = reinterpret_cast<uint32_t*>(bits.data_ptr<int32_t>());
   float* s = scales.data_ptr<float>();
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / block_size);
-  at::parallel_for(0, onebit_num_blocks(n, block_size), grain, [&](int64_t b, int64_t e) {
+  at::parallel_for(0, onebit_num_blocks(n, block_size), cpu::block_grain(block_size), [&](int64_t b, int64_t e) {
     cpu::onebit_compress_blocks_into(g, dtype, r_in, r_out, w, s, n, block_size, b, e);
   });
   return {bits, scales};

@@ -54,8 +54,6 @@ void check_decompress(const at::Tensor& out, const at::Tensor& data, const at::T
   TORCH_CHECK(scales.device() == data.device(), "scales and data are on different devices");
 }
 
-// Each thread gets at least ~64K elements of whole blocks.
-int64_t grain(int64_t block_size) { return std::max<int64_t>(1, (int64_t(1) << 16) / block_size); }
 
 std::tuple<at::Tensor, at::Tensor> compress_cpu(const at::Tensor& grad, const float* r_in,
                                                 float* r_out, int64_t bits, int64_t block_size,
@@ -66,7 +64,7 @@ std::tuple<at::Tensor, at::Tensor> compress_cpu(const at::Tensor& grad, const fl
   const void* g = grad.const_data_ptr();
   uint8_t* d = data.data_ptr<uint8_t>();
   float* s = scales.data_ptr<float>();
-  at::parallel_for(0, ceil_div(n, block_size), grain(block_size), [&](int64_t b, int64_t e) {
+  at::parallel_for(0, ceil_div(n, block_size), cpu::block_grain(block_size), [&](int64_t b, int64_t e) {
     cpu::quant_compress_blocks(g, dtype, r_in, r_out, d, s, n, int(bits), block_size, seed, b, e);
   });
   return {data, scales};
@@ -111,7 +109,7 @@ void quant_decompress_cpu(const at::Tensor& out, const at::Tensor& data, const a
   const uint8_t* d = data.const_data_ptr<uint8_t>();
   const float* s = scales.const_data_ptr<float>();
   float* o = out.data_ptr<float>();
-  at::parallel_for(0, ceil_div(n, block_size), grain(block_size), [&](int64_t b, int64_t e) {
+  at::parallel_for(0, ceil_div(n, block_size), cpu::block_grain(block_size), [&](int64_t b, int64_t e) {
     cpu::quant_decompress_blocks(d, s, n, int(bits), block_size, o, accumulate, b, e);
   });
 }

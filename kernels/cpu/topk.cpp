@@ -22,6 +22,10 @@ namespace cpu {
 namespace {
 
 constexpr int64_t kChunk = int64_t(1) << 16;
+// Up to this many elements, the k-th largest key is found by a selection
+// over a copy of the keys (kth_largest_key).
+constexpr int64_t kSmallSelect = int64_t(1) << 14;
+constexpr int64_t kHeapSelect = 64;
 
 struct Counts {
   std::vector<int64_t> gt, eq;  // per chunk: keys > T and keys == T
@@ -174,9 +178,51 @@ int64_t compact(float* c, int64_t n, uint32_t t, int64_t eq_budget, const Counts
   return pos;
 }
 
+// The rank-th largest (1-based, counting repeats) of `keys`, which it may
+// reorder. For a rank of a few dozen, a min-heap of the largest keys seen
+// so far, skipping groups of kGroup keys none of which beats its least
+// (most of them, once it has filled): a pass that hardly branches. Else a
+// selection.
+uint32_t rank_largest(std::vector<uint32_t>& keys, int64_t rank) {
+  const int64_t n = (int64_t)keys.size();
+  if (rank > kHeapSelect) {
+    std::nth_element(keys.begin(), keys.begin() + (rank - 1), keys.end(), std::greater<uint32_t>());
+    return keys[rank - 1];
+  }
+  std::vector<uint32_t> heap(keys.begin(), keys.begin() + rank);
+  std::make_heap(heap.begin(), heap.end(), std::greater<uint32_t>());
+  const uint32_t* k = keys.data();
+  for (int64_t i = rank; i < n;) {
+    const int64_t end = std::min(n, i + kGroup);
+    if (end - i == kGroup) {
+      uint32_t most = 0;
+#pragma omp simd reduction(max : most)
+      for (int j = 0; j < kGroup; ++j) most = std::max(most, k[i + j]);
+      if (most <= heap.front()) {
+        i = end;
+        continue;
+      }
+    }
+    for (; i < end; ++i) {
+      if (k[i] <= heap.front()) continue;
+      std::pop_heap(heap.begin(), heap.end(), std::greater<uint32_t>());
+      heap.back() = k[i];
+      std::push_heap(heap.begin(), heap.end(), std::greater<uint32_t>());
+    }
+  }
+  return heap.front();
+}
+
 // Radix select: the k-th largest key of c. Keys use 31 bits (the sign is
 // cleared), examined 11, 10, 10 bits at a time from the top.
 uint32_t kth_largest_key(const float* c, int64_t n, int64_t k, const ParallelFor& pf) {
+  // A small tensor: a selection over a copy of its keys costs less than
+  // the three histograms of 1-2K bins each (the same key: the k-th largest).
+  if (n <= kSmallSelect) {
+    std::vector<uint32_t> keys(n);
+    for (int64_t i = 0; i < n; ++i) keys[i] = topk_key(c[i]);
+    return rank_largest(keys, k);
+  }
   static const int kShift[3] = {20, 10, 0};
   static const int kBins[3] = {1 << 11, 1 << 10, 1 << 10};
   const int64_t chunks = ceil_div(n, kChunk);
@@ -210,13 +256,6 @@ uint32_t kth_largest_key(const float* c, int64_t n, int64_t k, const ParallelFor
   return prefix;
 }
 
-uint32_t sample_threshold(std::vector<uint32_t>& sample, int64_t rank) {
-  // rank is 1-based among keys sorted descending.
-  std::nth_element(sample.begin(), sample.begin() + (rank - 1), sample.end(),
-                   std::greater<uint32_t>());
-  return sample[rank - 1];
-}
-
 }  // namespace
 
 int64_t topk_compress(const void* grad, DType dtype, float* residual, float* scratch, int64_t n,
@@ -237,7 +276,7 @@ int64_t topk_compress(const void* grad, DType dtype, float* residual, float* scr
     });
     int64_t rank = topk_sample_rank(n, k, s);
     for (int attempt = 0; attempt < 2; ++attempt) {
-      const uint32_t t = sample_threshold(sample, rank);
+      const uint32_t t = rank_largest(sample, rank);
       std::vector<std::vector<int32_t>> hits;
       const Counts counts = fold_and_count(unfolded, dtype, c, has_residual, n, t, &hits, pf);
       unfolded = nullptr;

@@ -533,10 +533,7 @@ def all_reduce(
         if key is not None:
             raise ValueError("an uncompressed all-reduce has no error feedback: pass key=None")
         work = backend.allreduce_plain(tensor, op == "avg", wait=not async_op)
-    if async_op:
-        return work
-    work.wait()
-    return None
+    return work if async_op else None  # a synchronous call was waited for in the binding
 
 
 def _check_pair(output: Any, input: Any, key: Any, async_op: Any) -> None:
@@ -577,10 +574,7 @@ def reduce_scatter(
     _check_pair(output, input, key, async_op)
     _check_outside(output, input, _own_shard(input, output.numel(), group))
     work = _pycomm_backend(group, input.device).reduce_scatter_keyed(output, input, key, op == "avg", wait=not async_op)
-    if async_op:
-        return work
-    work.wait()
-    return None
+    return work if async_op else None  # a synchronous call was waited for in the binding
 
 
 def all_gather(
@@ -609,10 +603,7 @@ def all_gather(
     _check_pair(output, input, key, async_op)
     _check_outside(output, input, _own_shard(output, input.numel(), group))
     work = _pycomm_backend(group, input.device).all_gather_keyed(output, input, key, wait=not async_op)
-    if async_op:
-        return work
-    work.wait()
-    return None
+    return work if async_op else None  # a synchronous call was waited for in the binding
 
 
 def error_feedback_state(group: Optional[dist.ProcessGroup] = None, device: str = "cpu",

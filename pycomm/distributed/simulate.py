@@ -61,6 +61,7 @@ from .spec import (
     METHODS,
     REDUCE_SCATTER_SUFFIX,
     UNCOMPRESSED_METHODS,
+    all_reduce_gathers,
     block_segments,
     check_key,
     chunk_bounds,
@@ -392,7 +393,10 @@ def simulate_allreduce(
         for ci, (start, end) in enumerate(chunk_bounds(n, chunk_numel)):
             chunk = [x[start:end] for x in xs]
             workers = [efs[r].worker[start:end] for r in range(world)] if efs is not None else None
-            if method in BLOCK_METHODS:
+            if method in BLOCK_METHODS and all_reduce_gathers(method, n, world):
+                out[start:end] = _simulate_gathered_block_chunk(chunk, comp, avg, workers,
+                                                                lambda r, ci=ci: seeds.at(r, ci, 0))
+            elif method in BLOCK_METHODS:
                 servers = [efs[r].server_segment(ci) for r in range(world)] if efs is not None else None
                 out[start:end] = _simulate_block_chunk(chunk, comp, avg, workers, servers,
                                                        lambda r, part, ci=ci: seeds.at(r, ci, part))
@@ -464,6 +468,17 @@ def _simulate_block_chunk(chunk, comp, avg, workers, servers, seed) -> torch.Ten
         q = _compress(comp, acc, es, seed(j, 1))
         out[lo:hi] = comp.decompress(q)
     return out
+
+
+def _simulate_gathered_block_chunk(chunk, comp, avg, workers, seed) -> torch.Tensor:
+    # A small tensor's block codec (spec.all_reduce_gathers): every rank's
+    # payload, compressed with its worker residual, decoded and added in
+    # rank order; the server residuals are not used.
+    out = torch.zeros(chunk[0].numel(), dtype=torch.float32, device=chunk[0].device)
+    for r in range(len(chunk)):  # rank order
+        out.add_(comp.decompress(_compress(comp, chunk[r], workers[r] if workers is not None else None,
+                                           seed(r))))
+    return out / len(chunk) if avg else out
 
 
 def _simulate_topk_chunk(chunk, comp, avg, workers) -> torch.Tensor:

@@ -39,7 +39,8 @@ class MethodSpec:
     - ``name``: what users pass (``compressor="int8"``); its index in the
       table is its code on the wire of the call check.
     - ``kind``: ``"block"`` (a scale per block, all-reduced in two phases:
-      segment ``j`` of each chunk reduced by rank ``j``, then all-gathered),
+      segment ``j`` of each chunk reduced by rank ``j``, then all-gathered;
+      gathered whole on a small tensor, :func:`all_reduce_gathers`),
       ``"sparse"`` (top-k entries all-gathered), ``"cast"`` (a ring
       all-reduce of a narrower float) or ``"exact"`` (the inner backend's
       all-reduce). A registered compressor has kind ``"plugin"``
@@ -224,6 +225,34 @@ DEFAULT_CHUNK_NUMEL = 1 << 20
 DEFAULT_CHUNK_NUMEL_BY_INNER = {"gloo": DEFAULT_CHUNK_NUMEL, "nccl": 1 << 26}
 
 
+#: A block codec's all-reduce of ``n`` elements over ``W`` ranks runs the
+#: gathered algorithm when ``n * W <= GATHER_NUMEL``: one all-gather of every
+#: rank's payload, which every rank decodes and adds in rank order (one
+#: compression, no server residual), in place of the two-phase one's two
+#: dependent exchanges. Such a call is bound by latency, not bytes: it waits
+#: for one collective instead of two (docs/allreduce.md, "Small tensors").
+GATHER_NUMEL = 1 << 14
+
+
+def all_reduce_gathers(method: str, numel: int, world_size: int) -> bool:
+    """Whether the engine's all-reduce of ``numel`` elements by ``method``
+    over ``world_size`` ranks runs the gathered algorithm: top-k's and a
+    registered compressor's always, a block codec's at ``numel * world_size
+    <= GATHER_NUMEL`` (above, the two-phase one); a cast's or the exact
+    all-reduce never. The one rule: the engine (spec.h), the simulation and
+    :func:`wire_bytes` follow it.
+
+    >>> all_reduce_gathers("onebit", 1024, 1), all_reduce_gathers("onebit", 1 << 14, 2)
+    (True, False)
+    >>> all_reduce_gathers("topk", 1 << 20, 8), all_reduce_gathers("fp16", 1024, 2)
+    (True, False)
+    """
+    kind = method_spec(method).kind
+    if kind == "block":
+        return numel <= GATHER_NUMEL // max(1, world_size)
+    return kind in ("sparse", "plugin")
+
+
 def default_chunk_numel(device_type: str, inner: Optional[str] = None) -> int:
     """The engine's chunk when none is given, for tensors on ``device_type``
     over ``inner`` (None: what a group there wraps, NCCL on cuda, Gloo
@@ -401,7 +430,9 @@ def wire_bytes(method: str, numel: int, world_size: int, *, chunk_numel: int = D
       ``itemsize`` bytes; a cast the same ring on its dtype's width. (The
       engine's keyed calls of these add one element per row, their call
       check: not counted.)
-    - a block codec, per chunk: the all_to_all sends segment j's payload to
+    - a block codec at ``n W <= GATHER_NUMEL`` (:func:`all_reduce_gathers`),
+      per chunk: its payload of the chunk and the tag to each of the W-1 peers.
+    - a block codec above, per chunk: the all_to_all sends segment j's payload to
       rank j for every j != r ((W-1)/W of one compressed copy), the
       all_gather this rank's server payload, padded to segment 0's, and the
       call's tag to each of the W-1 peers.
@@ -431,7 +462,10 @@ def wire_bytes(method: str, numel: int, world_size: int, *, chunk_numel: int = D
     total = [0] * world_size
     for begin, end in chunk_bounds(numel, chunk_numel):
         m = end - begin
-        if spec_.kind == "block":
+        if spec_.kind == "block" and all_reduce_gathers(method, numel, world_size):
+            per_peer = 4 * (block_wire_numel(m, block, spec_.bits) + TAG_WORDS)
+            total = [t + (world_size - 1) * per_peer for t in total]
+        elif spec_.kind == "block":
             _, segs = block_segments(m, world_size, block)
             sizes = [block_wire_numel(e - b, block, spec_.bits) for b, e in segs]
             for r in range(world_size):

@@ -20,6 +20,13 @@ enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 using ParallelFor =
     std::function<void(int64_t, int64_t, const std::function<void(int64_t, int64_t)>&)>;
 
+// Blocks per parallel_for task of a block codec's kernels: at least ~64K
+// elements of whole blocks a thread, so that small tensors run on one.
+inline int64_t block_grain(int64_t block_size) {
+  const int64_t g = (int64_t(1) << 16) / block_size;
+  return g > 1 ? g : 1;
+}
+
 // ---- onebit (kernels/cpu/onebit.cpp) ----
 // c = grad + residual (residual may be null: no error feedback). For every
 // block in [block_begin, block_end): scales[b] = mean |c|, sign bits into
