@@ -146,9 +146,9 @@ def test_error_feedback_over_many_steps(impl, device):
 @pytest.mark.parametrize("order", ["ascending", "descending", "ties"])
 @pytest.mark.parametrize("n,k", [(1024, 64), (1024, 65), (16384, 10), (16385, 10), (4096, 1), (64, 64)])
 def test_small_selection_orders(approx, order, n, k):
-    # The CPU kernel selects on a small tensor with a heap (k up to 64) or a
-    # selection over the keys, above with histograms: magnitudes in the
-    # order that makes every key enter the heap, the reverse, and few
+    # The CPU kernel selects on a small tensor among the keys at or above
+    # the groups' k-th largest maximum (k small next to n / 16), or over
+    # every key, above with histograms: magnitudes rising, falling, and few
     # distinct values (ties at the threshold), each against the reference.
     mag = torch.arange(1, n + 1, dtype=torch.float32)
     if order == "descending":

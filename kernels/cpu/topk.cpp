@@ -23,9 +23,8 @@ namespace {
 
 constexpr int64_t kChunk = int64_t(1) << 16;
 // Up to this many elements, the k-th largest key is found by a selection
-// over a copy of the keys (kth_largest_key).
+// over a copy of the keys (kth_largest_key, rank_largest).
 constexpr int64_t kSmallSelect = int64_t(1) << 14;
-constexpr int64_t kHeapSelect = 64;
 
 struct Counts {
   std::vector<int64_t> gt, eq;  // per chunk: keys > T and keys == T
@@ -47,17 +46,6 @@ void fold(Load g, float* c, bool has_residual, int64_t begin, int64_t end) {
 void fold_range(const void* grad, DType dtype, float* c, bool has_residual, int64_t begin,
                 int64_t end) {
   with_loader(grad, dtype, [&](auto load) { fold(load, c, has_residual, begin, end); });
-}
-
-float grad_at(const void* grad, DType dtype, int64_t i) {
-  switch (dtype) {
-    case DType::kFloat16:
-      return fp16_bits_to_float(static_cast<const uint16_t*>(grad)[i]);
-    case DType::kBFloat16:
-      return bf16_bits_to_float(static_cast<const uint16_t*>(grad)[i]);
-    default:
-      return static_cast<const float*>(grad)[i];
-  }
 }
 
 // Elements are scanned in groups of kGroup: a vectorized pass over the group
@@ -179,38 +167,32 @@ int64_t compact(float* c, int64_t n, uint32_t t, int64_t eq_budget, const Counts
 }
 
 // The rank-th largest (1-based, counting repeats) of `keys`, which it may
-// reorder. For a rank of a few dozen, a min-heap of the largest keys seen
-// so far, skipping groups of kGroup keys none of which beats its least
-// (most of them, once it has filled): a pass that hardly branches. Else a
-// selection.
+// reorder. For a rank well below the number of groups of kGroup keys, the
+// rank-th largest of the groups' maxima, L, bounds it from below (the rank
+// largest maxima are rank distinct keys >= L), so a selection over the keys
+// >= L (about rank to a few times rank of them) finds it: two passes that
+// vectorize, instead of a selection over every key.
 uint32_t rank_largest(std::vector<uint32_t>& keys, int64_t rank) {
-  const int64_t n = (int64_t)keys.size();
-  if (rank > kHeapSelect) {
-    std::nth_element(keys.begin(), keys.begin() + (rank - 1), keys.end(), std::greater<uint32_t>());
-    return keys[rank - 1];
-  }
-  std::vector<uint32_t> heap(keys.begin(), keys.begin() + rank);
-  std::make_heap(heap.begin(), heap.end(), std::greater<uint32_t>());
+  const int64_t n = (int64_t)keys.size(), groups = n / kGroup;
   const uint32_t* k = keys.data();
-  for (int64_t i = rank; i < n;) {
-    const int64_t end = std::min(n, i + kGroup);
-    if (end - i == kGroup) {
-      uint32_t most = 0;
-#pragma omp simd reduction(max : most)
-      for (int j = 0; j < kGroup; ++j) most = std::max(most, k[i + j]);
-      if (most <= heap.front()) {
-        i = end;
-        continue;
-      }
+  if (rank * 4 <= groups) {
+    std::vector<uint32_t> most(groups);
+    for (int64_t g = 0; g < groups; ++g) {
+      uint32_t m = 0;  // a constant trip count: unrolled and vectorized as a block
+      for (int j = 0; j < kGroup; ++j) m = std::max(m, k[g * kGroup + j]);
+      most[g] = m;
     }
-    for (; i < end; ++i) {
-      if (k[i] <= heap.front()) continue;
-      std::pop_heap(heap.begin(), heap.end(), std::greater<uint32_t>());
-      heap.back() = k[i];
-      std::push_heap(heap.begin(), heap.end(), std::greater<uint32_t>());
-    }
+    std::nth_element(most.begin(), most.begin() + (rank - 1), most.end(), std::greater<uint32_t>());
+    const uint32_t low = most[rank - 1];
+    std::vector<uint32_t> above;
+    above.reserve(4 * rank);
+    for (int64_t i = 0; i < n; ++i)
+      if (k[i] >= low) above.push_back(k[i]);
+    std::nth_element(above.begin(), above.begin() + (rank - 1), above.end(), std::greater<uint32_t>());
+    return above[rank - 1];
   }
-  return heap.front();
+  std::nth_element(keys.begin(), keys.begin() + (rank - 1), keys.end(), std::greater<uint32_t>());
+  return keys[rank - 1];
 }
 
 // Radix select: the k-th largest key of c. Keys use 31 bits (the sign is
@@ -268,11 +250,21 @@ int64_t topk_compress(const void* grad, DType dtype, float* residual, float* scr
     const int64_t stride = topk_sample_stride(n, k);
     const int64_t s = topk_sample_count(n, stride);
     std::vector<uint32_t> sample(s);
-    pf(0, ceil_div(s, kChunk), [&](int64_t cb, int64_t ce) {
-      for (int64_t j = cb * kChunk; j < std::min(s, ce * kChunk); ++j) {
-        const int64_t p = j * stride + stride / 2;
-        sample[j] = topk_key(grad_at(grad, dtype, p) + (has_residual ? c[p] : 0.0f));
-      }
+    with_loader(grad, dtype, [&](auto load) {
+      pf(0, ceil_div(s, kChunk), [&](int64_t cb, int64_t ce) {
+        const int64_t end = std::min(s, ce * kChunk);
+        uint32_t* out = sample.data();
+        if (has_residual) {
+#pragma omp simd
+          for (int64_t j = cb * kChunk; j < end; ++j) {
+            const int64_t p = j * stride + stride / 2;
+            out[j] = topk_key(load(p) + c[p]);
+          }
+        } else {
+#pragma omp simd
+          for (int64_t j = cb * kChunk; j < end; ++j) out[j] = topk_key(load(j * stride + stride / 2) + 0.0f);
+        }
+      });
     });
     int64_t rank = topk_sample_rank(n, k, s);
     for (int attempt = 0; attempt < 2; ++attempt) {
