@@ -7,8 +7,9 @@ all-reduces costs; on a CPU the caller waits for each, so its time per call
 is the host time per call), and records the mean time per call; the median
 over the rounds (``--repeats``, contenders in rotated order each round,
 :func:`pycomm_bench.timing.time_interleaved`) is reported, rank 0's, with its
-ratio to plain Gloo's ``dist.all_reduce`` of the same tensor. Every method
-runs keyed (``pd.all_reduce(x, key=..., op="avg")``, error feedback where
+ratio to plain Gloo's ``dist.all_reduce`` of the same size. Each contender
+calls on a tensor of its own (the same random start), so its input is its
+own last output, as in a loop of that method alone. Every method runs keyed (``pd.all_reduce(x, key=..., op="avg")``, error feedback where
 the method keeps residuals) on a pycomm group of its own (``pd.wrap``,
 ``min_compress_numel=1``). ``<method>:queued`` is the same call made with
 ``async_op=True`` and waited for at once: the engine's worker thread runs it
@@ -69,17 +70,20 @@ def _rank_main(rank: Rank) -> None:
             settings = {"density": m.density} if m.density is not None else {}
             groups[m.name] = pd.wrap(None, compressor=m.compressor, min_compress_numel=1, **settings)
     for n in cfg["sizes"]:
-        x = torch.randn(n, generator=torch.Generator().manual_seed(rank.rank))
         calls = calls_for(n, cfg["calls"])
         contenders = {}
         for m in methods:
+            # A tensor per contender: each call's input is what the same
+            # contender's last call left there, never another method's output
+            # (a quantized or sparse tensor, full of ties, is not a gradient).
+            x = torch.randn(n, generator=torch.Generator().manual_seed(rank.rank))
             if m.name in groups:
-                g = groups[m.name]
-                contenders[m.name] = lambda g=g: pd.all_reduce(x, key=n, group=g, op="avg")
-                contenders[m.name + QUEUED] = lambda g=g: pd.all_reduce(x, key=n, group=g, op="avg",
-                                                                        async_op=True).wait()
+                g, y = groups[m.name], x.clone()
+                contenders[m.name] = lambda g=g, x=x: pd.all_reduce(x, key=n, group=g, op="avg")
+                contenders[m.name + QUEUED] = lambda g=g, y=y: pd.all_reduce(y, key=n, group=g, op="avg",
+                                                                             async_op=True).wait()
             else:
-                contenders[m.name] = lambda: dist.all_reduce(x)
+                contenders[m.name] = lambda x=x: dist.all_reduce(x)
         # One sample = `calls` calls back to back; the ranks start each together.
         batches = {k: (lambda f=f: [f() for _ in range(calls)], dist.barrier) for k, f in contenders.items()}
         samples = time_interleaved(batches, repeats=cfg["repeats"], warmup=max(1, cfg["warmup"]),

@@ -51,6 +51,14 @@ std::string field_value(int field, int64_t v) {
 
 std::vector<bool> read_flags(const std::vector<at::Tensor>& flags) {
   if (flags.empty()) return {};
+  bool on_cpu = true;
+  for (const at::Tensor& f : flags) on_cpu = on_cpu && f.is_cpu();
+  if (on_cpu) {  // read where they are: a stack would cost more than the reads
+    std::vector<bool> out;
+    for (const at::Tensor& f : flags) out.push_back(*f.const_data_ptr<bool>());
+    return out;
+  }
+  // On an accelerator, one copy to the host for all of them.
   const at::Tensor host = at::stack(flags).to(at::kCPU);
   const bool* p = host.const_data_ptr<bool>();
   return std::vector<bool>(p, p + host.numel());

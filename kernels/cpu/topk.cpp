@@ -22,6 +22,20 @@ namespace cpu {
 namespace {
 
 constexpr int64_t kChunk = int64_t(1) << 16;
+
+// Buffers kept by the calling thread from one call to the next, emptied
+// but not freed: a small tensor's selection then allocates nothing. In a
+// process that frees many small blocks (Python, torch), glibc first
+// consolidates its fast bins on every allocation of a kilobyte or more,
+// which cost more than the selection itself on 1K elements.
+struct Scratch {
+  std::vector<uint32_t> keys, most, above;
+  std::vector<std::vector<int32_t>> hits;
+};
+Scratch& buffers() {
+  thread_local Scratch s;
+  return s;
+}
 // Up to this many elements, the k-th largest key is found by a selection
 // over a copy of the keys (kth_largest_key, rank_largest).
 constexpr int64_t kSmallSelect = int64_t(1) << 14;
@@ -96,7 +110,10 @@ Counts fold_and_count(const void* grad, DType dtype, float* c, bool has_residual
   Counts out;
   out.gt.assign(chunks, 0);
   out.eq.assign(chunks, 0);
-  if (hits) hits->assign(chunks, {});
+  if (hits) {
+    hits->resize(chunks);
+    for (auto& h : *hits) h.clear();
+  }
   pf(0, chunks, [&](int64_t cb, int64_t ce) {
     for (int64_t ch = cb; ch < ce; ++ch) {
       const int64_t b = ch * kChunk, e = std::min(n, b + kChunk);
@@ -176,7 +193,8 @@ uint32_t rank_largest(std::vector<uint32_t>& keys, int64_t rank) {
   const int64_t n = (int64_t)keys.size(), groups = n / kGroup;
   const uint32_t* k = keys.data();
   if (rank * 4 <= groups) {
-    std::vector<uint32_t> most(groups);
+    std::vector<uint32_t>& most = buffers().most;
+    most.resize(groups);
     for (int64_t g = 0; g < groups; ++g) {
       uint32_t m = 0;  // a constant trip count: unrolled and vectorized as a block
       for (int j = 0; j < kGroup; ++j) m = std::max(m, k[g * kGroup + j]);
@@ -184,8 +202,8 @@ uint32_t rank_largest(std::vector<uint32_t>& keys, int64_t rank) {
     }
     std::nth_element(most.begin(), most.begin() + (rank - 1), most.end(), std::greater<uint32_t>());
     const uint32_t low = most[rank - 1];
-    std::vector<uint32_t> above;
-    above.reserve(4 * rank);
+    std::vector<uint32_t>& above = buffers().above;
+    above.clear();
     for (int64_t i = 0; i < n; ++i)
       if (k[i] >= low) above.push_back(k[i]);
     std::nth_element(above.begin(), above.begin() + (rank - 1), above.end(), std::greater<uint32_t>());
@@ -201,7 +219,8 @@ uint32_t kth_largest_key(const float* c, int64_t n, int64_t k, const ParallelFor
   // A small tensor: a selection over a copy of its keys costs less than
   // the three histograms of 1-2K bins each (the same key: the k-th largest).
   if (n <= kSmallSelect) {
-    std::vector<uint32_t> keys(n);
+    std::vector<uint32_t>& keys = buffers().keys;
+    keys.resize(n);
     for (int64_t i = 0; i < n; ++i) keys[i] = topk_key(c[i]);
     return rank_largest(keys, k);
   }
@@ -249,7 +268,8 @@ int64_t topk_compress(const void* grad, DType dtype, float* residual, float* scr
   if (approx) {
     const int64_t stride = topk_sample_stride(n, k);
     const int64_t s = topk_sample_count(n, stride);
-    std::vector<uint32_t> sample(s);
+    std::vector<uint32_t>& sample = buffers().keys;
+    sample.resize(s);
     with_loader(grad, dtype, [&](auto load) {
       pf(0, ceil_div(s, kChunk), [&](int64_t cb, int64_t ce) {
         const int64_t end = std::min(s, ce * kChunk);
@@ -269,7 +289,7 @@ int64_t topk_compress(const void* grad, DType dtype, float* residual, float* scr
     int64_t rank = topk_sample_rank(n, k, s);
     for (int attempt = 0; attempt < 2; ++attempt) {
       const uint32_t t = rank_largest(sample, rank);
-      std::vector<std::vector<int32_t>> hits;
+      std::vector<std::vector<int32_t>>& hits = buffers().hits;
       const Counts counts = fold_and_count(unfolded, dtype, c, has_residual, n, t, &hits, pf);
       unfolded = nullptr;
       const int64_t count = counts.total_gt + counts.total_eq;
@@ -306,8 +326,12 @@ bool topk_decompress(const int32_t* indices, const float* values, int64_t count,
       std::fill(out + b, out + e, 0.0f);
     });
   }
-  // Indices are unique, so parallel writes never collide.
-  pf(0, count, [&](int64_t b, int64_t e) {
+  // Indices are unique, so parallel writes never collide. Split in chunks
+  // of entries, as every loop here: a split per entry would wake a thread
+  // team for a dozen writes (on a small machine the idle team's spinning
+  // then slows every later call).
+  pf(0, ceil_div(count, kChunk), [&](int64_t cb, int64_t ce) {
+    const int64_t b = cb * kChunk, e = std::min(count, ce * kChunk);
     if (accumulate) {
       for (int64_t j = b; j < e; ++j) out[indices[j]] += values[j];
     } else {

@@ -204,11 +204,16 @@ PYCOMM_HD float quant_inv(float amax, int qmax) {
   return inv <= 3.402823466e+38f ? inv : 0.0f;  // amax Inf gives 0 already
 }
 // The quantized value of c (inv from quant_inv; seed < 0: round to nearest).
+// Written as float selects and one conversion, so that loops over it
+// vectorize (GCC left a loop over the earlier integer selects scalar):
+// where inv is 0 (x may be NaN there: c NaN or Inf) the level is 0;
+// elsewhere x is finite (|c| <= amax) and clamped before the conversion.
 PYCOMM_HD int quant_level(float c, float inv, int qmax, int64_t seed, uint32_t i) {
-  if (inv == 0.0f) return 0;
   const float x = mul_rn(c, inv);
   const float v = seed < 0 ? rintf(x) : floorf(add_rn(x, quant_uniform((uint32_t)seed, i)));
-  return v > (float)qmax ? qmax : (v < (float)-qmax ? -qmax : (int)v);
+  const float top = (float)qmax;
+  const float clamped = v > top ? top : (v < -top ? -top : v);
+  return (int)(inv == 0.0f ? 0.0f : clamped);
 }
 
 // ------------------------------------------------------- half precision ---
