@@ -45,10 +45,10 @@ void with_bits(int bits, Fn&& fn) {
 // vectorized loop for round-to-nearest (inlined, or with the rounding or
 // the width a variable, the data reached a scalar copy, 5-8x slower). The
 // stochastic instance still runs scalar.
-template <int kBits, bool kNearest>
+template <int kQmax, bool kNearest>
 __attribute__((noinline)) void tile_levels(float* rt, int8_t* q, int64_t len, float inv,
                                            float scale, int64_t seed, int64_t t) {
-  constexpr int qmax = (1 << (kBits - 1)) - 1;  // quant_qmax, as a constant
+  constexpr int qmax = kQmax;
   const int64_t s = kNearest ? -1 : seed;
 #pragma omp simd
   for (int64_t i = 0; i < len; ++i) {
@@ -107,9 +107,9 @@ void compress_blocks(Load g, const float* r_in, float* r, uint8_t* data, float* 
         for (int64_t i = 0; i < len; ++i) scratch[i] = g(t + i);
       }
       if (seed < 0) {
-        tile_levels<kBits, true>(rt, q, len, inv, scale, seed, t);
+        tile_levels<qmax, true>(rt, q, len, inv, scale, seed, t);
       } else {
-        tile_levels<kBits, false>(rt, q, len, inv, scale, seed, t);
+        tile_levels<qmax, false>(rt, q, len, inv, scale, seed, t);
       }
       if (per == 1) {
         memcpy(data + t, q, (size_t)len);
