@@ -83,10 +83,13 @@ py::dict spec_dict() {
 }
 
 // A Work the caller waits for at once (`wait`), waited for before the
-// binding returns.
-c10::intrusive_ptr<c10d::Work> waited(c10::intrusive_ptr<c10d::Work> work, bool wait) {
-  if (wait) work->wait();
-  return work;
+// binding returns, which then returns None: a Work nobody reads would cost
+// a small call a Python object made and freed.
+std::optional<c10::intrusive_ptr<c10d::Work>> waited(c10::intrusive_ptr<c10d::Work> work,
+                                                     bool wait) {
+  if (!wait) return work;
+  work->wait();
+  return std::nullopt;
 }
 
 }  // namespace

@@ -9,7 +9,8 @@ over the rounds (``--repeats``, contenders in rotated order each round,
 :func:`pycomm_bench.timing.time_interleaved`) is reported, rank 0's, with its
 ratio to plain Gloo's ``dist.all_reduce`` of the same size. Each contender
 calls on a tensor of its own (the same random start), so its input is its
-own last output, as in a loop of that method alone. Every method runs keyed (``pd.all_reduce(x, key=..., op="avg")``, error feedback where
+own last output, as in a loop of that method alone. Every method runs
+keyed (``pd.all_reduce(x, key=..., op="avg")``, error feedback where
 the method keeps residuals) on a pycomm group of its own (``pd.wrap``,
 ``min_compress_numel=1``). ``<method>:queued`` is the same call made with
 ``async_op=True`` and waited for at once: the engine's worker thread runs it

@@ -231,24 +231,27 @@ at::Tensor CallChecker::tag(const Call& call, const at::Tensor& tensor) {
 // ------------------------------------------------------------------ tags ---
 at::Tensor tag_words(const at::Tensor& buf, int world, int64_t slot) {
   const int64_t t = buf.scalar_type() == at::kByte ? kTagBytes : kTagWords;
-  return buf.view({world, slot}).narrow(1, slot - t, t);
+  // One view (a call's ops cost more than its small tensors' bytes).
+  TORCH_INTERNAL_ASSERT(buf.is_contiguous() && buf.numel() == world * slot);
+  return buf.as_strided({world, t}, {slot, 1}, buf.storage_offset() + slot - t);
+}
+
+bool cpu_tags_ok(const at::Tensor& tag, const std::vector<at::Tensor>& words) {
+  // Each view is [ranks, tag] rows of a received buffer, a tag's bytes apart
+  // from the next.
+  const auto* want = static_cast<const char*>(tag.const_data_ptr());
+  for (const at::Tensor& w : words) {
+    const auto* row = static_cast<const char*>(w.const_data_ptr());
+    const int64_t step = w.stride(0) * w.element_size();
+    for (int64_t r = 0; r < w.size(0); ++r)
+      if (memcmp(row + r * step, want, kTagBytes) != 0) return false;
+  }
+  return true;
 }
 
 at::Tensor tags_ok(const at::Tensor& tag, const std::vector<at::Tensor>& words) {
   if (words.empty()) return at::ones({}, tag.options().dtype(at::kBool));
-  if (tag.is_cpu()) {
-    // On a CPU a comparison in place: each view is [ranks, tag] rows of a
-    // received buffer, a tag's bytes apart from the next.
-    const auto* want = static_cast<const char*>(tag.const_data_ptr());
-    bool ok = true;
-    for (const at::Tensor& w : words) {
-      const auto* row = static_cast<const char*>(w.const_data_ptr());
-      const int64_t step = w.stride(0) * w.element_size();
-      for (int64_t r = 0; r < w.size(0) && ok; ++r)
-        ok = memcmp(row + r * step, want, kTagBytes) == 0;
-    }
-    return at::scalar_tensor(ok, at::kBool);
-  }
+  if (tag.is_cpu()) return at::scalar_tensor(cpu_tags_ok(tag, words), at::kBool);
   const at::Tensor all = at::cat(words);
   return all.eq(all.scalar_type() == at::kByte ? tag.view(at::kByte) : tag).all();
 }

@@ -92,6 +92,8 @@ class CallChecker {
 at::Tensor tag_words(const at::Tensor& buf, int world, int64_t slot);
 // Whether all of them are `tag` (a 0-dim bool tensor).
 at::Tensor tags_ok(const at::Tensor& tag, const std::vector<at::Tensor>& words);
+// The same, compared in place, for tags on a CPU.
+bool cpu_tags_ok(const at::Tensor& tag, const std::vector<at::Tensor>& words);
 // Raises, naming the cause, unless the tags matched.
 void require_tags(bool ok);
 // The values of 0-dim bool tensors of one device, read together: one

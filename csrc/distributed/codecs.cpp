@@ -260,8 +260,9 @@ at::Tensor PayloadCodec::encode(const at::Tensor& seg, const std::optional<at::T
                                 const at::Tensor* r_out, int64_t seed, const at::Tensor& tag,
                                 std::vector<at::Tensor>& layout) const {
   const int64_t len = seg.numel();
-  TORCH_INTERNAL_ASSERT(!r_out || (r && is_block_method(method)),
-                        "a second residual buffer is a block codec's with error feedback");
+  TORCH_INTERNAL_ASSERT(!r_out || (r && (is_block_method(method) ||
+                                          (method_is(method, "sparse") && direct_cpu(seg)))),
+                        "a second residual buffer is a built-in codec's with error feedback");
   if (is_block_method(method)) {
     if (direct_cpu(seg)) {
       float* r_in = r ? r->data_ptr<float>() : nullptr;
@@ -282,10 +283,13 @@ at::Tensor PayloadCodec::encode(const at::Tensor& seg, const std::optional<at::T
       const int64_t cap = (words - 1 - kTagWords) / 2;
       // The values land after the indices, whose count the selection tells.
       std::unique_ptr<float[]> values(new float[cap]);
+      // c: the new residual (into r_out when given, the old one kept), or
+      // scratch without error feedback.
       std::unique_ptr<float[]> scratch(r ? nullptr : new float[len]);
+      float* c = r_out ? r_out->data_ptr<float>() : r ? r->data_ptr<float>() : scratch.get();
       const int64_t count = cpu::topk_compress(
-          seg.const_data_ptr<float>(), cpu::DType::kFloat32, r ? r->data_ptr<float>() : nullptr,
-          scratch.get(), len, topk_k(len, cfg.density), cfg.approx, w + 1, values.get(),
+          seg.const_data_ptr<float>(), cpu::DType::kFloat32, r ? r->const_data_ptr<float>() : nullptr,
+          c, len, topk_k(len, cfg.density), cfg.approx, w + 1, values.get(),
           ops::torch_parallel_for());
       w[0] = int32_t(count);
       std::memcpy(w + 1 + count, values.get(), 4 * count);

@@ -8,6 +8,8 @@
 
 #include <algorithm>
 
+#include "codecs.h"
+
 namespace pycomm {
 namespace dist {
 
@@ -51,6 +53,8 @@ void CallResiduals::commit(bool finite) {
 }
 
 bool double_buffered(const at::Tensor& x, const std::string& method) {
+  // Top-k's CPU kernel writes the new residual apart from the old one too.
+  if (method_is(method, "sparse")) return direct_cpu(x);
   if (!is_block_method(method)) return false;
   if (x.is_cpu()) return true;
   // On a GPU when the build has the CUDA kernels of compress_into (read

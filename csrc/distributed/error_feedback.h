@@ -52,9 +52,9 @@ void swap_residuals(ErrorFeedback& ef);
 // rank, so every rank decides alike.
 void keep_residuals(ErrorFeedback* ef, bool finite, bool double_buffered);
 
-// Whether a block method's compress on x writes the new residuals to the
-// second buffers (compress_into: every CPU, and a GPU when the build has its
-// CUDA kernels) rather than in place.
+// Whether a method's compress on x writes the new residuals to the second
+// buffers rather than in place: a block method's (compress_into) on every
+// CPU, and on a GPU when the build has its CUDA kernels; top-k's on a CPU.
 bool double_buffered(const at::Tensor& x, const std::string& method);
 
 // A group's residuals by key, and the layout rules they follow: made at a

@@ -46,12 +46,11 @@ std::tuple<at::Tensor, at::Tensor> topk_compress_cpu(const at::Tensor& grad,
   const int64_t n = grad.numel();
   check_k(k, n);
   auto [indices, values] = alloc_payload(grad, k, approx);
-  at::Tensor scratch;  // c = grad when there is no residual to fold into
-  if (!residual.has_value()) scratch = at::empty({n}, grad.options().dtype(at::kFloat));
+  // c: the residual, updated in place, or scratch when there is none.
+  at::Tensor c = residual.has_value() ? *residual : at::empty({n}, grad.options().dtype(at::kFloat));
   const int64_t count = cpu::topk_compress(
       grad.const_data_ptr(), cpu_dtype(grad, "grad"),
-      residual.has_value() ? residual->data_ptr<float>() : nullptr,
-      scratch.defined() ? scratch.data_ptr<float>() : nullptr, n, k, approx,
+      residual.has_value() ? residual->data_ptr<float>() : nullptr, c.data_ptr<float>(), n, k, approx,
       indices.data_ptr<int32_t>(), values.data_ptr<float>(), torch_parallel_for());
   return {indices.narrow(0, 0, count), values.narrow(0, 0, count)};
 }

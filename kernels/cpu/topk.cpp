@@ -46,20 +46,20 @@ struct Counts {
 };
 
 template <typename Load>
-void fold(Load g, float* c, bool has_residual, int64_t begin, int64_t end) {
-  if (has_residual) {
+void fold(Load g, const float* r, float* c, int64_t begin, int64_t end) {
+  if (r) {
 #pragma omp simd
-    for (int64_t i = begin; i < end; ++i) c[i] = g(i) + c[i];
+    for (int64_t i = begin; i < end; ++i) c[i] = g(i) + r[i];
   } else {
 #pragma omp simd
     for (int64_t i = begin; i < end; ++i) c[i] = g(i);
   }
 }
 
-// c[i] = grad[i] (+ c[i]) over [begin, end), for the given dtype.
-void fold_range(const void* grad, DType dtype, float* c, bool has_residual, int64_t begin,
+// c[i] = grad[i] (+ r[i]) over [begin, end), for the given dtype.
+void fold_range(const void* grad, DType dtype, const float* r, float* c, int64_t begin,
                 int64_t end) {
-  with_loader(grad, dtype, [&](auto load) { fold(load, c, has_residual, begin, end); });
+  with_loader(grad, dtype, [&](auto load) { fold(load, r, c, begin, end); });
 }
 
 // Elements are scanned in groups of kGroup: a vectorized pass over the group
@@ -103,7 +103,7 @@ void count_chunk(const float* c, int64_t begin, int64_t end, uint32_t t, int64_t
 // (chunk by chunk, so c is read from memory once). With `hits`, also
 // collects per chunk the indices whose key is >= t, which is the whole
 // selection in approximate mode: no second pass over c is needed.
-Counts fold_and_count(const void* grad, DType dtype, float* c, bool has_residual, int64_t n,
+Counts fold_and_count(const void* grad, DType dtype, const float* r, float* c, int64_t n,
                       uint32_t t, std::vector<std::vector<int32_t>>* hits,
                       const ParallelFor& pf) {
   const int64_t chunks = ceil_div(n, kChunk);
@@ -117,7 +117,7 @@ Counts fold_and_count(const void* grad, DType dtype, float* c, bool has_residual
   pf(0, chunks, [&](int64_t cb, int64_t ce) {
     for (int64_t ch = cb; ch < ce; ++ch) {
       const int64_t b = ch * kChunk, e = std::min(n, b + kChunk);
-      if (grad) fold_range(grad, dtype, c, has_residual, b, e);
+      if (grad) fold_range(grad, dtype, r, c, b, e);
       count_chunk(c, b, e, t, &out.gt[ch], &out.eq[ch], hits ? &(*hits)[ch] : nullptr);
     }
   });
@@ -259,11 +259,10 @@ uint32_t kth_largest_key(const float* c, int64_t n, int64_t k, const ParallelFor
 
 }  // namespace
 
-int64_t topk_compress(const void* grad, DType dtype, float* residual, float* scratch, int64_t n,
+int64_t topk_compress(const void* grad, DType dtype, const float* residual, float* c, int64_t n,
                       int64_t k, bool approx, int32_t* indices, float* values,
                       const ParallelFor& pf) {
   const bool has_residual = residual != nullptr;
-  float* c = has_residual ? residual : scratch;
   const void* unfolded = grad;  // non-null until grad has been folded into c
   if (approx) {
     const int64_t stride = topk_sample_stride(n, k);
@@ -278,7 +277,7 @@ int64_t topk_compress(const void* grad, DType dtype, float* residual, float* scr
 #pragma omp simd
           for (int64_t j = cb * kChunk; j < end; ++j) {
             const int64_t p = j * stride + stride / 2;
-            out[j] = topk_key(load(p) + c[p]);
+            out[j] = topk_key(load(p) + residual[p]);
           }
         } else {
 #pragma omp simd
@@ -290,7 +289,7 @@ int64_t topk_compress(const void* grad, DType dtype, float* residual, float* scr
     for (int attempt = 0; attempt < 2; ++attempt) {
       const uint32_t t = rank_largest(sample, rank);
       std::vector<std::vector<int32_t>>& hits = buffers().hits;
-      const Counts counts = fold_and_count(unfolded, dtype, c, has_residual, n, t, &hits, pf);
+      const Counts counts = fold_and_count(unfolded, dtype, residual, c, n, t, &hits, pf);
       unfolded = nullptr;
       const int64_t count = counts.total_gt + counts.total_eq;
       if (topk_accept(count, k)) return compact_hits(c, hits, indices, values, pf);
@@ -305,11 +304,11 @@ int64_t topk_compress(const void* grad, DType dtype, float* residual, float* scr
     const int64_t chunks = ceil_div(n, kChunk);
     pf(0, chunks, [&](int64_t cb, int64_t ce) {
       for (int64_t ch = cb; ch < ce; ++ch)
-        fold_range(grad, dtype, c, has_residual, ch * kChunk, std::min(n, (ch + 1) * kChunk));
+        fold_range(grad, dtype, residual, c, ch * kChunk, std::min(n, (ch + 1) * kChunk));
     });
   }
   const uint32_t t = kth_largest_key(c, n, k, pf);
-  const Counts counts = fold_and_count(nullptr, dtype, c, has_residual, n, t, nullptr, pf);
+  const Counts counts = fold_and_count(nullptr, dtype, nullptr, c, n, t, nullptr, pf);
   return compact(c, n, t, k - counts.total_gt, counts, indices, values, pf);
 }
 

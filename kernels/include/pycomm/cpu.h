@@ -50,10 +50,12 @@ void onebit_decompress_words(const uint32_t* bits, const float* scales, int64_t 
 // Selects from c = grad + residual the entries topk_compress's rule picks
 // (see compress_math.h and pycomm/compressors/topk.py), writes their indices
 // (ascending) and values, zeroes them in c, and returns how many it wrote.
-// c is `residual` when error feedback is on, else `scratch` (n floats the
-// caller provides); exactly one of the two is non-null. `indices`/`values`
-// hold topk_capacity(k) entries in approximate mode, k in exact mode.
-int64_t topk_compress(const void* grad, DType dtype, float* residual, float* scratch, int64_t n,
+// c (n floats) receives grad + residual, the new residual once the picked
+// entries are zeroed; `residual` is null (no error feedback), c itself, or
+// n floats apart from it (the old residual kept: a call that fails can be
+// rolled back without a copy). `indices`/`values` hold topk_capacity(k)
+// entries in approximate mode, k in exact mode.
+int64_t topk_compress(const void* grad, DType dtype, const float* residual, float* c, int64_t n,
                       int64_t k, bool approx, int32_t* indices, float* values,
                       const ParallelFor& parallel_for);
 
