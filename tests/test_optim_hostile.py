@@ -43,6 +43,11 @@ def _disagree(rank, world, case):
         _steps(opt, params[:1], 1)
         if rank == 1:  # during the warm-up, on one rank only
             opt.add_param_group({"params": [params[1]]})
+    elif case == "warmup_steps_later":  # a setting of the same flat size, changed on one rank
+        opt = OneBitAdam(params, **kwargs)
+        _steps(opt, params, 1)
+        if rank == 1:
+            opt.warmup_steps = 4
     else:
         opt = OneBitAdam(params, **kwargs)
     try:
@@ -56,6 +61,7 @@ def _disagree(rank, world, case):
     ("warmup_steps", "warmup_steps (rank 0: 3, rank 1: 2)"),
     ("variance_update_every", "variance_update_every (rank 0: 20, rank 1: 2)"),
     ("add_param_group", "parameter sizes (rank 0: [64], rank 1: [64, 8])"),
+    ("warmup_steps_later", "warmup_steps (rank 0: 3, rank 1: 4)"),
     ("process_group", "different process groups"),
 ])
 def test_ranks_that_disagree_raise_on_every_rank_naming_the_setting(case, named):
@@ -66,6 +72,42 @@ def test_ranks_that_disagree_raise_on_every_rank_naming_the_setting(case, named)
         assert "over ranks [0, 1] (pycomm)" in msgs[1] and "over ranks [0, 1] (gloo)" in msgs[0], msgs
     else:
         assert all("the ranks disagree on" in m for m in msgs), msgs
+
+
+def _warmup_collectives(rank, world):
+    from pycomm.optim import OneBitAdam
+    from pycomm.optim import base
+
+    params = [torch.nn.Parameter(torch.ones(64)), torch.nn.Parameter(torch.ones(8))]
+    opt = OneBitAdam(params, lr=1e-2, warmup_steps=5, block_size=32)
+    counts = {"agree": 0, "all_reduce": 0}
+
+    def counted(name, fn):
+        def call(*args, **kwargs):
+            counts[name] += 1
+            return fn(*args, **kwargs)
+        return call
+
+    agree, all_reduce = base.agree, dist.all_reduce
+    base.agree, dist.all_reduce = counted("agree", agree), counted("all_reduce", all_reduce)
+    try:
+        per_step = []
+        for _ in range(5):
+            before = dict(counts)
+            _steps(opt, params, 1)
+            per_step.append({k: counts[k] - before[k] for k in counts})
+    finally:
+        base.agree, dist.all_reduce = agree, all_reduce
+    return per_step
+
+
+def test_the_warm_up_compares_settings_once_then_in_band():
+    """The settings are exchanged at the first step; later warm-up steps
+    carry the check in their flat all-reduce (a flag of a rank whose
+    settings changed), one collective a step."""
+    for per_step in run_ranks(_warmup_collectives, WORLD, timeout=120):
+        assert per_step[0] == {"agree": 1, "all_reduce": 2}, per_step  # the digests, then the gradients
+        assert per_step[1:] == [{"agree": 0, "all_reduce": 1}] * 4, per_step
 
 
 def _attach_overlap_mismatch(rank, world):

@@ -241,6 +241,17 @@ def nest_legacy(state: Dict[str, Any], method: str) -> Dict[str, Any]:
 
 
 # ------------------------------------------------------------ settings ---
+def settings_digest(settings: Dict[str, Any]) -> int:
+    """A 56-bit digest of ``settings`` (a dict by the names users know them
+    by): what :func:`agree` compares, and what a client keeps to see that
+    its settings changed since the ranks agreed on them.
+
+    >>> settings_digest({"a": 1, "b": [2]}) == settings_digest({"b": [2], "a": 1})
+    True
+    """
+    return int.from_bytes(hashlib.sha1(repr(sorted(settings.items())).encode()).digest()[:7], "little")
+
+
 def agree(owner: str, settings: Dict[str, Any], group: dist.ProcessGroup, device: torch.device) -> None:
     """Raise on every rank of ``group`` when the ranks' ``settings`` (a
     dict by the names users know them by) differ, naming each setting that
@@ -251,7 +262,7 @@ def agree(owner: str, settings: Dict[str, Any], group: dist.ProcessGroup, device
     world = dist.get_world_size(group)
     if world < 2:
         return
-    digest = int.from_bytes(hashlib.sha1(repr(sorted(settings.items())).encode()).digest()[:7], "little")
+    digest = settings_digest(settings)
     # max(d) == -max(-d) = min(d): every rank's digest is the same. One
     # all-reduce, exact (int64) in every backend; torch 2.13 deprecates
     # all_gather_into_tensor with a warning, and 2.11 lacks its successor.

@@ -90,7 +90,8 @@ from torch.optim import Optimizer
 from .. import distributed as pd
 from ..compressors.plugin import payload_nbytes
 from ..distributed import spec
-from ..distributed.session import KEY_SPAN, EngineSession, LoadedState, agree, check_fields, check_key_base, nest_legacy
+from ..distributed.session import (KEY_SPAN, EngineSession, LoadedState, agree, check_fields, check_key_base,
+                                   nest_legacy, settings_digest)
 from ._checks import _all_finite, _check_compressor, _check_int, _check_scaler, _unscale_
 from ..ddp.buckets import BucketTracker, checked_layouts
 from .ddp import DDPAttach
@@ -185,6 +186,11 @@ class _CompressedMomentum(DDPAttach, Optimizer):
     def _init_runtime(self) -> None:
         """What belongs to this process (not saved, not pickled)."""
         self._agreed = False  # the ranks' settings compared since the last change (_agree)
+        # In the warm-up, once the ranks agreed with a flat all-reduce of
+        # their own to carry the check (_averaged_grads): the digest of the
+        # settings this rank expects at its next step, and the size of that
+        # all-reduce the ranks agreed on. None: compare at every warm-up step.
+        self._in_band: Optional[Tuple[int, int]] = None
         self._layout: Optional[List[LayoutEntry]] = None
         # Per parameter id, what a subclass derives once from frozen state
         # (OneBitAdam: the denominator); dropped with the layout.
@@ -367,17 +373,24 @@ class _CompressedMomentum(DDPAttach, Optimizer):
         return out
 
     def _agree(self, settings: Optional[Dict[str, Any]] = None) -> None:
-        """Compare :meth:`_settings` across the ranks: at every warm-up step
-        (parameter groups may still change) and at the first step after a
-        load or ``attach``. One int64 per rank on the wire; the settings
-        themselves only when they differ, so that every rank raises naming
-        the setting and each rank's value (instead of a collective of the
-        wrong size aborting inside the backend, or a hang when the ranks
-        leave the warm-up at different steps)."""
+        """Compare :meth:`_settings` across the ranks: at the first step, after
+        a load or ``attach``, and in the warm-up when a rank's settings
+        changed (parameter groups may still change there: the warm-up's flat
+        all-reduce carries a flag that says so, :meth:`_averaged_grads`), or
+        at every warm-up step when this optimizer has no flat all-reduce of
+        its own (every parameter in an attached model). One int64 per rank on
+        the wire; the settings themselves only when they differ, so that
+        every rank raises naming the setting and each rank's value (instead
+        of a collective of the wrong size aborting inside the backend, or a
+        hang when the ranks leave the warm-up at different steps)."""
         whole = settings is None
         self._session.same_group()  # before the first exchange: it would not meet over groups that differ
-        agree(type(self).__name__, self._settings() if whole else settings, self._plain_group(), self._device())
+        mine = self._settings() if whole else settings
+        agree(type(self).__name__, mine, self._plain_group(), self._device())
         self._agreed = self._agreed or whole
+        if whole:
+            numel = self._flat_numel(self._own(self._params()))
+            self._in_band = (settings_digest(mine), numel) if numel else None
 
     # -- the step --------------------------------------------------------------
     @property
@@ -409,7 +422,7 @@ class _CompressedMomentum(DDPAttach, Optimizer):
             if sparse:
                 raise ValueError(f"{type(self).__name__} takes dense gradients; parameters {sparse[:5]} have sparse "
                                  f"ones (nn.Embedding(sparse=True)?): make them dense. Nothing was changed.")
-            if self.in_warmup or not self._agreed:
+            if (not self._agreed and not self.in_warmup) or (self.in_warmup and self._in_band is None):
                 self._agree()
             # found_inf, not grad_scale: GradScaler sets grad_scale to None
             # after the user's scaler.unscale_(opt) (the clipping recipe),
@@ -447,6 +460,8 @@ class _CompressedMomentum(DDPAttach, Optimizer):
                     f"{self.step_count}; the step was skipped on every rank (nothing changed)",
                     RuntimeWarning, stacklevel=2,
                 )
+        if self._in_band is not None:  # what the next warm-up step expects if nothing changes in between
+            self._in_band = (settings_digest(self._settings()), self._in_band[1]) if self.in_warmup else None
         return loss
 
     def _tell_scaler(self) -> bool:
@@ -479,16 +494,26 @@ class _CompressedMomentum(DDPAttach, Optimizer):
         (None for a parameter with no gradient on any rank), or None when one
         is not finite on some rank (the same answer on every rank)."""
         entries = self._params()
-        # Parameters DDP averaged (attach) have averaged gradients already.
-        own = [(g, p) for g, p in entries if id(p) not in self._ddp_param_ids]
+        own = self._own(entries)
         grads: Dict[int, Optional[torch.Tensor]] = {}
         bad = False
+        if (self.in_warmup and self._in_band is not None
+                and (settings_digest(self._settings()), self._flat_numel(own)) != self._in_band):
+            # This rank's settings changed since the ranks agreed on them (on
+            # this rank alone, maybe): it sends what its peers expect, the
+            # size they agreed on, flagged, and every rank compares them.
+            buf = self._buffer(self._in_band[1])
+            buf.zero_()
+            buf[-1] = 1.0
+            self._exact_average(buf, self._plain_group()).wait()
+            return self._agreed_again(found_inf)
         if own:
-            # One flat exact all-reduce: the gradients, then one presence flag
-            # per parameter (a parameter with no gradient on any rank is
-            # skipped, as torch's optimizers skip a parameter whose grad is None).
+            # One flat exact all-reduce: the gradients, one presence flag per
+            # parameter (a parameter with no gradient on any rank is skipped,
+            # as torch's optimizers skip a parameter whose grad is None), and
+            # the flag of a rank whose settings changed (above).
             total = sum(p.numel() for _, p in own)
-            buf = self._buffer(total + len(own))
+            buf = self._buffer(self._flat_numel(own))
             flags = buf[total:]
             flags.zero_()
             offset = 0
@@ -502,9 +527,11 @@ class _CompressedMomentum(DDPAttach, Optimizer):
                 offset += n
             self._poison(buf, found_inf)
             self._exact_average(buf, self._plain_group()).wait()
+            present = (flags > 0).tolist()
+            if present[-1]:  # some rank's settings changed: compare them, then send again
+                return self._agreed_again(found_inf)
             bad = not _all_finite(buf)
             offset = 0
-            present = (flags > 0).tolist()
             for i, (_, p) in enumerate(own):
                 n = p.numel()
                 grads[id(p)] = buf[offset:offset + n].view_as(p).to(p.dtype) if present[i] else None
@@ -524,6 +551,24 @@ class _CompressedMomentum(DDPAttach, Optimizer):
             if id(p) not in grads:
                 grads[id(p)] = p.grad
         return grads
+
+    def _own(self, entries: List[Tuple[Dict[str, Any], torch.Tensor]]) -> List[Tuple[Dict[str, Any], torch.Tensor]]:
+        """The parameters whose gradients this optimizer averages itself:
+        those DDP averaged (attach) have averaged gradients already."""
+        return [(g, p) for g, p in entries if id(p) not in self._ddp_param_ids]
+
+    @staticmethod
+    def _flat_numel(own: List[Tuple[Dict[str, Any], torch.Tensor]]) -> int:
+        """The size of the flat exact all-reduce of ``own`` (0: none): the
+        gradients, a presence flag each, and the flag of a changed rank."""
+        return sum(p.numel() for _, p in own) + len(own) + 1 if own else 0
+
+    def _agreed_again(self, found_inf: Optional[torch.Tensor]) -> Optional[Dict[int, Optional[torch.Tensor]]]:
+        """A rank's settings changed in the warm-up: every rank compares them
+        (raising on every rank, naming each difference, when they differ),
+        then sends its gradients again, at the size they now agree on."""
+        self._agree()
+        return self._averaged_grads(found_inf)
 
     def _warmup_step(self, found_inf: Optional[torch.Tensor]) -> bool:
         grads = self._averaged_grads(found_inf)
