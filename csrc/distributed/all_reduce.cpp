@@ -237,7 +237,14 @@ bool run_blocks(const CallEnv& env, const Call& call, const at::Tensor& x, Error
           codec.decompress(acc, ch.recv, src * lay.size[rank], /*accumulate=*/src > 0);
       }
       Span span(profile.encode_s);
-      if (average) acc.div_(world);
+      // On a CPU the division in place, in the kernels' chunks: torch's
+      // div_ splits 32K elements over its thread team, whose spinning after
+      // the region then takes a core from the inner collective's thread.
+      if (average && direct_cpu(acc)) {
+        average_checked(acc.data_ptr<float>(), len, world, /*check=*/false);
+      } else if (average) {
+        acc.div_(world);
+      }
       const int64_t seed = call.seeds.at(i, 1);
       auto [sd, ss] = ef ? compress_ef(acc, ef->server[i], ef->server_backup[i], seed)
                          : codec.compress(acc, std::nullopt, seed);
