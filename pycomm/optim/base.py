@@ -187,10 +187,11 @@ class _CompressedMomentum(DDPAttach, Optimizer):
         """What belongs to this process (not saved, not pickled)."""
         self._agreed = False  # the ranks' settings compared since the last change (_agree)
         # In the warm-up, once the ranks agreed with a flat all-reduce of
-        # their own to carry the check (_averaged_grads): the digest of the
-        # settings this rank expects at its next step, and the size of that
-        # all-reduce the ranks agreed on. None: compare at every warm-up step.
-        self._in_band: Optional[Tuple[int, int]] = None
+        # their own to carry the check (_averaged_grads): (the digest of the
+        # settings but the step count, the size of that all-reduce, the step
+        # count) as this rank expects them at its next step. None: compare
+        # at every warm-up step.
+        self._in_band: Optional[Tuple[int, int, int]] = None
         self._layout: Optional[List[LayoutEntry]] = None
         # Per parameter id, what a subclass derives once from frozen state
         # (OneBitAdam: the denominator); dropped with the layout.
@@ -385,12 +386,11 @@ class _CompressedMomentum(DDPAttach, Optimizer):
         hang when the ranks leave the warm-up at different steps)."""
         whole = settings is None
         self._session.same_group()  # before the first exchange: it would not meet over groups that differ
-        mine = self._settings() if whole else settings
-        agree(type(self).__name__, mine, self._plain_group(), self._device())
+        agree(type(self).__name__, self._settings() if whole else settings, self._plain_group(), self._device())
         self._agreed = self._agreed or whole
         if whole:
-            numel = self._flat_numel(self._own(self._params()))
-            self._in_band = (settings_digest(mine), numel) if numel else None
+            key = self._in_band_key()
+            self._in_band = key if key[1] else None
 
     # -- the step --------------------------------------------------------------
     @property
@@ -461,7 +461,7 @@ class _CompressedMomentum(DDPAttach, Optimizer):
                     RuntimeWarning, stacklevel=2,
                 )
         if self._in_band is not None:  # what the next warm-up step expects if nothing changes in between
-            self._in_band = (settings_digest(self._settings()), self._in_band[1]) if self.in_warmup else None
+            self._in_band = self._in_band[:2] + (self.step_count,) if self.in_warmup else None
         return loss
 
     def _tell_scaler(self) -> bool:
@@ -497,8 +497,7 @@ class _CompressedMomentum(DDPAttach, Optimizer):
         own = self._own(entries)
         grads: Dict[int, Optional[torch.Tensor]] = {}
         bad = False
-        if (self.in_warmup and self._in_band is not None
-                and (settings_digest(self._settings()), self._flat_numel(own)) != self._in_band):
+        if self.in_warmup and self._in_band is not None and self._in_band_key(own) != self._in_band:
             # This rank's settings changed since the ranks agreed on them (on
             # this rank alone, maybe): it sends what its peers expect, the
             # size they agreed on, flagged, and every rank compares them.
@@ -562,6 +561,15 @@ class _CompressedMomentum(DDPAttach, Optimizer):
         """The size of the flat exact all-reduce of ``own`` (0: none): the
         gradients, a presence flag each, and the flag of a changed rank."""
         return sum(p.numel() for _, p in own) + len(own) + 1 if own else 0
+
+    def _in_band_key(self, own: Optional[List[Tuple[Dict[str, Any], torch.Tensor]]] = None) -> Tuple[int, int, int]:
+        """What the warm-up's in-band check compares: the digest of the
+        settings but the step count (which every step changes), the size of
+        the flat all-reduce of ``own``, and the step count."""
+        settings = self._settings()
+        del settings["step_count"]
+        own = self._own(self._params()) if own is None else own
+        return settings_digest(settings), self._flat_numel(own), self.step_count
 
     def _agreed_again(self, found_inf: Optional[torch.Tensor]) -> Optional[Dict[int, Optional[torch.Tensor]]]:
         """A rank's settings changed in the warm-up: every rank compares them
