@@ -85,7 +85,7 @@ WANT = {
     "2-D worker": "worker residual",
     "nan worker": "NaN or Inf",
     "inf server": "NaN or Inf",
-    "missing field": "lacks ['chunk_numel']",
+    "missing field": "missing ['chunk_numel']",
     "float numel": "['numel'] must be a positive integer",
     "negative numel": "['numel'] must be a positive integer",
     "server not a list": "must be a list of tensors",

@@ -140,7 +140,7 @@ def _rank_overlap(rank, world, directory):
     import pycomm.distributed as pd
 
     errors["keys"] = sorted(pd.error_feedback_state(opt._engine))
-    errors["nbuckets"] = len(opt._buckets)
+    errors["nbuckets"] = len(opt._ddp.buckets)
     for what, kw in (("scaler without overlap", dict(scaler=torch.amp.GradScaler("cpu"))),
                      ("overlap type", dict(overlap=1)), ("scaler type", dict(overlap=True, scaler=object()))):
         net = Net(unused=False)
@@ -169,7 +169,7 @@ def _rank_resumed(rank, world, directory):
             # Loading again into the attached optimizer keeps its engine and coupling.
             engine = opt._engine
             opt.load_state_dict(ck["opt"])
-            out["kept"] = opt._engine is engine and opt._overlap and opt._attached and bool(opt._ddp_param_ids)
+            out["kept"] = opt._engine is engine and opt._overlap and bool(opt._ddp.param_ids)
         _run(rank, model, opt, SAVE, STEPS)
         out[name] = _result(net, opt)
     # Overlap's residuals are per bucket: an optimizer without overlap refuses them.

@@ -7,9 +7,11 @@ bucket's momenta sent compressed from the hook while backward runs, for
 ``step()`` to apply (the shape of PyTorch's ``_hook_then_optimizer``, with
 the optimizer's own communication in place of the gradients').
 
-Bucket tracking (which backward pass of this process, the bucket's layout)
-and error delivery are the ones the compressed-gradient hook uses
-(:mod:`pycomm.ddp.buckets`).
+The hook's state is the optimizer's coupling with the model
+(:class:`pycomm.optim.ddp.DDPCoupling`: DDP's group, the optimizer, and the
+overlapped bucket calls). Bucket tracking (which backward pass of this
+process, the bucket's layout) and error delivery are the ones the
+compressed-gradient hook uses (:mod:`pycomm.ddp.buckets`).
 """
 
 # No `from __future__ import annotations`: DDP compares the hook's
@@ -21,28 +23,20 @@ import torch.distributed as dist
 
 from .buckets import failed
 
-__all__ = ["OptimizerHookState", "optimizer_hook"]
+__all__ = ["optimizer_hook"]
 
 
-class OptimizerHookState:
-    """The state of :func:`optimizer_hook`: the optimizer (which keeps the
-    bucket tracking, saved with its residuals) and DDP's group."""
-
-    def __init__(self, optimizer: Any, process_group: dist.ProcessGroup) -> None:
-        self.optimizer = optimizer
-        self.process_group = process_group
-
-
-def optimizer_hook(state: OptimizerHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def optimizer_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Exact average during the optimizer's warm-up and its exact steps
     after it; otherwise the local gradient as it is (with ``overlap=True``:
     the bucket's momenta sent, compressed). A failure is raised by
     ``loss.backward()`` as a RuntimeError with its text (DDP ends the pass:
-    the optimizer's refusals leave the model to go on).
+    the optimizer's refusals leave the model to go on). ``state``: the
+    optimizer's :class:`pycomm.optim.ddp.DDPCoupling`.
 
     Example (what ``opt.attach(model)`` registers)::
 
-        model.register_comm_hook(OptimizerHookState(opt, model.process_group), optimizer_hook)
+        model.register_comm_hook(pycomm.optim.ddp.couple(opt, model, False, None), optimizer_hook)
     """
     tensor = bucket.buffer()
     opt = state.optimizer
@@ -50,8 +44,8 @@ def optimizer_hook(state: OptimizerHookState, bucket: dist.GradBucket) -> torch.
     try:
         if opt.exact_now:
             work = opt._exact_average(tensor, state.process_group)
-        elif opt._overlap:
-            work = opt._send_bucket(bucket, stable)  # None: nothing of this bucket goes out now
+        elif state.overlap:
+            work = state.send(bucket, stable)  # None: nothing of this bucket goes out now
         else:
             work = None
     except Exception as exc:  # noqa: BLE001 - raised by backward()

@@ -647,29 +647,11 @@ def load_error_feedback_state(state: Dict[int, dict], group: Optional[dist.Proce
         raise TypeError(f"replace must be a bool, got {replace!r}")
     if not isinstance(state, dict):
         raise TypeError(f"state must be the dict error_feedback_state() returned, got {type(state).__name__}")
+    from .session import check_residual_fields  # the session imports this module
+
     for key, value in state.items():
         check_key(key)
-        if not isinstance(value, dict):
-            raise TypeError(f"state[{key!r}] must be a dict of residuals, got {type(value).__name__}")
-        missing = sorted({"numel", "world_size", "chunk_numel", "method", "worker", "server"} - set(value))
-        if missing:
-            raise ValueError(f"state[{key!r}] lacks {missing}: not a state error_feedback_state() returned")
-        # "calls" (the key's count, for stochastic rounding) is absent from
-        # states saved before keys counted them: those start at 0.
-        calls = value.get("calls", 0)
-        if isinstance(calls, bool) or not isinstance(calls, int) or not 0 <= calls <= INT64_MAX:
-            raise ValueError(f"state[{key!r}]['calls'] must be a non-negative integer, got {calls!r}")
-        for field in ("numel", "world_size", "chunk_numel"):
-            v = value[field]
-            if isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= INT64_MAX:
-                raise ValueError(f"state[{key!r}][{field!r}] must be a positive integer, got {v!r}")
-        if not isinstance(value["method"], str):
-            raise TypeError(f"state[{key!r}]['method'] must be a str, got {value['method']!r}")
-        if not isinstance(value["worker"], torch.Tensor):
-            raise TypeError(f"state[{key!r}]['worker'] must be a tensor, got {type(value['worker']).__name__}")
-        server = value["server"]
-        if not isinstance(server, (list, tuple)) or not all(isinstance(t, torch.Tensor) for t in server):
-            raise TypeError(f"state[{key!r}]['server'] must be a list of tensors")
+        check_residual_fields(f"state[{key!r}]", value)
     # The engine checks sizes against its layout, refuses non-finite
     # residuals and copies the tensors: nothing is replaced unless all is well.
     _pycomm_backend(group, _device(device)).load_error_feedback_state(dict(state), replace)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import weakref
-from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -36,7 +36,7 @@ from ..compressors.plugin import options_json
 from . import spec
 
 __all__ = ["EngineSession", "KEY_SPAN", "STATE_VERSION", "agree", "check_fields", "check_residual",
-           "check_residuals", "copy_residual", "nest_legacy"]
+           "check_residual_fields", "check_residuals", "copy_residual", "nest_legacy"]
 
 #: Keys a session owns from its ``key_base``: ``[key_base, key_base +
 #: KEY_SPAN)``. Two sessions on one pycomm group need ranges that do not
@@ -132,6 +132,36 @@ def _tensor_problem(t: Any, numel_at_most: int, exact: bool) -> Optional[str]:
     return None
 
 
+def check_residual_fields(label: str, ef: Any) -> None:
+    """One key's residuals (``label``: their name in errors) hold the
+    fields the engine saves, of its types: what any load of residuals
+    checks first (:func:`check_residual`, and
+    :func:`pycomm.distributed.load_error_feedback_state`, whose layout
+    rules are the engine's own).
+
+    >>> check_residual_fields("state[1]", {"numel": 0, "world_size": 2, "chunk_numel": 8, "method": "onebit",
+    ...                                    "worker": torch.zeros(0), "server": []})
+    Traceback (most recent call last):
+    ...
+    ValueError: state[1]['numel'] must be a positive integer, got 0
+    """
+    if not isinstance(ef, dict):
+        raise TypeError(f"{label} must be a dict of residuals, got {type(ef).__name__}")
+    check_fields(label, ef, RESIDUAL_FIELDS, OPTIONAL_RESIDUAL_FIELDS)
+    for name in ("numel", "world_size", "chunk_numel", *OPTIONAL_RESIDUAL_FIELDS):
+        # "calls" may be 0; every value fits the engine's int64.
+        if name in ef and (not _is_int(ef[name]) or not (name != "calls") <= ef[name] <= MAX_KEY):
+            kind = "non-negative" if name == "calls" else "positive"
+            raise ValueError(f"{label}['{name}'] must be a {kind} integer, got {ef[name]!r}")
+    if not isinstance(ef["method"], str):
+        raise TypeError(f"{label}['method'] must be a str, got {type(ef['method']).__name__}")
+    if not isinstance(ef["worker"], torch.Tensor):
+        raise ValueError(f"{label}['worker'] must be a 1-D float32 tensor, got {type(ef['worker']).__name__}")
+    server = ef["server"]
+    if not isinstance(server, (list, tuple)) or not all(isinstance(t, torch.Tensor) for t in server):
+        raise TypeError(f"{label}['server'] must be a list of tensors, got {type(server).__name__}")
+
+
 def check_residual(label: str, ef: Any, methods: Sequence[str], rank: Optional[Tuple[int, int]] = None,
                    block_size: Optional[int] = None) -> Dict[str, Any]:
     """One key's residuals checked against the engine's layout rules and
@@ -144,14 +174,7 @@ def check_residual(label: str, ef: Any, methods: Sequence[str], rank: Optional[T
     residuals must be that rank's segments at ``block_size`` (None: the
     method's default), as the engine will run them (residuals of another
     world size are the engine's to refuse)."""
-    if not isinstance(ef, dict):
-        raise TypeError(f"{label} must be a dict of residuals, got {type(ef).__name__}")
-    check_fields(label, ef, RESIDUAL_FIELDS, OPTIONAL_RESIDUAL_FIELDS)
-    for name in ("numel", "world_size", "chunk_numel"):
-        if not _is_int(ef[name]) or ef[name] < 1:
-            raise ValueError(f"{label}['{name}'] must be a positive int, got {ef[name]!r}")
-    if "calls" in ef and (not _is_int(ef["calls"]) or ef["calls"] < 0):
-        raise ValueError(f"{label}['calls'] must be a non-negative int, got {ef['calls']!r}")
+    check_residual_fields(label, ef)
     numel, method = ef["numel"], ef["method"]
     if method not in methods:
         raise ValueError(f"{label}['method'] is {method!r}, but the residuals loaded here are of "
@@ -161,8 +184,6 @@ def check_residual(label: str, ef: Any, methods: Sequence[str], rank: Optional[T
     if got:
         raise ValueError(f"{label}['worker'] must be a 1-D float32 tensor of numel={numel} elements, got {got}")
     server = ef["server"]
-    if not isinstance(server, (list, tuple)):
-        raise TypeError(f"{label}['server'] must be a list of tensors, got {type(server).__name__}")
     chunks = spec.chunk_bounds(numel, ef["chunk_numel"])
     # An all-reduce's block codec keeps a server residual per chunk; a
     # reduce-scatter's or all-gather's ("<method>/<collective>") only the worker's.
@@ -716,6 +737,22 @@ class EngineSession:
         else:
             self.load_residuals(loaded.residuals)
         self._saved_world = loaded.world
+
+    def load_state_then(self, loaded: LoadedState, *loads: Callable[[], Any]) -> None:
+        """:meth:`load_state`, then the client's own ``loads`` (each refuses
+        before it changes anything, as torch's optimizers do): when one
+        raises, the residuals, and the rank they belong to, go back as they
+        were. The engine first: it refuses residuals of another world size
+        or chunk before it changes anything."""
+        before, saved_world = self.residuals(), self._saved_world
+        self.load_state(loaded)
+        try:
+            for load in loads:
+                load()
+        except BaseException:
+            self.load_residuals(before)
+            self._saved_world = saved_world
+            raise
 
     def __getstate__(self) -> Dict[str, Any]:
         # The group belongs to this process: an unpickled session starts

@@ -94,7 +94,8 @@ from ..distributed.session import (KEY_SPAN, EngineSession, LoadedState, agree, 
                                    nest_legacy, settings_digest)
 from ._checks import _all_finite, _check_compressor, _check_int, _check_scaler, _unscale_
 from ..ddp.buckets import BucketTracker, checked_layouts
-from .ddp import DDPAttach
+from ..ddp.optimizer import optimizer_hook
+from .ddp import DDPCoupling, couple
 
 __all__ = ["KEY_BASE", "KEY_SPAN"]
 
@@ -128,7 +129,7 @@ class LayoutEntry(NamedTuple):
     count: int
 
 
-class _CompressedMomentum(DDPAttach, Optimizer):
+class _CompressedMomentum(Optimizer):
     """What OneBitAdam and OneBitSGD share: the warm-up's exact averaging,
     the compressed all-reduce of the momenta, frozen elements, non-finite
     steps, the DDP hook and the state. Subclasses give the update rules."""
@@ -196,18 +197,10 @@ class _CompressedMomentum(DDPAttach, Optimizer):
         # Per parameter id, what a subclass derives once from frozen state
         # (OneBitAdam: the denominator); dropped with the layout.
         self._frozen: Dict[int, Tuple[Any, torch.Tensor]] = {}
-        self._ddp_param_ids: frozenset = frozenset()
-        self._attached = False
         self._flat: Optional[torch.Tensor] = None  # the communicated buffer, reused
-        # attach(model, overlap=True): the momenta go out per DDP bucket,
-        # from the DDP hook, while backward runs.
-        self._overlap = False
         self._scaler: Any = None
-        # DDP bucket index -> (its parameters' ids, their layout entries, the buffer sent)
-        self._buckets: Dict[int, Tuple[Tuple[int, ...], List[Any], torch.Tensor]] = {}
-        self._sent: Dict[int, Tuple[Optional[torch.Tensor], List[Any], Optional[int], Any]] = {}  # this step's
-        self._hold = False  # after a refused backward, until step()
-        self._forwards = self._forwards_at_send = 0  # forwards of the DDP model; the count at this step's send
+        #: The coupling with a DDP model (attach), None until then.
+        self._ddp: Optional[DDPCoupling] = None
 
     _CONFIG = ("warmup_steps", "compressor", "compressor_settings", "key_base", "step_count", "skipped_steps",
                "_saved_overlap", "_tracker")
@@ -338,6 +331,12 @@ class _CompressedMomentum(DDPAttach, Optimizer):
         self._session.claim(offset)
         return self._session.key(offset)
 
+    @property
+    def _overlap(self) -> bool:
+        """attach(model, overlap=True): the momenta go out per DDP bucket,
+        from the DDP hook, while backward runs."""
+        return self._ddp is not None and self._ddp.overlap
+
     def _check_overlap(self) -> None:
         # A refusal stays a refusal: the saved value is dropped only once it passed.
         saved = self._saved_overlap
@@ -368,7 +367,7 @@ class _CompressedMomentum(DDPAttach, Optimizer):
         skip = ("skipped_steps", "_saved_overlap", "_tracker")
         out = {k: getattr(self, k) for k in self._CONFIG if k not in skip}
         out["compressor_settings"] = sorted(self.compressor_settings.items())
-        out["attach(model)"] = self._attached
+        out["attach(model)"] = self._ddp is not None
         out["attach(overlap=...)"] = self._overlap
         out["parameter sizes"] = [p.numel() for _, p in self._params()]
         return out
@@ -428,7 +427,8 @@ class _CompressedMomentum(DDPAttach, Optimizer):
             # after the user's scaler.unscale_(opt) (the clipping recipe),
             # while the momenta went out from scaled gradients all the same.
             if found_inf is not None and self._scaler is None:
-                self._undo_sent()
+                if self._ddp is not None:
+                    self._ddp.undo_sent()
                 raise ValueError(
                     f"{type(self).__name__} is stepped by a torch.amp.GradScaler it was not given: a step skipped "
                     f"on every rank must be recorded in it (and with overlap=True the momenta went out from "
@@ -535,7 +535,8 @@ class _CompressedMomentum(DDPAttach, Optimizer):
                 n = p.numel()
                 grads[id(p)] = buf[offset:offset + n].view_as(p).to(p.dtype) if present[i] else None
                 offset += n
-        ddp_grads = [p.grad for g, p in entries if id(p) in self._ddp_param_ids and p.grad is not None]
+        ddp = self._ddp.param_ids if self._ddp is not None else ()
+        ddp_grads = [p.grad for g, p in entries if id(p) in ddp and p.grad is not None]
         if ddp_grads and not bad:
             # Identical on every rank (DDP averaged them): so is this check.
             # With a GradScaler its flag says it (poisoned into the flat
@@ -554,7 +555,8 @@ class _CompressedMomentum(DDPAttach, Optimizer):
     def _own(self, entries: List[Tuple[Dict[str, Any], torch.Tensor]]) -> List[Tuple[Dict[str, Any], torch.Tensor]]:
         """The parameters whose gradients this optimizer averages itself:
         those DDP averaged (attach) have averaged gradients already."""
-        return [(g, p) for g, p in entries if id(p) not in self._ddp_param_ids]
+        ddp = self._ddp.param_ids if self._ddp is not None else ()
+        return [(g, p) for g, p in entries if id(p) not in ddp]
 
     @staticmethod
     def _flat_numel(own: List[Tuple[Dict[str, Any], torch.Tensor]]) -> int:
@@ -673,7 +675,7 @@ class _CompressedMomentum(DDPAttach, Optimizer):
         if self._layout is None:
             self._layout = self._build_layout()
         if self._overlap:
-            return self._overlapped_step(found_inf)
+            return self._ddp.step(found_inf)
         layout = self._layout
         grads = {id(p): p.grad for _, p in self._params() if p.grad is not None}
         buf, outs = self._pack(layout, grads, buf=self._buffer(sum(e.count for e in layout)))
@@ -692,7 +694,8 @@ class _CompressedMomentum(DDPAttach, Optimizer):
         statistics are updated (:meth:`_variance_update`), then the step is
         the compressed steps' update. Frozen elements get a zero gradient,
         as in every step after the warm-up."""
-        self._hold = False
+        if self._ddp is not None:
+            self._ddp.hold = False
         if self._layout is None:
             self._layout = self._build_layout()
         grads = self._averaged_grads(found_inf)
@@ -708,6 +711,60 @@ class _CompressedMomentum(DDPAttach, Optimizer):
                 self._variance_update(group, p, state, None if g is None else g.view_as(p))
                 self._apply(group, p, state, m)
         return True
+
+    # -- DDP ---------------------------------------------------------------------
+    def attach(self, model: Any, overlap: bool = False, scaler: Any = None) -> Any:
+        """Couple this optimizer with a DDP model (call once, on every rank,
+        before the first backward): registers a DDP communication hook that
+        averages the gradients exactly during the warm-up (and on
+        OneBitAdam's variance updates) and skips DDP's all-reduce otherwise
+        (the gradients stay local; this optimizer all-reduces the momenta,
+        compressed). Returns ``model``.
+
+        ``overlap=True`` sends the momenta from the hook instead, per DDP
+        bucket, while backward runs (as DDP overlaps its gradient all-reduce;
+        each bucket's residuals under its own key, ``key_base + 1 + i``):
+        ``step()`` then only applies them. The momentum is taken from the
+        gradient as backward leaves it, so what changes ``.grad`` between
+        backward and ``step()`` (gradient clipping) has no effect, and a
+        GradScaler must be passed as ``scaler`` (its scale divides the
+        gradients in the hook). Gradient accumulation: the backwards before
+        the last under ``model.no_sync()``. Needs ``warmup_steps >= 2`` (DDP
+        rebuilds its buckets after the first step). Like
+        ``ZeroRedundancyOptimizer(overlap_with_ddp=True)``, it is opt-in.
+
+        Every parameter DDP reduces must be in this optimizer (after the
+        warm-up nothing else averages them). Parameters of this optimizer that
+        DDP does not reduce are averaged by ``step()`` during the warm-up.
+        DDP takes one communication hook: this one replaces any other.
+
+        Example::
+
+            model = DDP(net)
+            opt = OneBitAdam(model.parameters(), lr=1e-3, warmup_steps=100)
+            opt.attach(model)                  # or attach(model, overlap=True)
+        """
+        coupling = couple(self, model, overlap, scaler)
+        # Before anything collective is created: the ranks must attach alike.
+        self._agree({"attach(overlap=...)": overlap, "scaler": (scaler or self._scaler) is not None})
+        if overlap:
+            # The engine group now, on every rank alike, rather than from a
+            # hook in the middle of backward.
+            previous = self._scaler
+            self._ddp, self._scaler = coupling, scaler or previous
+            try:
+                self._engine_group()
+            except BaseException:
+                self._ddp, self._scaler = None, previous
+                raise
+        self._tracker.detach(coupling.positions())  # a parameter's position: its place in this optimizer
+        model.register_comm_hook(coupling, optimizer_hook)
+        # Forward passes that build a graph, to catch a micro-batch run after
+        # the momenta went out (overlap=True).
+        model.register_forward_pre_hook(lambda *_: coupling.count_forward())
+        self._ddp = coupling
+        self._agreed = False
+        return model
 
     # -- bytes -------------------------------------------------------------------
     def bytes_per_step(self, compressed: Optional[bool] = None) -> int:
@@ -740,9 +797,9 @@ class _CompressedMomentum(DDPAttach, Optimizer):
                   density=settings.get("density", 0.01), approx=settings.get("approx", True),
                   payload_nbytes=payload_nbytes(method, settings.get("compressor_options"))
                   if spec.method_spec(method).kind == "plugin" else None)
-        if self._overlap and self._buckets:
+        if self._overlap and self._ddp.buckets:
             # One call per bucket (as sent in the last step), and one for the rest.
-            sizes = [b[2].numel() for b in self._buckets.values()]
+            sizes = [b[2].numel() for b in self._ddp.buckets.values()]
             sizes.append(numel - sum(sizes))
             return sum(spec.wire_bytes(method, n, world, **kw) for n in sizes)
         return spec.wire_bytes(method, numel, world, **kw)
@@ -788,20 +845,7 @@ class _CompressedMomentum(DDPAttach, Optimizer):
                     f"cannot load this {type(self).__name__} state: its residuals were keyed with attach(model, "
                     f"overlap={extra['overlap']}), this optimizer runs overlap={self._overlap}. Attach the same "
                     f"way, or pass reset_error_feedback=True to keep the rest and start the residuals over.")
-        # The engine first (it refuses residuals of another world size or
-        # chunk before it changes anything), torch's load next; if torch
-        # refuses, the residuals go back.
-        before = self._ef() if self._engine is not None else None
-        if self._engine is not None:
-            self._session.load_state(loaded)
-        try:
-            super().load_state_dict(sd)
-        except BaseException:
-            if before is not None:
-                self._session.load_residuals(before)
-            raise
-        if self._engine is None:
-            self._session.load_state(loaded)
+        self._session.load_state_then(loaded, lambda: Optimizer.load_state_dict(self, sd))
         self._after_load()
         if extra is not None:
             self.step_count = extra["step_count"]
@@ -813,7 +857,8 @@ class _CompressedMomentum(DDPAttach, Optimizer):
         self._flat = None
         self._agreed = False
         self._saved_overlap = extra["overlap"] if loaded.residuals and self._engine is None else None
-        self._buckets, self._sent = {}, {}
+        if self._ddp is not None:
+            self._ddp.forget()
         self._tracker.layouts = extra["buckets"] if extra is not None and not reset_error_feedback else {}
 
     def _checked_extra(self, extra: Any) -> Dict[str, Any]:

@@ -556,18 +556,9 @@ class DiLoCo:
                 not isinstance(s, torch.Tensor) or s.shape != a.shape for s, a in zip(anchors, self.anchor)):
             raise ValueError(f"cannot load this DiLoCo state: its anchor tensors are not this DiLoCo's parameters "
                              f"({len(anchors)} tensors, this DiLoCo has {len(self.anchor)} of other shapes)")
-        # Every check above changed nothing; the engine first of the changes
-        # (it refuses residuals of another world size or chunk before it
-        # changes anything), then torch's loads, which refuse before they
-        # change anything; if one does, the residuals go back.
-        before = self._session.residuals()
-        self._session.load_state(loaded)
-        try:
-            self.inner.load_state_dict(state_dict["inner"])
-            self.outer.load_state_dict(state_dict["outer"])
-        except BaseException:
-            self._session.load_residuals(before)
-            raise
+        # Every check above changed nothing; then the engine, then torch's loads.
+        self._session.load_state_then(loaded, lambda: self.inner.load_state_dict(state_dict["inner"]),
+                                      lambda: self.outer.load_state_dict(state_dict["outer"]))
         self._drop_pending()
         self._checked = False  # the ranks compare the loaded step count and anchor at the next step
         for a, s in zip(self.anchor, anchors):
