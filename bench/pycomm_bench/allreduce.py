@@ -54,10 +54,10 @@ from pycomm.distributed.spec import TAG_WORDS, block_segments, block_wire_numel,
 from pycomm.wire import quant_num_bytes
 
 from . import per_call
-from .launch import Rank, RanksFailed, run_ranks, threads_per_rank
+from .launch import Rank, run_each_world
 from .methods import ALLREDUCE_BASES, PLAIN, Method, parse_method as _parse_method, vocabulary
-from .report import (default_json_path, finish, fmt_number, loadavg, machine_info, ms, progress_bar, record_events,
-                     size_label, spread_ms, status_note, table)
+from .report import (default_json_path, finish, fmt_number, gloo_document, machine_info, ms, progress_bar,
+                     record_events, size_label, spread_ms, status_note, table)
 from .timing import Timed, summarize, time_interleaved
 
 HELP = (f"time plain Gloo against the pycomm backend's {', '.join(ALLREDUCE_BASES[1:])} all-reduces "
@@ -681,21 +681,14 @@ def run_allreduce(args: argparse.Namespace) -> Dict[str, Any]:
 
     on_event = record_events(bar, records)
 
+    cfg = dict(methods=args.methods, sizes=args.sizes, repeats=args.repeats, warmup=args.warmup,
+               chunk_numel=args.chunk_numel, seed=SEED)
+
+    def skip_rest(added: int) -> None:  # the bar past what a failed world size will not run
+        bar.update(max(0, per_size * (len(args.sizes) - added // max(1, len(methods)))))
+
     try:
-        for world in args.ranks:
-            cfg = dict(methods=args.methods, sizes=args.sizes, repeats=args.repeats, warmup=args.warmup,
-                       chunk_numel=args.chunk_numel, seed=SEED)
-            before = len(records)
-            try:
-                # A hung collective raises inside the ranks after --timeout;
-                # the stall limit (60 s more) is the backstop where none applies.
-                run_ranks(_rank_main, world, cfg, timeout=args.timeout, stall=args.timeout + 60.0,
-                          threads=threads_per_rank(world, args.threads), on_event=on_event)
-            except RanksFailed as exc:
-                failures.append({"ranks": world, "error": str(exc)})
-                # Skip the bar past what this world size will not run.
-                got = (len(records) - before) // max(1, len(methods))
-                bar.update(max(0, per_size * (len(args.sizes) - got)))
+        run_each_world(_rank_main, args, cfg, records, failures, on_event, skip_rest)
     finally:
         bar.close()
 
@@ -705,27 +698,11 @@ def run_allreduce(args: argparse.Namespace) -> Dict[str, Any]:
         base = plain.get((r["ranks"], r["numel"]))
         if base is not None and r["median_s"] is not None:
             r["speedup_vs_plain"] = base / r["median_s"]
-    return {
-        "benchmark": "allreduce",
-        "date": started,
-        "machine": machine,
-        "backend": "gloo",
-        "host": HOST,
-        "dtype": "float32",
-        "op": "sum",
-        "ranks": args.ranks,
-        "sizes": args.sizes,
-        "methods": args.methods,
-        "chunk_numel": args.chunk_numel,  # None: the backend's default (each record has the value used)
-        "repeats": args.repeats,
-        "warmup": args.warmup,
-        "quick": bool(getattr(args, "quick", False)),
-        "timeout_s": args.timeout,
-        "total_s": time.monotonic() - t_start,
-        "loadavg_end": loadavg(),
-        "records": records,
-        "failures": failures,
-    }
+    return gloo_document(
+        "allreduce", started, machine, args, t_start, records, failures, host=HOST, dtype="float32", op="sum",
+        methods=args.methods,
+        chunk_numel=args.chunk_numel,  # None: the backend's default (each record has the value used)
+        quick=bool(getattr(args, "quick", False)), timeout_s=args.timeout)
 
 
 # ------------------------------------------------------------------ output ---

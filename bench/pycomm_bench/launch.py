@@ -432,3 +432,23 @@ def run_ranks(target: Callable[[Rank], None], cluster: Union[int, Any], cfg: Opt
 
 if __name__ == "__main__":
     sys.exit(_rank_process(sys.argv[1]))
+
+
+def run_each_world(target: Callable[["Rank"], None], args: Any, cfg: Dict, records: List[Any],
+                   failures: List[Dict[str, Any]], on_event: Callable[[Dict[str, Any]], None],
+                   after_failure: Optional[Callable[[int], None]] = None) -> None:
+    """:func:`run_ranks` of ``target`` with ``cfg`` at each world size of
+    ``args.ranks`` (``args.timeout`` and ``args.threads`` as the collective
+    benchmarks take them: a hung collective raises inside the ranks after
+    the timeout, the stall limit 60 s later is the backstop). A world size
+    that fails is recorded in ``failures`` and the next one runs;
+    ``after_failure(added)`` is told how many records it added."""
+    for world in args.ranks:
+        before = len(records)
+        try:
+            run_ranks(target, world, cfg, timeout=args.timeout, stall=args.timeout + 60.0,
+                      threads=threads_per_rank(world, args.threads), on_event=on_event)
+        except RanksFailed as exc:
+            failures.append({"ranks": world, "error": str(exc)})
+            if after_failure is not None:
+                after_failure(len(records) - before)

@@ -33,9 +33,9 @@ import gc
 import time
 from typing import Any, Dict, List
 
-from .launch import Rank, RanksFailed, run_ranks, threads_per_rank
+from .launch import Rank, run_each_world
 from .methods import PLAIN, parse_method
-from .report import finish, fmt_number, loadavg, machine_info, progress_bar, record_events, size_label, table
+from .report import finish, fmt_number, gloo_document, machine_info, progress_bar, record_events, size_label, table
 from .timing import time_interleaved
 
 #: 1K and 64K elements (small all-reduces) and a 25 MB bucket (DDP's default).
@@ -116,14 +116,9 @@ def run_per_call(args: argparse.Namespace) -> Dict[str, Any]:
 
     on_event = record_events(bar, records)
 
+    cfg = dict(methods=names, sizes=args.sizes, repeats=args.repeats, warmup=args.warmup, calls=args.calls)
     try:
-        for world in args.ranks:
-            cfg = dict(methods=names, sizes=args.sizes, repeats=args.repeats, warmup=args.warmup, calls=args.calls)
-            try:
-                run_ranks(_rank_main, world, cfg, timeout=args.timeout, stall=args.timeout + 60.0,
-                          threads=threads_per_rank(world, args.threads), on_event=on_event)
-            except RanksFailed as exc:
-                failures.append({"ranks": world, "error": str(exc)})
+        run_each_world(_rank_main, args, cfg, records, failures, on_event)
     finally:
         bar.close()
     for r in records:
@@ -132,22 +127,8 @@ def run_per_call(args: argparse.Namespace) -> Dict[str, Any]:
     for r in records:
         base = plain.get((r["ranks"], r["numel"]))
         r["vs_plain"] = r["median_s"] / base if base else None
-    return {
-        "benchmark": "allreduce-per-call",
-        "date": started,
-        "machine": machine,
-        "backend": "gloo",
-        "ranks": args.ranks,
-        "sizes": args.sizes,
-        "methods": names,
-        "calls": args.calls,
-        "repeats": args.repeats,
-        "warmup": args.warmup,
-        "total_s": time.monotonic() - t_start,
-        "loadavg_end": loadavg(),
-        "records": records,
-        "failures": failures,
-    }
+    return gloo_document("allreduce-per-call", started, machine, args, t_start, records, failures, methods=names,
+                         calls=args.calls)
 
 
 def format_table(doc: Dict[str, Any]) -> str:

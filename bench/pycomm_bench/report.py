@@ -178,6 +178,18 @@ def write_json(path: str, doc: object) -> None:
     os.replace(tmp, path)  # a crash mid-write leaves no truncated result behind
 
 
+def gloo_document(benchmark: str, started: str, machine: Dict[str, object], args: Any, t_start: float,
+                  records: List[Any], failures: List[Any], **fields: Any) -> Dict[str, Any]:
+    """The JSON document of a collective benchmark over Gloo ranks: its
+    name, date and machine, the ranks, sizes, rounds and warm-up of
+    ``args``, the benchmark's own ``fields``, the run's length (from
+    ``t_start``, a ``time.monotonic()``) and the load at its end, the
+    records and the failures."""
+    return {"benchmark": benchmark, "date": started, "machine": machine, "backend": "gloo", "ranks": args.ranks,
+            "sizes": args.sizes, **fields, "repeats": args.repeats, "warmup": args.warmup,
+            "total_s": time.monotonic() - t_start, "loadavg_end": loadavg(), "records": records, "failures": failures}
+
+
 def table(rows: Iterable[object], headers: object, tablefmt: str = "simple", numparse: bool = False) -> str:
     """``rows`` as a text table (tabulate). Cells are shown as given (already
     formatted strings are not re-parsed as numbers) unless ``numparse``.

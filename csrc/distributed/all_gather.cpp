@@ -31,17 +31,12 @@ std::optional<PendingCall> CompressedBackend::run_all_gather(Call call, const at
     const int world = getSize();
     const Float32Views views(input, output);
     const int64_t S = views.in.numel();
-    at::Tensor slot_ok;
-    if (run_uncompressed(call, views, output, [&](const at::Tensor& send) {
+    if (run_uncompressed(call, views, input, output, [&](const at::Tensor& send) {
           at::Tensor mine = send, recv = at::empty({world * send.numel()}, send.options());
           wait_wire(inner_->_allgather_base(recv, mine, c10d::AllgatherOptions()));
           return recv;
-        }, &slot_ok)) {
-      if (slot_ok.defined())
-        defer(call, input, {slot_ok},
-              [this](const std::vector<bool>& ok) { require_tags(ok[0]); });
+        }))
       return;
-    }
     const Group g = flat_group();
     CallResiduals residuals = residuals_for(call, views.in, g);
     ErrorFeedback* ef = residuals.get();

@@ -90,19 +90,14 @@ std::optional<PendingCall> CompressedBackend::run_compressed(Call call,
     const std::string& m = call.method;
     const Float32Views views(tensor, tensor);
     const at::Tensor& x = views.in;
-    at::Tensor slot_ok;
-    if (run_uncompressed(call, views, tensor, [this](const at::Tensor& send) {
+    if (run_uncompressed(call, views, tensor, tensor, [this](const at::Tensor& send) {
           std::vector<at::Tensor> ts{send};
           c10d::AllreduceOptions opts;
           opts.reduceOp = c10d::ReduceOp::SUM;
           wait_wire(inner_->allreduce(ts, opts));
           return send;
-        }, &slot_ok)) {
-      if (slot_ok.defined())
-        defer(call, tensor, {slot_ok},
-              [this](const std::vector<bool>& ok) { require_tags(ok[0]); });
+        }))
       return;
-    }
     NodeShard node = reduce_in_node(x);
     const at::Tensor& y = node.y;
     // A rank whose shard is empty (n < ranks per node) has nothing to send;

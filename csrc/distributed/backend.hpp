@@ -210,13 +210,12 @@ class CompressedBackend : public c10d::Backend {
   // values it is given and returns where the result is (they themselves
   // when in place); the result is written to `output`.
   // The values exchanged carry one element more per row, 0 from a call
-  // and NaN from a stand-in, and *slot_ok is set to whether every such
-  // element received is 0 (a 0-dim bool, to be checked where the call
-  // finishes; left undefined in a stand-in): every rank raises where a
-  // rank refused.
-  bool run_uncompressed(const Call& call, const Float32Views& views, const at::Tensor& output,
-                        const std::function<at::Tensor(const at::Tensor&)>& exchange,
-                        at::Tensor* slot_ok);
+  // and NaN from a stand-in; where the call finishes (defer, on `input`),
+  // every such element received must be 0: every rank raises where a rank
+  // refused.
+  bool run_uncompressed(Call& call, const Float32Views& views, const at::Tensor& input,
+                        const at::Tensor& output,
+                        const std::function<at::Tensor(const at::Tensor&)>& exchange);
   // Waits for an inner collective of a compressed call (Profile::wire_s).
   void wait_wire(const c10::intrusive_ptr<c10d::Work>& work);
   // The settings and profile the algorithms use (algorithms.h).

@@ -68,8 +68,8 @@ std::optional<PendingCall> CompressedBackend::run_call(Call& call, const at::Ten
 }
 
 bool CompressedBackend::run_uncompressed(
-    const Call& call, const Float32Views& views, const at::Tensor& output,
-    const std::function<at::Tensor(const at::Tensor&)>& exchange, at::Tensor* slot_ok) {
+    Call& call, const Float32Views& views, const at::Tensor& input, const at::Tensor& output,
+    const std::function<at::Tensor(const at::Tensor&)>& exchange) {
   const std::string& m = call.method;
   const bool average = call.average;
   const bool exact = method_is(m, "exact");
@@ -102,7 +102,9 @@ bool CompressedBackend::run_uncompressed(
   }
   views.write_back(output, false);
   // Checked where the call finishes; a stand-in's own call fails anyway.
-  if (!call.standing_in) *slot_ok = wire.narrow(1, len_out, 1).eq(0).all();
+  if (!call.standing_in)
+    defer(call, input, {wire.narrow(1, len_out, 1).eq(0).all()},
+          [this](const std::vector<bool>& ok) { require_tags(ok[0]); });
   return true;
 }
 

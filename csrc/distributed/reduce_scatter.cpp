@@ -34,19 +34,14 @@ std::optional<PendingCall> CompressedBackend::run_reduce_scatter(Call call,
     const int world = getSize();
     const Float32Views views(input, output);
     const int64_t S = views.out.numel();
-    at::Tensor slot_ok;
-    if (run_uncompressed(call, views, output, [&](const at::Tensor& send) {
+    if (run_uncompressed(call, views, input, output, [&](const at::Tensor& send) {
           at::Tensor mine = send, recv = at::empty({send.numel() / world}, send.options());
           c10d::ReduceScatterOptions rs;
           rs.reduceOp = c10d::ReduceOp::SUM;
           wait_wire(inner_->_reduce_scatter_base(recv, mine, rs));
           return recv;
-        }, &slot_ok)) {
-      if (slot_ok.defined())
-        defer(call, input, {slot_ok},
-              [this](const std::vector<bool>& ok) { require_tags(ok[0]); });
+        }))
       return;
-    }
     const Group g = flat_group();
     CallResiduals residuals = residuals_for(call, views.in, g);
     ErrorFeedback* ef = residuals.get();
