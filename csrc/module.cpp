@@ -97,6 +97,14 @@ std::optional<c10::intrusive_ptr<c10d::Work>> waited(c10::intrusive_ptr<c10d::Wo
 PYBIND11_MODULE(_C, m) {
   m.doc() = "pycomm's compiled core: ops (torch.ops.pycomm.*) and the compressed backend";
   m.def("spec", &spec_dict, "The engine's copy of pycomm.distributed.spec (for tests).");
+  m.def(
+      "check_residual_layout",
+      [](const std::string& label, const py::dict& residuals, int rank, int64_t block) {
+        pycomm::dist::check_residual_layout(label, error_feedback_from_dict(residuals), rank, block);
+      },
+      py::arg("label"), py::arg("residuals"), py::arg("rank"), py::arg("block"),
+      "The engine's check of one key's saved residuals against its layout "
+      "(pycomm.distributed.session.check_residual).");
   // Make sure torch's c10d bindings (Backend, Work) are registered first.
   py::module_::import("torch.distributed");
 

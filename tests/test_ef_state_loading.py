@@ -79,10 +79,10 @@ def results():
 
 
 WANT = {
-    "truncated server": "server residuals",
-    "short server segment": "server residual 0",
-    "float64 worker": "worker residual",
-    "2-D worker": "worker residual",
+    "truncated server": "['server'] must hold one tensor per chunk",
+    "short server segment": "['server'][0] holds",
+    "float64 worker": "['worker'] must be a 1-D float32 tensor",
+    "2-D worker": "['worker'] must be a 1-D float32 tensor",
     "nan worker": "NaN or Inf",
     "inf server": "NaN or Inf",
     "missing field": "missing ['chunk_numel']",

@@ -7,6 +7,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include <algorithm>
+#include <sstream>
 
 #include "codecs.h"
 
@@ -72,20 +73,82 @@ bool double_buffered(const at::Tensor& x, const std::string& method) {
 // ---------------------------------------------------------- ResidualStore ---
 namespace {
 
-// This rank's server residual lengths of a block method's all-reduce on
-// `numel` elements: its segment of every chunk (none for other methods).
-std::vector<int64_t> server_lengths(const Config& config, const std::string& method,
-                                    int64_t numel, int64_t chunk_numel, int world, int rank) {
+// Rank `rank`'s server residual length in each chunk of a block method's
+// all-reduce on `numel` elements (its segment at `block`); rank < 0: the
+// chunks' lengths. None for other methods.
+std::vector<int64_t> server_lengths(const std::string& method, int64_t numel, int64_t chunk_numel,
+                                    int world, int rank, int64_t block) {
   std::vector<int64_t> out;
   if (!is_block_method(method)) return out;
   const int64_t C = chunk_length(numel, chunk_numel);
-  for (int64_t c0 = 0; c0 < numel; c0 += C)
-    out.push_back(BlockLayout(std::min(C, numel - c0), world, block_for(config, method),
-                              block_bits(method)).len[rank]);
+  for (int64_t c0 = 0; c0 < numel; c0 += C) {
+    const int64_t len = std::min(C, numel - c0);
+    out.push_back(rank < 0 ? len : BlockLayout(len, world, block, block_bits(method)).len[rank]);
+  }
   return out;
 }
 
+// "a torch.float64 tensor of shape (5, 6)", as Python says it.
+std::string describe(const at::Tensor& t) {
+  std::ostringstream os;
+  os << "a torch." << c10::getDtypeNames(t.scalar_type()).first << " tensor of shape (";
+  for (int64_t i = 0; i < t.dim(); ++i) os << (i ? ", " : "") << t.size(i);
+  os << (t.dim() == 1 ? ",)" : ")");
+  return os.str();
+}
+
 }  // namespace
+
+void check_residual_layout(const std::string& label, const ErrorFeedback& ef, int rank, int64_t block) {
+  // The sizes' own checks are the callers' (with their messages); these guard the arithmetic.
+  TORCH_CHECK_VALUE(ef.numel > 0 && ef.chunk_numel > 0 && ef.world_size > 0 && rank < ef.world_size,
+                    label, ": numel, chunk_numel and world_size must be positive and the rank below "
+                    "the world size");
+  const at::Tensor& w = ef.worker;
+  TORCH_CHECK_VALUE(w.dim() == 1 && w.numel() == ef.numel && w.scalar_type() == at::kFloat, label,
+                    "['worker'] must be a 1-D float32 tensor of numel=", ef.numel, " elements, got ",
+                    describe(w));
+  // A reduce-scatter's or all-gather's residuals ("<method>/<collective>")
+  // keep only the worker's.
+  const size_t slash = ef.method.find('/');
+  const std::string base = ef.method.substr(0, slash);
+  const std::vector<int64_t> want =
+      slash != std::string::npos
+          ? std::vector<int64_t>{}
+          : server_lengths(base, ef.numel, ef.chunk_numel, ef.world_size, rank, block);
+  if (slash == std::string::npos && is_block_method(base)) {
+    TORCH_CHECK_VALUE(ef.server.size() == want.size(), label,
+                      "['server'] must hold one tensor per chunk (", want.size(), " chunks of numel=",
+                      ef.numel, " at chunk_numel=", ef.chunk_numel, "), got ", ef.server.size());
+  } else {
+    TORCH_CHECK_VALUE(ef.server.empty(), label, "['server'] must be empty for '", ef.method, "', got ",
+                      ef.server.size(), " tensors");
+  }
+  const int64_t C = chunk_length(ef.numel, ef.chunk_numel);
+  for (size_t i = 0; i < want.size(); ++i) {
+    const at::Tensor& t = ef.server[i];
+    const int64_t len = std::min<int64_t>(C, ef.numel - int64_t(i) * C);
+    TORCH_CHECK_VALUE(t.dim() == 1 && t.numel() <= len && t.scalar_type() == at::kFloat, label,
+                      "['server'][", i, "] must be a 1-D float32 tensor of at most ", len,
+                      " elements (its chunk's length), got ", describe(t));
+    TORCH_CHECK_VALUE(
+        rank < 0 || t.numel() == want[i], label, "['server'][", i, "] holds ", t.numel(), " elements, but rank ",
+        rank, "'s segment of its ", len, "-element chunk at block_size=", block, " over ",
+        ef.world_size, " ranks has ", want[i],
+        ": the residuals were saved with another block_size. Run the saved block_size, or start "
+        "the residuals over (reset_error_feedback=True)");
+    TORCH_CHECK_VALUE(t.device() == w.device(), label, "['server'][", i, "] is on ", t.device(),
+                      ", the worker residual on ", w.device());
+  }
+  for (size_t i = 0; i <= ef.server.size(); ++i) {
+    const at::Tensor& t = i == 0 ? w : ef.server[i - 1];
+    const std::string field = i == 0 ? "['worker']" : "['server'][" + std::to_string(i - 1) + "]";
+    TORCH_CHECK_VALUE(t.numel() == 0 || at::isfinite(t).all().item<bool>(), label, field,
+                      " holds a NaN or Inf: a residual that is not finite makes every rank's next "
+                      "result non-finite. Load a finite state, or start the residuals over "
+                      "(reset_error_feedback=True)");
+  }
+}
 
 ErrorFeedback& ResidualStore::for_call(int64_t key, const at::Tensor& x, const std::string& method,
                                        int world, int rank) {
@@ -98,7 +161,8 @@ ErrorFeedback& ResidualStore::for_call(int64_t key, const at::Tensor& x, const s
     ef.method = method;
     auto opts = x.options().dtype(at::kFloat);
     ef.worker = at::zeros({x.numel()}, opts);
-    for (int64_t len : server_lengths(config_, method, x.numel(), config_.chunk_numel, world, rank))
+    for (int64_t len : server_lengths(method, x.numel(), config_.chunk_numel, world, rank,
+                                      block_for(config_, method)))
       ef.server.push_back(at::zeros({len}, opts));
     it = keys_.emplace(key, std::move(ef)).first;
   }
@@ -143,39 +207,13 @@ void ResidualStore::check(std::map<int64_t, ErrorFeedback>& state, int world, in
                 " was saved with world size ", ef.world_size, ", this group has ", world,
                 ": it cannot be reused (reset it instead)");
     // A reduce-scatter's or all-gather's residuals: method + "/collective".
-    const bool scattered = ef.method.find('/') != std::string::npos;
     const std::string base = ef.method.substr(0, ef.method.find('/'));
     const bool method_ok = config_.method == "auto" ? method_residuals(base) : base == config_.method;
     TORCH_CHECK(method_ok && ef.chunk_numel == config_.chunk_numel,
                 "error-feedback state of key ", key, " was saved for ", ef.method,
                 " with chunk_numel ", ef.chunk_numel, "; this group runs ", config_.method,
                 " with chunk_numel ", config_.chunk_numel);
-    TORCH_CHECK(ef.numel > 0 && ef.worker.dim() == 1 && ef.worker.numel() == ef.numel &&
-                    ef.worker.scalar_type() == at::kFloat,
-                "error-feedback state of key ", key, " is inconsistent: worker residual is ",
-                ef.worker.sizes(), " ", ef.worker.scalar_type(), ", numel ", ef.numel,
-                " (expected a 1-D float32 tensor of numel elements)");
-    // The server residuals: this rank's segment of every chunk (block
-    // methods' all-reduce), none otherwise.
-    const std::vector<int64_t> want =
-        scattered ? std::vector<int64_t>{}
-                  : server_lengths(config_, base, ef.numel, ef.chunk_numel, world, rank);
-    TORCH_CHECK(ef.server.size() == want.size(), "error-feedback state of key ", key, " has ",
-                ef.server.size(), " server residuals; ", ef.method, " on ", ef.numel,
-                " elements in chunks of ", ef.chunk_numel, " has ", want.size());
-    for (size_t i = 0; i < want.size(); ++i) {
-      const at::Tensor& t = ef.server[i];
-      TORCH_CHECK(t.dim() == 1 && t.numel() == want[i] && t.scalar_type() == at::kFloat,
-                  "error-feedback state of key ", key, ": server residual ", i, " is ", t.sizes(),
-                  " ", t.scalar_type(), ", expected ", want[i], " float32 elements");
-      TORCH_CHECK(t.device() == ef.worker.device(), "error-feedback state of key ", key,
-                  ": server residual ", i, " is on ", t.device(), ", the worker residual on ",
-                  ef.worker.device());
-    }
-    bool finite = at::isfinite(ef.worker).all().item<bool>();
-    for (const auto& t : ef.server) finite = finite && at::isfinite(t).all().item<bool>();
-    TORCH_CHECK(finite, "error-feedback state of key ", key, " holds NaN or Inf residuals: every "
-                "later step would be non-finite (reset it instead)");
+    check_residual_layout("state[" + std::to_string(key) + "]", ef, rank, block_for(config_, base));
     ef.worker = ef.worker.clone(at::MemoryFormat::Contiguous);
     for (auto& t : ef.server) t = t.clone(at::MemoryFormat::Contiguous);
     ef.worker_backup = at::Tensor();

@@ -42,6 +42,17 @@ struct ErrorFeedback {
 // before keys counted their calls lack it.
 #define PYCOMM_EF_SAVED_FIELDS(X) X(numel) X(world_size) X(chunk_numel) X(method) X(worker) X(server)
 
+// The layout of one key's saved residuals, the one check of every load
+// (the engine's, ResidualStore::check, and a client's before its group
+// exists, through the Python binding): a 1-D float32 worker of ef.numel
+// elements; a block method's all-reduce keeps one server residual per
+// chunk, rank `rank`'s segment of it over ef.world_size ranks at `block`
+// elements a block (rank < 0: the rank is not known, at most the chunk's
+// length), other methods and collectives none; one device; every value
+// finite. Throws a ValueError naming `label` (the residuals' name in the
+// caller's state, e.g. state['engine']['residuals'][1]) and the field.
+void check_residual_layout(const std::string& label, const ErrorFeedback& ef, int rank, int64_t block);
+
 // Exchanges the residuals and their second buffers (a swap, no copy).
 void swap_residuals(ErrorFeedback& ef);
 

@@ -124,8 +124,9 @@ class CompressionState:
             be >= 2 (bucket indices are only stable once DDP has rebuilt its
             buckets after the first iteration).
         error_feedback: keep residuals; None: the method's default
-            (``spec.error_feedback_for``: on for onebit, topk, int2 and
-            registered compressors, off for int8/int4, none for fp16/bf16).
+            (``spec.error_feedback_for``, from the method's row: on for
+            onebit, topk and registered compressors, off for int8/int4,
+            none for fp16/bf16; each row of ``spec.METHOD_TABLE`` says its own).
         rounding: how int8/int4 round, "nearest" or "stochastic" (unbiased;
             seeded from ``seed``, the bucket and its call count, which the
             residuals' state saves), as

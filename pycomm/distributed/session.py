@@ -32,6 +32,7 @@ from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Se
 import torch
 import torch.distributed as dist
 
+from .. import _ext
 from ..compressors.plugin import options_json
 from . import spec
 
@@ -124,14 +125,6 @@ def residual_on(ef: Dict[str, Any], device: torch.device) -> Dict[str, Any]:
     return copy_residual(ef, device)
 
 
-def _tensor_problem(t: Any, numel_at_most: int, exact: bool) -> Optional[str]:
-    if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.dim() != 1 \
-            or (t.numel() != numel_at_most if exact else t.numel() > numel_at_most):
-        return (f"a {t.dtype} tensor of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor)
-                else type(t).__name__)
-    return None
-
-
 def check_residual_fields(label: str, ef: Any) -> None:
     """One key's residuals (``label``: their name in errors) hold the
     fields the engine saves, of its types: what any load of residuals
@@ -164,7 +157,8 @@ def check_residual_fields(label: str, ef: Any) -> None:
 
 def check_residual(label: str, ef: Any, methods: Sequence[str], rank: Optional[Tuple[int, int]] = None,
                    block_size: Optional[int] = None) -> Dict[str, Any]:
-    """One key's residuals checked against the engine's layout rules and
+    """One key's residuals checked (their fields here, their layout by
+    the engine's own check, the one every load of residuals runs) and
     copied; ``methods``: the methods they may belong to. Raises, naming
     ``label`` and the field, for anything the engine would refuse or train
     on wrongly: a missing or unknown field, a size, a tensor of another
@@ -175,46 +169,17 @@ def check_residual(label: str, ef: Any, methods: Sequence[str], rank: Optional[T
     method's default), as the engine will run them (residuals of another
     world size are the engine's to refuse)."""
     check_residual_fields(label, ef)
-    numel, method = ef["numel"], ef["method"]
+    method = ef["method"]
     if method not in methods:
         raise ValueError(f"{label}['method'] is {method!r}, but the residuals loaded here are of "
                          f"{list(methods)}")
-    worker = ef["worker"]
-    got = _tensor_problem(worker, numel, exact=True)
-    if got:
-        raise ValueError(f"{label}['worker'] must be a 1-D float32 tensor of numel={numel} elements, got {got}")
-    server = ef["server"]
-    chunks = spec.chunk_bounds(numel, ef["chunk_numel"])
-    # An all-reduce's block codec keeps a server residual per chunk; a
-    # reduce-scatter's or all-gather's ("<method>/<collective>") only the worker's.
-    base, _, collective = method.partition("/")
-    if spec.method_spec(base).kind == "block" and not collective:
-        if len(server) != len(chunks):
-            raise ValueError(f"{label}['server'] must hold one tensor per chunk ({len(chunks)} chunks of "
-                             f"numel={numel} at chunk_numel={ef['chunk_numel']}), got {len(server)}")
-    elif server:
-        raise ValueError(f"{label}['server'] must be empty for {method!r}, got {len(server)} tensors")
-    for i, (s, (lo, hi)) in enumerate(zip(server, chunks)):
-        got = _tensor_problem(s, hi - lo, exact=False)
-        if got:
-            raise ValueError(f"{label}['server'][{i}] must be a 1-D float32 tensor of at most {hi - lo} "
-                             f"elements (its chunk's length), got {got}")
-        if rank is not None and rank[1] == ef["world_size"]:
-            block = spec.block_size_for(base, block_size)
-            start, end = spec.block_segments(hi - lo, ef["world_size"], block)[1][rank[0]]
-            if s.numel() != end - start:
-                raise ValueError(
-                    f"{label}['server'][{i}] holds {s.numel()} elements, but rank {rank[0]}'s segment of its "
-                    f"{hi - lo}-element chunk at block_size={block} over {ef['world_size']} ranks has "
-                    f"{end - start}: the residuals were saved with another block_size. Run the saved "
-                    f"block_size, or start the residuals over (reset_error_feedback=True)")
-        if s.device != worker.device:
-            raise ValueError(f"{label}['server'][{i}] is on {s.device}, the worker residual on {worker.device}")
-    for name, t in [("['worker']", worker), *((f"['server'][{i}]", s) for i, s in enumerate(server))]:
-        if t.numel() and not bool(torch.isfinite(t).all()):
-            raise ValueError(f"{label}{name} holds a NaN or Inf: a residual that is not finite makes "
-                             f"every rank's next result non-finite. Load a finite state, or start the "
-                             f"residuals over (reset_error_feedback=True)")
+    base = method.partition("/")[0]
+    block = spec.block_size_for(base, block_size) if spec.method_spec(base).kind == "block" else 0
+    # The layout rules are the engine's: one check for its loads and this one.
+    if _ext.why_no_cpu_ops() is not None:
+        raise RuntimeError(_ext.why_no_cpu_ops())
+    _ext._C.check_residual_layout(label, ef, rank[0] if rank is not None and rank[1] == ef["world_size"] else -1,
+                                  block)
     return copy_residual(ef)
 
 
