@@ -60,7 +60,7 @@ import torch.distributed as dist
 
 from .. import distributed as pd
 from ..distributed.spec import is_plugin
-from ..distributed.session import EngineSession, agree, check_fields, nest_legacy
+from ..distributed.session import EngineSession, agree, check_fields, check_version, is_int, nest_legacy
 from .buckets import BucketLayout, BucketTracker, checked_layouts, failed, result
 from ..distributed.spec import AUTO_METHOD, EF_METHODS, EXACT_METHOD, GROUP_METHODS, check_mode, error_feedback_for
 
@@ -380,10 +380,6 @@ class CompressionState:
         return f"CompressionState({cfg}, iteration={self.iteration})"
 
 # ------------------------------------------------------------ validation ---
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _labelled(label: Optional[str], check: Callable[[], Any]) -> Any:
     """``check()``, its TypeError/ValueError prefixed with ``label`` (the
     field of a loaded state) when there is one."""
@@ -421,7 +417,7 @@ def _checked_config(cfg: Dict[str, Any], where: Optional[str] = None) -> Dict[st
         out.update(_labelled(label(name), lambda: pd.check_options(**{name: cfg[name]})))
     _labelled(label("rounding"), lambda: pd.check_options(compressor=cfg["compressor"], rounding=cfg["rounding"]))
     start_iter, name = cfg["start_iter"], label("start_iter") or "start_iter"
-    if not _is_int(start_iter):
+    if not is_int(start_iter):
         raise TypeError(f"{name} must be an int, got {start_iter!r}")
     if start_iter < 2:
         raise ValueError(
@@ -439,18 +435,14 @@ def _checked_state(state: Any):
     load_state_dict`), checked and copied: ``(config, iteration,
     bucket_layouts, engine state)``; the engine state is the session's to
     check. Raises, naming the field, before anything is changed."""
-    if isinstance(state, dict) and state.get("version") == 2:
-        cfg = state.get("config")
-        state = dict(nest_legacy(state, cfg.get("compressor") if isinstance(cfg, dict) else None),
-                     version=_STATE_VERSION)
-    if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:
-        got = state.get("version") if isinstance(state, dict) else type(state).__name__
-        raise ValueError(f"state['version']: not a CompressionState state_dict of version "
-                         f"{_STATE_VERSION} or 2 (got {got!r})")
-    check_fields("state", state, _STATE_FIELDS)
+    def upgrade(old: Dict[str, Any]) -> Dict[str, Any]:
+        cfg = old.get("config")
+        return nest_legacy(old, cfg.get("compressor") if isinstance(cfg, dict) else None)
+
+    state = check_version("state", "CompressionState", state, _STATE_VERSION, _STATE_FIELDS, upgrade=upgrade)
     cfg = _checked_config(state["config"], "state['config']")
     iteration = state["iteration"]
-    if not _is_int(iteration) or iteration < 0:
+    if not is_int(iteration) or iteration < 0:
         raise ValueError(f"state['iteration'] must be a non-negative int, got {iteration!r}")
     return cfg, iteration, checked_layouts(state["bucket_layouts"], "state['bucket_layouts']"), state["engine"]
 

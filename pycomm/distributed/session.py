@@ -37,7 +37,7 @@ from ..compressors.plugin import options_json
 from . import spec
 
 __all__ = ["EngineSession", "KEY_SPAN", "STATE_VERSION", "agree", "check_fields", "check_residual",
-           "check_residual_fields", "check_residuals", "copy_residual", "nest_legacy"]
+           "check_residual_fields", "check_residuals", "check_version", "is_int", "copy_residual", "nest_legacy"]
 
 #: Keys a session owns from its ``key_base``: ``[key_base, key_base +
 #: KEY_SPAN)``. Two sessions on one pycomm group need ranges that do not
@@ -60,7 +60,8 @@ _claims: "weakref.WeakKeyDictionary[dist.ProcessGroup, Dict[int, Tuple[int, int,
     weakref.WeakKeyDictionary()
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
+    """An int, not a bool (what a saved size or count must be)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -73,7 +74,7 @@ def check_key_base(key_base: Any, span: int = KEY_SPAN, name: str = "key_base") 
     ...
     ValueError: key_base must be in [0, 9223372036854775807 - 1048575] (keys are int64 and a session owns 1048576 of them), got 9223372036854775808
     """
-    if not _is_int(key_base):
+    if not is_int(key_base):
         raise TypeError(f"{name} must be an int, got {key_base!r}")
     if not 0 <= key_base <= MAX_KEY - (span - 1):
         raise ValueError(f"{name} must be in [0, {MAX_KEY} - {span - 1}] (keys are int64 and a session owns "
@@ -99,6 +100,31 @@ def check_fields(label: str, d: Any, fields: Sequence[str], optional: Sequence[s
         raise ValueError(f"{label} must hold the fields {list(fields)}"
                          + (f"; missing {missing}" if missing else "")
                          + (f"; unknown {unknown}" if unknown else ""))
+
+
+def check_version(where: str, owner: str, state: Any, version: int, fields: Sequence[str],
+                  optional: Sequence[str] = (), upgrade: Optional[Callable[[Dict[str, Any]], Dict[str, Any]]] = None
+                  ) -> Dict[str, Any]:
+    """A client's saved state (``where``: its name in errors) checked to be
+    ``owner``'s of ``version`` with ``fields`` (and maybe ``optional``);
+    with ``upgrade``, one of the version before is turned into this one
+    (states saved before the engine state had an entry of its own:
+    :func:`nest_legacy`). Returns the state of this version.
+
+    >>> check_version("state", "trainer", {"version": 1}, 2, ("version", "step"))
+    Traceback (most recent call last):
+    ...
+    ValueError: state['version']: not a trainer state of version 2 (got 1)
+    """
+    if upgrade is not None and isinstance(state, dict) and state.get("version") == version - 1:
+        state = dict(upgrade(state), version=version)
+    if not isinstance(state, dict) or state.get("version") != version:
+        got = state.get("version") if isinstance(state, dict) else type(state).__name__
+        older = f" or {version - 1}" if upgrade is not None else ""
+        raise ValueError(f"{where}['version']: not a{'n' if owner[0] in 'aeiou' else ''} {owner} state of version "
+                         f"{version}{older} (got {got!r})")
+    check_fields(where, state, fields, optional)
+    return state
 
 
 # ------------------------------------------------------------ residuals ---
@@ -143,7 +169,7 @@ def check_residual_fields(label: str, ef: Any) -> None:
     check_fields(label, ef, RESIDUAL_FIELDS, OPTIONAL_RESIDUAL_FIELDS)
     for name in ("numel", "world_size", "chunk_numel", *OPTIONAL_RESIDUAL_FIELDS):
         # "calls" may be 0; every value fits the engine's int64.
-        if name in ef and (not _is_int(ef[name]) or not (name != "calls") <= ef[name] <= MAX_KEY):
+        if name in ef and (not is_int(ef[name]) or not (name != "calls") <= ef[name] <= MAX_KEY):
             kind = "non-negative" if name == "calls" else "positive"
             raise ValueError(f"{label}['{name}'] must be a {kind} integer, got {ef[name]!r}")
     if not isinstance(ef["method"], str):
@@ -196,7 +222,7 @@ def check_residuals(label: str, residuals: Any, methods: Sequence[str], span: Op
     out = {}
     for key, ef in residuals.items():
         where = f"{label}[{key!r}]"
-        if not _is_int(key) or key < 0 or (span is not None and key >= span):
+        if not is_int(key) or key < 0 or (span is not None and key >= span):
             rng = "a non-negative int" if span is None else f"an int in [0, {span})"
             raise ValueError(f"{where}: a key must be {rng}")
         out[key] = check_residual(where, ef, methods, rank=rank, block_size=block_size)
@@ -657,18 +683,15 @@ class EngineSession:
         checked), and so is the rank they belong to."""
         if not isinstance(reset, bool):
             raise TypeError(f"reset_error_feedback must be a bool, got {reset!r}")
-        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
-            got = state.get("version") if isinstance(state, dict) else type(state).__name__
-            raise ValueError(f"{where}['version']: not an engine state of version {STATE_VERSION} (got {got!r})")
-        check_fields(where, state, STATE_FIELDS)
+        check_version(where, "engine", state, STATE_VERSION, STATE_FIELDS)
         world, rank = state["world_size"], state["rank"]
         if (world is None) != (rank is None):
             raise ValueError(f"{where}['world_size'] and {where}['rank'] must both be None or both ints, "
                              f"got {world!r} and {rank!r}")
         if world is not None:
-            if not _is_int(world) or world < 1:
+            if not is_int(world) or world < 1:
                 raise ValueError(f"{where}['world_size'] must be a positive int or None, got {world!r}")
-            if not _is_int(rank) or not 0 <= rank < world:
+            if not is_int(rank) or not 0 <= rank < world:
                 raise ValueError(f"{where}['rank'] must be an int in [0, {world}), got {rank!r}")
         if reset:
             return LoadedState(None, None)

@@ -90,8 +90,8 @@ from torch.optim import Optimizer
 from .. import distributed as pd
 from ..compressors.plugin import payload_nbytes
 from ..distributed import spec
-from ..distributed.session import (KEY_SPAN, EngineSession, LoadedState, agree, check_fields, check_key_base,
-                                   nest_legacy, settings_digest)
+from ..distributed.session import (KEY_SPAN, EngineSession, LoadedState, agree, check_key_base, check_version,
+                                   is_int, nest_legacy, settings_digest)
 from ._checks import _all_finite, _check_compressor, _check_int, _check_scaler, _unscale_
 from ..ddp.buckets import BucketTracker, checked_layouts
 from ..ddp.optimizer import optimizer_hook
@@ -865,19 +865,19 @@ class _CompressedMomentum(Optimizer):
         """``state_dict['pycomm']`` checked field by field (the engine
         state apart: the session's), naming the field that is wrong."""
         where = "state_dict['pycomm']"
-        if isinstance(extra, dict) and extra.get("version") == 1:
-            extra = {k: v for k, v in nest_legacy(extra, extra.get("compressor")).items() if k != "compressor"}
-            extra["version"] = _STATE_VERSION
+
+        def upgrade(old: Dict[str, Any]) -> Dict[str, Any]:
+            new = {k: v for k, v in nest_legacy(old, old.get("compressor")).items() if k != "compressor"}
             try:  # buckets were their parameters' positions; a bucket holds their elements
                 numels = [p.numel() for _, p in self._params()]
-                extra["buckets"] = {i: (sum(numels[x] for x in pos), pos) for i, pos in (extra["buckets"] or {}).items()}
-            except (AttributeError, IndexError, TypeError):
+                new["buckets"] = {i: (sum(numels[x] for x in pos), pos) for i, pos in (new["buckets"] or {}).items()}
+            except (AttributeError, IndexError, KeyError, TypeError):
                 raise ValueError(f"{where}['buckets'] must map bucket indices to parameter positions") from None
-        if not isinstance(extra, dict) or extra.get("version") != _STATE_VERSION:
-            raise ValueError(f"{where} is not a {type(self).__name__} state of version {_STATE_VERSION} or 1")
-        check_fields(where, extra, _STATE_FIELDS)
+            return new
+
+        extra = check_version(where, type(self).__name__, extra, _STATE_VERSION, _STATE_FIELDS, upgrade=upgrade)
         step_count = extra["step_count"]
-        if isinstance(step_count, bool) or not isinstance(step_count, int) or step_count < 0:
+        if not is_int(step_count) or step_count < 0:
             raise ValueError(f"{where}['step_count'] must be an int >= 0, got {step_count!r}")
         if not isinstance(extra["overlap"], bool):
             raise ValueError(f"{where}['overlap'] must be a bool, got {extra['overlap']!r}")

@@ -39,7 +39,7 @@ from torch.optim import Optimizer
 from .. import distributed as pd
 from ..compressors.plugin import payload_nbytes
 from ..distributed import spec
-from ..distributed.session import KEY_SPAN, EngineSession, agree, nest_legacy
+from ..distributed.session import KEY_SPAN, EngineSession, agree, check_version, nest_legacy
 from ._checks import _all_finite, _check_compressor, _check_float, _check_int, _unscale_
 
 __all__ = ["DILOCO_KEY_BASE", "DiLoCo"]
@@ -537,11 +537,10 @@ class DiLoCo:
         ``reset_error_feedback=True``, which starts the residuals over."""
         if not isinstance(reset_error_feedback, bool):
             raise TypeError(f"reset_error_feedback must be a bool, got {reset_error_feedback!r}")
-        extra = state_dict.get("pycomm") if isinstance(state_dict, dict) else None
-        if isinstance(extra, dict) and extra.get("version") == 1:
-            extra = dict(nest_legacy(extra, self.compressor), version=_STATE_VERSION)
-        if not isinstance(extra, dict) or extra.get("version") != _STATE_VERSION:
-            raise ValueError(f"not a DiLoCo state of version {_STATE_VERSION} or 1")
+        extra = check_version("state_dict['pycomm']", "DiLoCo",
+                              state_dict.get("pycomm") if isinstance(state_dict, dict) else None, _STATE_VERSION,
+                              ("version", "step_count", "settings", "engine"), ("syncs", "skipped_syncs", "pending"),
+                              upgrade=lambda old: nest_legacy(old, self.compressor))
         saved = extra["settings"]
         mine = self._settings()
         for name in ("sync_every", "fragments", "delay", "compressor", "error_feedback", "parameters", "outer_lr",
