@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _ext
-from ..compressors.plugin import options_json
+from ..compressors.plugin import options_json, payload_nbytes
 from . import spec
 
 __all__ = ["EngineSession", "KEY_SPAN", "STATE_VERSION", "agree", "check_fields", "check_residual",
@@ -570,6 +570,28 @@ class EngineSession:
                 )
         live[id(self)] = (lo, hi, self.owner)
         weakref.finalize(self, live.pop, id(self), None)
+
+    def wire_settings(self, device: torch.device) -> Dict[str, Any]:
+        """What :func:`spec.wire_bytes` counts this session's calls on
+        ``device`` by: the settings of its engine group (made, or a pycomm
+        group it was given), else its own, with the defaults a group would
+        take; and a registered compressor's payload size."""
+        from . import is_pycomm_group, options_of
+
+        group, s = self._engine, self.settings
+        if group is None and dist.is_initialized() and not self.private_group \
+                and is_pycomm_group(self.base_group(), device):
+            group = self.base_group()
+        if group is not None:
+            o = options_of(group, device.type)
+            out = {k: o[k] for k in ("chunk_numel", "block_size", "density", "approx")}
+        else:
+            out = {"chunk_numel": s.get("chunk_numel") or spec.default_chunk_numel(device.type, s.get("inner")),
+                   "block_size": s.get("block_size"), "density": s.get("density", 0.01),
+                   "approx": s.get("approx", True)}
+        plugin = self.compressor != spec.AUTO_METHOD and spec.method_spec(self.compressor).kind == "plugin"
+        out["payload_nbytes"] = payload_nbytes(self.compressor, s.get("compressor_options")) if plugin else None
+        return out
 
     # -- keys ------------------------------------------------------------------
     def key(self, offset: int) -> int:

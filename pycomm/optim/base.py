@@ -88,7 +88,6 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from .. import distributed as pd
-from ..compressors.plugin import payload_nbytes
 from ..distributed import spec
 from ..distributed.session import (KEY_SPAN, EngineSession, LoadedState, agree, check_key_base, check_version,
                                    is_int, nest_legacy, settings_digest)
@@ -785,18 +784,9 @@ class _CompressedMomentum(Optimizer):
             numel = sum(e.count for e in self._layout)
         else:
             numel = sum(p.numel() for _, p in self._params())
-        settings = self.compressor_settings
-        chunk = settings.get("chunk_numel")
-        if not chunk and self._engine is not None:
-            # The chunk the engine runs (its default depends on the backend it wraps).
-            chunk = pd.options_of(self._engine, self._device().type)["chunk_numel"]
         # "auto" picks per size: counted as the exact all-reduce it falls back to.
         method = spec.EXACT_METHOD if self.compressor == spec.AUTO_METHOD else self.compressor
-        chunk = chunk or spec.default_chunk_numel(self._device().type, settings.get("inner"))
-        kw = dict(chunk_numel=chunk, block_size=settings.get("block_size"),
-                  density=settings.get("density", 0.01), approx=settings.get("approx", True),
-                  payload_nbytes=payload_nbytes(method, settings.get("compressor_options"))
-                  if spec.method_spec(method).kind == "plugin" else None)
+        kw = self._session.wire_settings(self._device())
         if self._overlap and self._ddp.buckets:
             # One call per bucket (as sent in the last step), and one for the rest.
             sizes = [b[2].numel() for b in self._ddp.buckets.values()]

@@ -37,7 +37,6 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from .. import distributed as pd
-from ..compressors.plugin import payload_nbytes
 from ..distributed import spec
 from ..distributed.session import KEY_SPAN, EngineSession, agree, check_version, nest_legacy
 from ._checks import _all_finite, _check_compressor, _check_float, _check_int, _unscale_
@@ -456,30 +455,12 @@ class DiLoCo:
                 self._apply()
 
     # -- bytes and memory -------------------------------------------------------
-    def _wire_settings(self) -> Dict[str, Any]:
-        device = self.params[0].device
-        group = self._session.group
-        if group is None and dist.is_initialized() and pd.is_pycomm_group(self._plain_group(), device):
-            group = self._plain_group()
-        if group is not None:
-            o = pd.options_of(group, device.type)
-            return {"chunk_numel": o["chunk_numel"], "block_size": o["block_size"], "density": o["density"],
-                    "approx": o["approx"]}
-        s = self.compressor_settings
-        return {"chunk_numel": s.get("chunk_numel") or spec.default_chunk_numel(device.type, s.get("inner")),
-                "block_size": s.get("block_size"), "density": s.get("density", 0.01),
-                "approx": s.get("approx", True)}
-
     def bytes_per_sync(self, world_size: Optional[int] = None) -> int:
         """Bytes this rank sends to sync every fragment once (one all-reduce
         per fragment, ``spec.wire_bytes``); ``world_size``: the group's."""
         world = dist.get_world_size(self._plain_group()) if world_size is None else world_size
-        settings = self._wire_settings()
-        payload = None
-        if spec.method_spec(self.compressor).kind == "plugin":
-            payload = payload_nbytes(self.compressor, self.compressor_settings.get("compressor_options"))
-        return sum(spec.wire_bytes(self.compressor, n, world, payload_nbytes=payload, **settings)
-                   for n in self.fragment_sizes())
+        settings = self._session.wire_settings(self.params[0].device)
+        return sum(spec.wire_bytes(self.compressor, n, world, **settings) for n in self.fragment_sizes())
 
     def bytes_per_step(self, world_size: Optional[int] = None) -> float:
         """Bytes this rank sends per inner step, on average: :meth:`bytes_per_sync` / H."""
@@ -549,7 +530,7 @@ class DiLoCo:
                 raise ValueError(f"cannot load this DiLoCo state: it was saved with {name}={saved.get(name)!r}, "
                                  f"this DiLoCo has {name}={mine[name]!r}")
         loaded = self._session.check_state(extra.get("engine"), "state_dict['pycomm']['engine']", reset_error_feedback,
-                                           span=self.fragments, chunk_numel=self._wire_settings()["chunk_numel"])
+                                           span=self.fragments, chunk_numel=self._session.wire_settings(self.params[0].device)["chunk_numel"])
         anchors = state_dict["anchor"]
         if len(anchors) != len(self.anchor) or any(
                 not isinstance(s, torch.Tensor) or s.shape != a.shape for s, a in zip(anchors, self.anchor)):
