@@ -304,6 +304,55 @@ def test_construction_refuses_what_diloco_cannot_sync():
     assert opt.fragment_sizes() == [256, 16]
 
 
+def _with(state, path, value):
+    """A deep copy of ``state`` with the entry at ``path`` set to
+    ``value`` (removed when ``value`` is ``_GONE``)."""
+    state = copy.deepcopy(state)
+    *up, last = path
+    d = state
+    for k in up:
+        d = d[k]
+    if value is _GONE:
+        del d[last]
+    else:
+        d[last] = value
+    return state
+
+
+_GONE = object()
+_N0 = 161  # fragment 0 of _model() with fragments=1: every parameter
+_PENDING = {"fragment": 0, "apply_at": 9, "average": torch.zeros(_N0), "local": torch.zeros(_N0)}
+
+
+@pytest.mark.parametrize("path, value, match", [
+    (("anchor",), _GONE, r"state_dict must hold the fields .*missing \['anchor'\]"),
+    (("anchor",), [torch.zeros(3)], r"anchor tensors are not this DiLoCo's parameters"),
+    (("anchor", 0), torch.full((16, 8), float("nan")), r"state_dict\['anchor'\]\[0\] holds a non-finite value"),
+    (("pycomm", "settings"), 3, r"state_dict\['pycomm'\]\['settings'\] must be a dict, got int"),
+    (("pycomm", "step_count"), -1, r"\['step_count'\] must be a non-negative int, got -1"),
+    (("pycomm", "syncs"), "2", r"\['syncs'\] must be a non-negative int, got '2'"),
+    (("pycomm", "pending"), {"fragment": 0}, r"\['pending'\] must hold the fields .*missing"),
+    (("pycomm", "pending"), dict(_PENDING, fragment=1), r"\['pending'\] must name a fragment in \[0, 1\)"),
+    (("pycomm", "pending"), dict(_PENDING, average=torch.zeros(7)), r"\['average'\] must be fragment 0's 161 finite"),
+    (("pycomm", "pending"), dict(_PENDING, local=None), r"\['local'\] must be fragment 0's 161 finite floats, got NoneType"),
+    (("pycomm", "pending"), dict(_PENDING, average=torch.full((_N0,), float("inf"))), r"\['average'\] must be"),
+])
+def test_a_malformed_state_is_refused_whole_naming_the_field(path, value, match):
+    model = _model()
+    opt = _build(model, delay=1)
+    good = _with(opt.state_dict(), ("pycomm", "pending"), _PENDING)
+    opt.load_state_dict(good)  # the well-formed state loads, its sync in flight too
+    assert opt._pending == {"fragment": 0, "apply_at": 9} and opt.step_count == 0
+    opt._pending, opt.step_count = None, 5
+    before = ([a.clone() for a in opt.anchor], copy.deepcopy(opt.inner.state_dict()))
+    with pytest.raises((TypeError, ValueError), match=match):
+        opt.load_state_dict(_with(good, path, value))
+    # Refused before anything changed.
+    assert opt.step_count == 5 and opt._pending is None
+    assert all(torch.equal(a, b) for a, b in zip(before[0], opt.anchor))
+    assert opt.inner.state_dict() == before[1]
+
+
 class _FailedWork:
     def wait(self):
         raise RuntimeError("connection closed by peer")

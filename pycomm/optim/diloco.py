@@ -38,7 +38,7 @@ from torch.optim import Optimizer
 
 from .. import distributed as pd
 from ..distributed import spec
-from ..distributed.session import KEY_SPAN, EngineSession, agree, check_version, nest_legacy
+from ..distributed.session import KEY_SPAN, EngineSession, agree, check_fields, check_version, is_int, nest_legacy
 from ._checks import _all_finite, _check_compressor, _check_float, _check_int, _unscale_
 
 __all__ = ["DILOCO_KEY_BASE", "DiLoCo"]
@@ -518,41 +518,72 @@ class DiLoCo:
         ``reset_error_feedback=True``, which starts the residuals over."""
         if not isinstance(reset_error_feedback, bool):
             raise TypeError(f"reset_error_feedback must be a bool, got {reset_error_feedback!r}")
-        extra = check_version("state_dict['pycomm']", "DiLoCo",
-                              state_dict.get("pycomm") if isinstance(state_dict, dict) else None, _STATE_VERSION,
-                              ("version", "step_count", "settings", "engine"), ("syncs", "skipped_syncs", "pending"),
-                              upgrade=lambda old: nest_legacy(old, self.compressor))
-        saved = extra["settings"]
-        mine = self._settings()
-        for name in ("sync_every", "fragments", "delay", "compressor", "error_feedback", "parameters", "outer_lr",
-                     "outer_momentum", "nesterov"):
-            if saved.get(name) != mine[name]:
-                raise ValueError(f"cannot load this DiLoCo state: it was saved with {name}={saved.get(name)!r}, "
-                                 f"this DiLoCo has {name}={mine[name]!r}")
-        loaded = self._session.check_state(extra.get("engine"), "state_dict['pycomm']['engine']", reset_error_feedback,
-                                           span=self.fragments, chunk_numel=self._session.wire_settings(self.params[0].device)["chunk_numel"])
-        anchors = state_dict["anchor"]
-        if len(anchors) != len(self.anchor) or any(
-                not isinstance(s, torch.Tensor) or s.shape != a.shape for s, a in zip(anchors, self.anchor)):
-            raise ValueError(f"cannot load this DiLoCo state: its anchor tensors are not this DiLoCo's parameters "
-                             f"({len(anchors)} tensors, this DiLoCo has {len(self.anchor)} of other shapes)")
+        extra = self._checked_state(state_dict)
+        loaded = self._session.check_state(extra["engine"], "state_dict['pycomm']['engine']", reset_error_feedback,
+                                           span=self.fragments,
+                                           chunk_numel=self._session.wire_settings(self.params[0].device)["chunk_numel"])
         # Every check above changed nothing; then the engine, then torch's loads.
         self._session.load_state_then(loaded, lambda: self.inner.load_state_dict(state_dict["inner"]),
                                       lambda: self.outer.load_state_dict(state_dict["outer"]))
         self._drop_pending()
         self._checked = False  # the ranks compare the loaded step count and anchor at the next step
-        for a, s in zip(self.anchor, anchors):
+        for a, s in zip(self.anchor, state_dict["anchor"]):
             a.copy_(s)
-        self.step_count = int(extra["step_count"])
-        self.syncs = int(extra.get("syncs", 0))
-        self.skipped_syncs = int(extra.get("skipped_syncs", 0))
+        self.step_count, self.syncs, self.skipped_syncs = (extra.get(k, 0) for k in ("step_count", "syncs",
+                                                                                     "skipped_syncs"))
         pending = extra.get("pending")
         if pending is not None:
             n = pending["average"].numel()
             self._buf[:n].copy_(pending["average"])
             if self._local is not None:
                 self._local[:n].copy_(pending["local"])
-            self._pending = {"fragment": int(pending["fragment"]), "apply_at": int(pending["apply_at"])}
+            self._pending = {"fragment": pending["fragment"], "apply_at": pending["apply_at"]}
+
+    def _checked_state(self, state_dict: Any) -> Dict[str, Any]:
+        """``state_dict``'s own fields (the engine state apart: the
+        session's; the inner and outer states: torch's) checked, before
+        anything changes, naming the field; returns its ``"pycomm"`` entry.
+        A loaded anchor or sync in flight must be finite: it would spread
+        to every parameter at the next sync."""
+        check_fields("state_dict", state_dict, ("inner", "outer", "anchor", "pycomm"))
+        where = "state_dict['pycomm']"
+        extra = check_version(where, "DiLoCo", state_dict["pycomm"], _STATE_VERSION,
+                              ("version", "step_count", "settings", "engine"), ("syncs", "skipped_syncs", "pending"),
+                              upgrade=lambda old: nest_legacy(old, self.compressor))
+        for name in ("step_count", "syncs", "skipped_syncs"):
+            if name in extra and (not is_int(extra[name]) or extra[name] < 0):
+                raise ValueError(f"{where}[{name!r}] must be a non-negative int, got {extra[name]!r}")
+        saved, mine = extra["settings"], self._settings()
+        if not isinstance(saved, dict):
+            raise TypeError(f"{where}['settings'] must be a dict, got {type(saved).__name__}")
+        for name in ("sync_every", "fragments", "delay", "compressor", "error_feedback", "parameters", "outer_lr",
+                     "outer_momentum", "nesterov"):
+            if saved.get(name) != mine[name]:
+                raise ValueError(f"cannot load this DiLoCo state: it was saved with {name}={saved.get(name)!r}, "
+                                 f"this DiLoCo has {name}={mine[name]!r}")
+        anchors = state_dict["anchor"]
+        if not isinstance(anchors, (list, tuple)) or len(anchors) != len(self.anchor) or any(
+                not isinstance(s, torch.Tensor) or s.shape != a.shape for s, a in zip(anchors, self.anchor)):
+            raise ValueError(f"cannot load this DiLoCo state: its anchor tensors are not this DiLoCo's parameters "
+                             f"(this DiLoCo has {len(self.anchor)} of shapes {[tuple(a.shape) for a in self.anchor]})")
+        for i, s in enumerate(anchors):
+            if not _all_finite(s):
+                raise ValueError(f"state_dict['anchor'][{i}] holds a non-finite value")
+        pending = extra.get("pending")
+        if pending is not None:
+            check_fields(f"{where}['pending']", pending, ("fragment", "apply_at", "average", "local"))
+            f = pending["fragment"]
+            if not is_int(f) or not 0 <= f < self.fragments or not is_int(pending["apply_at"]):
+                raise ValueError(f"{where}['pending'] must name a fragment in [0, {self.fragments}) and the step to "
+                                 f"apply it at, got fragment={f!r}, apply_at={pending['apply_at']!r}")
+            n = self.fragment_sizes()[f]
+            for name in ("average", "local") if self._local is not None else ("average",):
+                t = pending[name]
+                if not isinstance(t, torch.Tensor) or t.shape != (n,) or not t.is_floating_point() or not _all_finite(t):
+                    raise ValueError(f"{where}['pending'][{name!r}] must be fragment {f}'s {n} finite floats, got "
+                                     + (f"a {t.dtype} tensor of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor)
+                                        else type(t).__name__))
+        return extra
 
     def _drop_pending(self) -> None:
         """Drop the sync in flight without applying it (after waiting for
