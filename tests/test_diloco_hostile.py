@@ -332,7 +332,7 @@ _PENDING = {"fragment": 0, "apply_at": 9, "average": torch.zeros(_N0), "local": 
     (("pycomm", "step_count"), -1, r"\['step_count'\] must be a non-negative int, got -1"),
     (("pycomm", "syncs"), "2", r"\['syncs'\] must be a non-negative int, got '2'"),
     (("pycomm", "pending"), {"fragment": 0}, r"\['pending'\] must hold the fields .*missing"),
-    (("pycomm", "pending"), dict(_PENDING, fragment=1), r"\['pending'\] must name a fragment in \[0, 1\)"),
+    (("pycomm", "pending"), dict(_PENDING, fragment=1), r"\['pending'\]\['fragment'\] must be an int in \[0, 1\), got 1"),
     (("pycomm", "pending"), dict(_PENDING, average=torch.zeros(7)), r"\['average'\] must be fragment 0's 161 finite"),
     (("pycomm", "pending"), dict(_PENDING, local=None), r"\['local'\] must be fragment 0's 161 finite floats, got NoneType"),
     (("pycomm", "pending"), dict(_PENDING, average=torch.full((_N0,), float("inf"))), r"\['average'\] must be"),

@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Tu
 import torch
 import torch.distributed as dist
 
-from ..distributed.session import is_int
+from ..distributed.session import check_int
 
 __all__ = ["BucketLayout", "BucketTracker", "checked_layouts", "failed", "result"]
 
@@ -124,18 +124,15 @@ def checked_layouts(layouts: Any, where: str) -> Dict[int, BucketLayout]:
     owner: Dict[int, int] = {}  # parameter position -> bucket
     for index, value in layouts.items():
         label = f"{where}[{index!r}]"
-        if not is_int(index) or index < 0:
-            raise ValueError(f"{label}: a key must be a bucket index (a non-negative int)")
+        check_int(f"{label}: a key (a bucket index)", index)
         if not isinstance(value, (list, tuple)) or len(value) != 2:
             raise ValueError(f"{label} must be (numel, [parameter positions]), got {value!r}")
         numel, positions = value
-        if not is_int(numel) or numel < 1:
-            raise ValueError(f"{label}: numel must be a positive int, got {numel!r}")
+        check_int(f"{label}: numel", numel, 1)
         if not isinstance(positions, (list, tuple)) or not positions:
             raise ValueError(f"{label}: the parameter positions must be a non-empty list, got {positions!r}")
         for p in positions:
-            if not is_int(p) or p < 0:
-                raise ValueError(f"{label}: a parameter position must be a non-negative int, got {p!r}")
+            check_int(f"{label}: a parameter position", p)
             if p in owner:
                 raise ValueError(f"{label}: parameter {p} is also in bucket {owner[p]}")
             owner[p] = index

@@ -60,7 +60,7 @@ import torch.distributed as dist
 
 from .. import distributed as pd
 from ..distributed.spec import is_plugin
-from ..distributed.session import EngineSession, agree, check_fields, check_version, is_int, nest_legacy
+from ..distributed.session import EngineSession, agree, check_fields, check_int, check_version, is_int, nest_legacy
 from .buckets import BucketLayout, BucketTracker, checked_layouts, failed, result
 from ..distributed.spec import AUTO_METHOD, EF_METHODS, EXACT_METHOD, GROUP_METHODS, check_mode, error_feedback_for
 
@@ -441,9 +441,7 @@ def _checked_state(state: Any):
 
     state = check_version("state", "CompressionState", state, _STATE_VERSION, _STATE_FIELDS, upgrade=upgrade)
     cfg = _checked_config(state["config"], "state['config']")
-    iteration = state["iteration"]
-    if not is_int(iteration) or iteration < 0:
-        raise ValueError(f"state['iteration'] must be a non-negative int, got {iteration!r}")
+    iteration = check_int("state['iteration']", state["iteration"])
     return cfg, iteration, checked_layouts(state["bucket_layouts"], "state['bucket_layouts']"), state["engine"]
 
 

@@ -36,7 +36,7 @@ from .. import _ext
 from ..compressors.plugin import options_json, payload_nbytes
 from . import spec
 
-__all__ = ["EngineSession", "KEY_SPAN", "STATE_VERSION", "agree", "check_fields", "check_residual",
+__all__ = ["EngineSession", "KEY_SPAN", "STATE_VERSION", "agree", "check_fields", "check_int", "check_residual",
            "check_residual_fields", "check_residuals", "check_version", "is_int", "copy_residual", "nest_legacy"]
 
 #: Keys a session owns from its ``key_base``: ``[key_base, key_base +
@@ -63,6 +63,23 @@ _claims: "weakref.WeakKeyDictionary[dist.ProcessGroup, Dict[int, Tuple[int, int,
 def is_int(value: Any) -> bool:
     """An int, not a bool (what a saved size or count must be)."""
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_int(where: str, value: Any, lo: int = 0, hi: Optional[int] = None) -> int:
+    """``value``, an int (not a bool) in ``[lo, hi)`` (no upper bound when
+    ``hi`` is None): what a saved count, size, rank or key must be; raises
+    ValueError naming ``where``.
+
+    >>> check_int("state['rank']", 2, 0, 2)
+    Traceback (most recent call last):
+    ...
+    ValueError: state['rank'] must be an int in [0, 2), got 2
+    """
+    if not is_int(value) or value < lo or (hi is not None and value >= hi):
+        what = f"an int in [{lo}, {hi})" if hi is not None else {0: "a non-negative int", 1: "a positive int"}.get(
+            lo, f"an int >= {lo}")
+        raise ValueError(f"{where} must be {what}, got {value!r}")
+    return value
 
 
 def check_key_base(key_base: Any, span: int = KEY_SPAN, name: str = "key_base") -> int:
@@ -222,9 +239,7 @@ def check_residuals(label: str, residuals: Any, methods: Sequence[str], span: Op
     out = {}
     for key, ef in residuals.items():
         where = f"{label}[{key!r}]"
-        if not is_int(key) or key < 0 or (span is not None and key >= span):
-            rng = "a non-negative int" if span is None else f"an int in [0, {span})"
-            raise ValueError(f"{where}: a key must be {rng}")
+        check_int(f"{where}: a key", key, 0, span)
         out[key] = check_residual(where, ef, methods, rank=rank, block_size=block_size)
     return out
 
@@ -711,10 +726,7 @@ class EngineSession:
             raise ValueError(f"{where}['world_size'] and {where}['rank'] must both be None or both ints, "
                              f"got {world!r} and {rank!r}")
         if world is not None:
-            if not is_int(world) or world < 1:
-                raise ValueError(f"{where}['world_size'] must be a positive int or None, got {world!r}")
-            if not is_int(rank) or not 0 <= rank < world:
-                raise ValueError(f"{where}['rank'] must be an int in [0, {world}), got {rank!r}")
+            check_int(f"{where}['rank']", rank, 0, check_int(f"{where}['world_size']", world, 1))
         if reset:
             return LoadedState(None, None)
         residuals = state["residuals"]

@@ -89,8 +89,8 @@ from torch.optim import Optimizer
 
 from .. import distributed as pd
 from ..distributed import spec
-from ..distributed.session import (KEY_SPAN, EngineSession, LoadedState, agree, check_key_base, check_version,
-                                   is_int, nest_legacy, settings_digest)
+from ..distributed.session import (KEY_SPAN, EngineSession, LoadedState, agree, check_int, check_key_base,
+                                   check_version, nest_legacy, settings_digest)
 from ._checks import _all_finite, _check_compressor, _check_int, _check_scaler, _unscale_
 from ..ddp.buckets import BucketTracker, checked_layouts
 from ..ddp.optimizer import optimizer_hook
@@ -866,9 +866,7 @@ class _CompressedMomentum(Optimizer):
             return new
 
         extra = check_version(where, type(self).__name__, extra, _STATE_VERSION, _STATE_FIELDS, upgrade=upgrade)
-        step_count = extra["step_count"]
-        if not is_int(step_count) or step_count < 0:
-            raise ValueError(f"{where}['step_count'] must be an int >= 0, got {step_count!r}")
+        check_int(f"{where}['step_count']", extra["step_count"])
         if not isinstance(extra["overlap"], bool):
             raise ValueError(f"{where}['overlap'] must be a bool, got {extra['overlap']!r}")
         return dict(extra, buckets=checked_layouts(extra["buckets"], f"{where}['buckets']"))

@@ -38,7 +38,7 @@ from torch.optim import Optimizer
 
 from .. import distributed as pd
 from ..distributed import spec
-from ..distributed.session import KEY_SPAN, EngineSession, agree, check_fields, check_version, is_int, nest_legacy
+from ..distributed.session import KEY_SPAN, EngineSession, agree, check_fields, check_int, check_version, nest_legacy
 from ._checks import _all_finite, _check_compressor, _check_float, _check_int, _unscale_
 
 __all__ = ["DILOCO_KEY_BASE", "DiLoCo"]
@@ -550,9 +550,8 @@ class DiLoCo:
         extra = check_version(where, "DiLoCo", state_dict["pycomm"], _STATE_VERSION,
                               ("version", "step_count", "settings", "engine"), ("syncs", "skipped_syncs", "pending"),
                               upgrade=lambda old: nest_legacy(old, self.compressor))
-        for name in ("step_count", "syncs", "skipped_syncs"):
-            if name in extra and (not is_int(extra[name]) or extra[name] < 0):
-                raise ValueError(f"{where}[{name!r}] must be a non-negative int, got {extra[name]!r}")
+        for name in [n for n in ("step_count", "syncs", "skipped_syncs") if n in extra]:
+            check_int(f"{where}[{name!r}]", extra[name])
         saved, mine = extra["settings"], self._settings()
         if not isinstance(saved, dict):
             raise TypeError(f"{where}['settings'] must be a dict, got {type(saved).__name__}")
@@ -572,10 +571,8 @@ class DiLoCo:
         pending = extra.get("pending")
         if pending is not None:
             check_fields(f"{where}['pending']", pending, ("fragment", "apply_at", "average", "local"))
-            f = pending["fragment"]
-            if not is_int(f) or not 0 <= f < self.fragments or not is_int(pending["apply_at"]):
-                raise ValueError(f"{where}['pending'] must name a fragment in [0, {self.fragments}) and the step to "
-                                 f"apply it at, got fragment={f!r}, apply_at={pending['apply_at']!r}")
+            f = check_int(f"{where}['pending']['fragment']", pending["fragment"], 0, self.fragments)
+            check_int(f"{where}['pending']['apply_at']", pending["apply_at"])
             n = self.fragment_sizes()[f]
             for name in ("average", "local") if self._local is not None else ("average",):
                 t = pending[name]
