@@ -6,12 +6,15 @@ already taken off is refused."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
 from _dist import run_ranks
 
 import pycomm._ext as ext
+from pycomm.optim import OneBitAdam
 
 pytestmark = pytest.mark.skipif(ext.why_no_cpu_ops() is not None, reason=str(ext.why_no_cpu_ops()))
 WORLD = 2
@@ -304,3 +307,22 @@ def test_sharded_parameters_and_sparse_gradients_are_refused_naming_the_fix():
         assert "pycomm.fsdp.compress" in out["dtensor"], out["dtensor"]
         assert out["sparse"] is not None and "takes dense gradients" in out["sparse"], out["sparse"]
         assert "nn.Embedding(sparse=True)" in out["sparse"] and out["sparse unchanged"]
+
+
+def test_a_loaded_state_brings_its_warm_up_and_a_malformed_one_changes_nothing():
+    torch.manual_seed(0)
+    net = torch.nn.Linear(8, 4)
+    saved = OneBitAdam(net.parameters(), lr=1e-3, warmup_steps=5).state_dict()
+    opt = OneBitAdam(net.parameters(), lr=1e-3, warmup_steps=2)
+    with pytest.warns(UserWarning, match=r"warmup_steps=5 \(was 2\)"):
+        opt.load_state_dict(saved)
+    assert opt.warmup_steps == 5
+    for bad, match in ((0, r"\['warmup_steps'\] must be a positive int, got 0"),
+                       ("5", r"\['warmup_steps'\] must be a positive int, got '5'"),
+                       (-1, r"\['step_count'\] must be a non-negative int, got -1")):
+        state = copy.deepcopy(saved)
+        state["pycomm"]["warmup_steps" if bad != -1 else "step_count"] = bad
+        opt.step_count = 3
+        with pytest.raises(ValueError, match=match):
+            opt.load_state_dict(state)
+        assert opt.warmup_steps == 5 and opt.step_count == 3

@@ -816,7 +816,8 @@ class _CompressedMomentum(Optimizer):
         that rank) unless ``reset_error_feedback=True``, which keeps
         everything but the residuals (they start from zero). A plain torch
         AdamW / SGD state loads too (no residuals; the step count is taken
-        from the parameters' ``step``)."""
+        from the parameters' ``step``). The saved ``warmup_steps`` replaces
+        the constructor's, with a warning when they differ."""
         if not isinstance(reset_error_feedback, bool):
             raise TypeError(f"reset_error_feedback must be a bool, got {reset_error_feedback!r}")
         if not isinstance(state_dict, dict):
@@ -839,6 +840,12 @@ class _CompressedMomentum(Optimizer):
         self._after_load()
         if extra is not None:
             self.step_count = extra["step_count"]
+            if extra["warmup_steps"] != self.warmup_steps:
+                # The saved warm-up decides (a resumed run freezes its
+                # statistics at the same step); said, not silent.
+                warnings.warn(f"{type(self).__name__}.load_state_dict: the loaded state runs warmup_steps="
+                              f"{extra['warmup_steps']} (was {self.warmup_steps})", UserWarning, stacklevel=2)
+                self.warmup_steps = extra["warmup_steps"]
         else:
             steps = [int(s["step"]) for s in self.state.values() if "step" in s]
             self.step_count = max(steps, default=0)
@@ -867,6 +874,7 @@ class _CompressedMomentum(Optimizer):
 
         extra = check_version(where, type(self).__name__, extra, _STATE_VERSION, _STATE_FIELDS, upgrade=upgrade)
         check_int(f"{where}['step_count']", extra["step_count"])
+        check_int(f"{where}['warmup_steps']", extra["warmup_steps"], 1)
         if not isinstance(extra["overlap"], bool):
             raise ValueError(f"{where}['overlap'] must be a bool, got {extra['overlap']!r}")
         return dict(extra, buckets=checked_layouts(extra["buckets"], f"{where}['buckets']"))
