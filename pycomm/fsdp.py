@@ -307,8 +307,17 @@ class FSDPCompression:
         if name not in state:
             raise ValueError(f"pycomm.fsdp: the state holds no residuals for {name} (it holds {sorted(state)}): "
                              f"residuals are per rank, and resume at the world size they were saved at")
-        data = state[name]
-        saved = torch.load(io.BytesIO(data), weights_only=False) if isinstance(data, (bytes, bytearray)) else data
+        saved = state[name]
+        if isinstance(saved, (bytes, bytearray)):
+            try:  # tensors, numbers, strings and containers only: a checkpoint runs no code
+                saved = torch.load(io.BytesIO(saved), weights_only=True)
+            except Exception as exc:  # noqa: BLE001 - torch.load raises pickle's, zipfile's or its own errors
+                # torch's text advises weights_only=False; keep only its reason.
+                why = (str(exc).partition("WeightsUnpickler error:")[2].strip().split("\n")[0].partition(". Please")[0]
+                       or str(exc)[:200])
+                raise ValueError(f"pycomm.fsdp: state[{name!r}] is not a pycomm.fsdp state_dict(): it holds other "
+                                 f"than tensors, numbers, strings and containers, or is no torch.save data "
+                                 f"({type(exc).__name__}: {why})") from None
         if isinstance(saved, dict) and "residuals" in saved:  # saved before the engine state had an entry
             saved = nest_legacy({"world_size": saved.get("world_size"), "rank": dist.get_rank(),
                                  "error_feedback": saved["residuals"], "keys": saved.get("keys")}, self.compressor)

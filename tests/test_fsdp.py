@@ -10,6 +10,7 @@ replicate all-reduce, and unsupported setups are refused."""
 
 from __future__ import annotations
 
+import io
 import math
 import types
 
@@ -98,6 +99,20 @@ def _shards(m):
     return [p.to_local().detach().clone() for p in m.parameters()]
 
 
+class _Evil:
+    """An object a weights_only load refuses: a checkpoint holding it would
+    run its class's code when unpickled."""
+
+
+def _refusal(fn):
+    """The ValueError ``fn()`` raises (None if it returns)."""
+    try:
+        fn()
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 def _rank(rank, world, names, ckpt):
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -153,6 +168,12 @@ def _rank(rank, world, names, ckpt):
     for s in range(2, 4):
         _step(m2, opt2, s, rank)
     out["resume/second"] = _shards(m2)
+    # Bytes that are not a saved state (or would run code when unpickled): refused, naming the entry.
+    evil = io.BytesIO()
+    torch.save({"keys": comp2.keys, "engine": _Evil()}, evil)
+    out["resume/refused"] = [_refusal(lambda: comp2.load_state_dict({k: data}))
+                             for k, data in ((f"rank{rank}_of_{world}", b"not a checkpoint"),
+                                             (f"rank{rank}_of_{world}", evil.getvalue()))]
 
     # A call that differs between ranks: refused on every rank, naming the module.
     n = 64 * (rank + 1)
@@ -261,6 +282,10 @@ def test_resume_is_bit_exact(results):
         # Each rank's entry names the world size: a load at another one is
         # refused by DCP naming a key that says so.
         assert results[2][r]["dcp_keys"] == ["pycomm.rank0_of_2", "pycomm.rank1_of_2"]
+        garbage, evil = results[2][r]["resume/refused"]
+        assert f"state['rank{r}_of_2'] is not a pycomm.fsdp state_dict()" in garbage, garbage
+        assert "(UnpicklingError: Unsupported global: GLOBAL" in evil and "_Evil" in evil, evil
+        assert "weights_only" not in garbage + evil  # torch's advice to load unsafely is not passed on
 
 
 def test_nonfinite_step_leaves_residuals(results):
