@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-import json
 import logging
 import os
 from dataclasses import dataclass, fields
@@ -223,9 +222,13 @@ def _create_backend(dist_opts: Any, options: Optional[PycommOptions]) -> Any:
         nccl_opts._timeout = timeout
         return dist.ProcessGroupNCCL(sub_store, sub_rank, sub_size, nccl_opts)
 
-    inner = make(store, rank, size)
-    _check_same_options(inner, options, size, "cuda" if inner_name == "nccl" else "cpu")
-    local = _agreed_ranks_per_node(inner, options.hierarchy, rank, size, "cuda" if inner_name == "nccl" else "cpu")
+    from .session import agree  # the session imports this module
+
+    inner, device = make(store, rank, size), "cuda" if inner_name == "nccl" else "cpu"
+    shared = {name: getattr(options, name) for name in _SHARED_OPTIONS}
+    agree("the pycomm group", dict(shared, check_calls=check_mode(options.check_calls)), inner, device,
+          fix="Every rank must create it with the same options")
+    local = _agreed_ranks_per_node(inner, options.hierarchy, rank, size, device)
     intra = inter = None
     if local > 1:
         node, local_rank = divmod(rank, local)
@@ -248,7 +251,7 @@ def _create_backend(dist_opts: Any, options: Optional[PycommOptions]) -> Any:
     if options.compressor == AUTO_METHOD:
         from .auto import calibrate
 
-        calibrate(backend, options, "cuda" if inner_name == "nccl" else "cpu")
+        calibrate(backend, options, device)
     return backend
 
 
@@ -256,36 +259,9 @@ def _create_backend(dist_opts: Any, options: Optional[PycommOptions]) -> Any:
 #: check does not compare (it names the method, chunk, block size, density,
 #: approx and rounding of each call): differing, they would hang the group
 #: (one rank compresses or checks a call the other forwards) or show only as
-#: two hashes (a registered compressor's options). Compared at creation.
+#: two hashes (a registered compressor's options). Compared at creation,
+#: over the inner backend (the group does not exist yet).
 _SHARED_OPTIONS = ("inner", "min_compress_numel", "check_calls", "compressor_options")
-
-
-def _check_same_options(inner: Any, options: PycommOptions, size: int, device: str) -> None:
-    """Raise on every rank when the ranks created this group with different
-    :data:`_SHARED_OPTIONS`, naming each and every rank's value. Two small
-    collectives, once per group."""
-    if size == 1:
-        return
-    mine = {name: getattr(options, name) for name in _SHARED_OPTIONS}
-    mine["check_calls"] = check_mode(options.check_calls)
-    text = json.dumps(mine, sort_keys=True, default=repr).encode()
-    length = torch.tensor([len(text)], dtype=torch.int64, device=device)
-    opts = dist.AllreduceOptions()
-    opts.reduceOp = dist.ReduceOp.MAX
-    inner.allreduce([length], opts).wait()
-    buf = torch.zeros(int(length[0]), dtype=torch.uint8)
-    buf[:len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
-    buf = buf.to(device)
-    every = [torch.empty_like(buf) for _ in range(size)]
-    inner.allgather([every], [buf]).wait()
-    texts = [bytes(t.cpu().tolist()).rstrip(b"\0") for t in every]
-    if all(t == texts[0] for t in texts):
-        return
-    theirs = [json.loads(t) for t in texts]
-    diff = [k for k in _SHARED_OPTIONS if any(o.get(k) != theirs[0].get(k) for o in theirs)]
-    raise ValueError("the ranks created this pycomm group with different settings: "
-                     + "; ".join(f"{k} (" + ", ".join(f"rank {r}: {o.get(k)!r}" for r, o in enumerate(theirs)) + ")"
-                                 for k in diff))
 
 
 def _agreed_ranks_per_node(inner: Any, hierarchy: Union[str, int], rank: int, size: int, device: str) -> int:

@@ -26,6 +26,7 @@ Example::
 from __future__ import annotations
 
 import hashlib
+import json
 import weakref
 from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -279,35 +280,54 @@ def settings_digest(settings: Dict[str, Any]) -> int:
     return int.from_bytes(hashlib.sha1(repr(sorted(settings.items())).encode()).digest()[:7], "little")
 
 
-def agree(owner: str, settings: Dict[str, Any], group: dist.ProcessGroup, device: torch.device) -> None:
+def agree(owner: str, settings: Dict[str, Any], group: Any, device: Any,
+          fix: str = "Every rank must build, attach and load it alike") -> None:
     """Raise on every rank of ``group`` when the ranks' ``settings`` (a
     dict by the names users know them by) differ, naming each setting that
     differs and every rank's value. One int64 per rank on the wire (a digest
-    of the settings, and its negation); the settings themselves only when
-    the digests differ. A collective: every rank of ``group`` calls it at
-    the same point."""
-    world = dist.get_world_size(group)
+    of the settings, and its negation); the settings themselves (as JSON)
+    only when the digests differ. ``group``: a ProcessGroup, or a backend
+    (a pycomm group's inner one, compared before the group exists);
+    ``fix``: what the error tells the user to do. A collective: every rank
+    of ``group`` calls it at the same point."""
+    world = group.size()
     if world < 2:
         return
     digest = settings_digest(settings)
     # max(d) == -max(-d) = min(d): every rank's digest is the same. One
-    # all-reduce, exact (int64) in every backend; torch 2.13 deprecates
-    # all_gather_into_tensor with a warning, and 2.11 lacks its successor.
-    both = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
-    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    # all-reduce, exact (int64) in every backend.
+    both = _all_reduce_max(group, torch.tensor([digest, -digest], dtype=torch.int64, device=device))
     if int(both[0]) == -int(both[1]):
         return
-    theirs: List[Any] = [None] * world
-    dist.all_gather_object(theirs, settings, group=group)
-    diff = [k for k in settings if any(t.get(k) != settings[k] for t in theirs)]
+    text = json.dumps(settings, sort_keys=True, default=repr).encode()
+    buf = torch.zeros(int(_all_reduce_max(group, torch.tensor([len(text)], device=device))[0]), dtype=torch.uint8)
+    buf[:len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+    buf = buf.to(device)
+    every = [torch.empty_like(buf) for _ in range(world)]
+    if isinstance(group, dist.ProcessGroup):
+        dist.all_gather(every, buf, group=group)
+    else:
+        group.allgather([every], [buf]).wait()
+    theirs = [json.loads(bytes(t.cpu().tolist()).rstrip(b"\0")) for t in every]
+    diff = [k for k in settings if any(t.get(k) != theirs[0].get(k) for t in theirs)]
     if not diff:
         return  # equal values printed differently (density 1 and 1.0; one dict in two key orders) run alike
     raise ValueError(
         f"{owner}: the ranks disagree on "
         + "; ".join(f"{k} (" + ", ".join(f"rank {r}: {t.get(k)!r}" for r, t in enumerate(theirs)) + ")"
                     for k in diff)
-        + ". Every rank must build, attach and load it alike. Nothing was changed."
+        + f". {fix}. Nothing was changed."
     )
+
+
+def _all_reduce_max(group: Any, t: torch.Tensor) -> torch.Tensor:
+    if isinstance(group, dist.ProcessGroup):
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    else:  # a backend whose group does not exist yet
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MAX
+        group.allreduce([t], opts).wait()
+    return t
 
 
 #: Per process: how often each (owner, key_base) checked its group (the
