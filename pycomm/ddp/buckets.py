@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Tu
 import torch
 import torch.distributed as dist
 
-from ..distributed.session import check_int
+from ..distributed.checks import check_int
 
 __all__ = ["BucketLayout", "BucketTracker", "checked_layouts", "failed", "result"]
 

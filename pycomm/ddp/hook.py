@@ -60,7 +60,8 @@ import torch.distributed as dist
 
 from .. import distributed as pd
 from ..distributed.spec import is_plugin
-from ..distributed.session import EngineSession, agree, check_fields, check_int, check_version, is_int, nest_legacy
+from ..distributed.checks import agree, check_fields, check_int, is_int
+from ..distributed.session import EngineSession, check_version, nest_legacy
 from .buckets import BucketLayout, BucketTracker, checked_layouts, failed, result
 from ..distributed.spec import AUTO_METHOD, EF_METHODS, EXACT_METHOD, GROUP_METHODS, check_mode, error_feedback_for
 

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _ext
+from .checks import agree, check_residual_fields
 from ..compressors.base import INT64_MAX, check_density, check_positive_int
 from ..compressors.plugin import options_json
 from ..wire import MAX_BLOCK_SIZE
@@ -221,8 +222,6 @@ def _create_backend(dist_opts: Any, options: Optional[PycommOptions]) -> Any:
         nccl_opts = dist.ProcessGroupNCCL.Options()
         nccl_opts._timeout = timeout
         return dist.ProcessGroupNCCL(sub_store, sub_rank, sub_size, nccl_opts)
-
-    from .session import agree  # the session imports this module
 
     inner, device = make(store, rank, size), "cuda" if inner_name == "nccl" else "cpu"
     shared = {name: getattr(options, name) for name in _SHARED_OPTIONS}
@@ -623,7 +622,6 @@ def load_error_feedback_state(state: Dict[int, dict], group: Optional[dist.Proce
         raise TypeError(f"replace must be a bool, got {replace!r}")
     if not isinstance(state, dict):
         raise TypeError(f"state must be the dict error_feedback_state() returned, got {type(state).__name__}")
-    from .session import check_residual_fields  # the session imports this module
 
     for key, value in state.items():
         check_key(key)

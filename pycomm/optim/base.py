@@ -89,8 +89,8 @@ from torch.optim import Optimizer
 
 from .. import distributed as pd
 from ..distributed import spec
-from ..distributed.session import (KEY_SPAN, EngineSession, LoadedState, agree, check_int, check_key_base,
-                                   check_version, nest_legacy, settings_digest)
+from ..distributed.checks import agree, check_int, settings_digest
+from ..distributed.session import KEY_SPAN, EngineSession, LoadedState, check_key_base, check_version, nest_legacy
 from ._checks import _all_finite, _check_compressor, _check_int, _check_scaler, _unscale_
 from ..ddp.buckets import BucketTracker, checked_layouts
 from ..ddp.optimizer import optimizer_hook

@@ -38,7 +38,8 @@ from torch.optim import Optimizer
 
 from .. import distributed as pd
 from ..distributed import spec
-from ..distributed.session import KEY_SPAN, EngineSession, agree, check_fields, check_int, check_version, nest_legacy
+from ..distributed.checks import agree, check_fields, check_int
+from ..distributed.session import KEY_SPAN, EngineSession, check_version, nest_legacy
 from ._checks import _all_finite, _check_compressor, _check_float, _check_int, _unscale_
 
 __all__ = ["DILOCO_KEY_BASE", "DiLoCo"]
