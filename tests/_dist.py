@@ -59,6 +59,16 @@ class RankError(RuntimeError):
         super().__init__(msg)
 
 
+def refusal(fn: Callable[[], Any]) -> Optional[str]:
+    """The ValueError ``fn()`` raises, as text (None if it returns): what a
+    rank reports back about a call that must be refused."""
+    try:
+        fn()
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 def free_port() -> int:
     """A TCP port that was free on 127.0.0.1 a moment ago (the OS picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from _dist import run_ranks
+from _dist import refusal, run_ranks
 
 from pycomm.optim import DiLoCo
 
@@ -40,15 +40,6 @@ def _flat(model) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-def _refusal(fn):
-    """The ValueError ``fn()`` raises (None if it returns)."""
-    try:
-        fn()
-    except ValueError as exc:
-        return str(exc)
-    return None
-
-
 def _build(model, **kw):
     return DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.05), **{"sync_every": 4, **kw})
 
@@ -67,18 +58,18 @@ def _two_ranks(rank, world, directory):
     model.load_state_dict(saved["model"])
     opt.load_state_dict(saved["opt"])
     before = _flat(model)
-    out["steps"] = _refusal(lambda: _step(model, opt, rank, 8))
+    out["steps"] = refusal(lambda: _step(model, opt, rank, 8))
     out["steps unchanged"] = torch.equal(before, _flat(model)) and opt.step_count == 6 + 2 * rank
 
     # Replicas that start apart (seeded with seed + rank): refused at once.
     model = _model(seed=rank)
     opt = _build(model)
-    out["apart"] = _refusal(lambda: _step(model, opt, rank, 0))
+    out["apart"] = refusal(lambda: _step(model, opt, rank, 0))
 
     # Parameter dtypes that differ across ranks.
     model = _model().to(torch.float64 if rank else torch.float32)
     opt = _build(model)
-    out["dtypes"] = _refusal(lambda: _step(model, opt, rank, 0))
+    out["dtypes"] = refusal(lambda: _step(model, opt, rank, 0))
 
     # Settings that differ, with a logging all-reduce after every step (which
     # would meet the settings exchange of a later sync and hang): refused at
@@ -91,14 +82,14 @@ def _two_ranks(rank, world, directory):
             _step(model, opt, rank, t)
             dist.all_reduce(torch.ones(1))
 
-    out["settings"] = _refusal(logged)
+    out["settings"] = refusal(logged)
 
     # One rank passes a pycomm group (made by both), the other none: refused
     # at the first step naming both groups, not at the group timeout.
     pg = dist.new_group(backend="pycomm")
     model = _model()
     opt = _build(model, process_group=pg if rank == 0 else None)
-    out["group"] = _refusal(logged)
+    out["group"] = refusal(logged)
 
     # Settings equal but written differently run alike.
     model = _model()
@@ -116,7 +107,7 @@ def _two_ranks(rank, world, directory):
         _step(model, opt, rank, t)
     model[2].bias.requires_grad_(True)
     before = _flat(model)
-    out["unfrozen"] = _refusal(lambda: _step(model, opt, rank, 3))
+    out["unfrozen"] = refusal(lambda: _step(model, opt, rank, 3))
     out["unfrozen unchanged"] = torch.equal(before, _flat(model)) and opt.step_count == 3
 
     # Another rank's state: refused at load (the group is up), and in a
@@ -129,7 +120,7 @@ def _two_ranks(rank, world, directory):
     torch.save(opt.state_dict(), os.path.join(directory, f"opt{rank}.pt"))
     dist.barrier()
     other = torch.load(os.path.join(directory, f"opt{1 - rank}.pt"), weights_only=False)
-    out["other rank at load"] = _refusal(lambda: opt.load_state_dict(other))
+    out["other rank at load"] = refusal(lambda: opt.load_state_dict(other))
 
     # A state of another chunk_numel: refused at load, before anything changes.
     model = _model()
@@ -141,7 +132,7 @@ def _two_ranks(rank, world, directory):
     for t in range(4):
         _step(donor_model, donor, rank, t)
     state = opt.state_dict()
-    out["chunk"] = _refusal(lambda: opt.load_state_dict(donor.state_dict()))
+    out["chunk"] = refusal(lambda: opt.load_state_dict(donor.state_dict()))
     after = opt.state_dict()
     out["chunk unchanged"] = (after["pycomm"]["step_count"] == state["pycomm"]["step_count"]
                               and all(torch.equal(a, b) for a, b in zip(after["anchor"], state["anchor"])))
@@ -172,7 +163,7 @@ def _two_ranks(rank, world, directory):
     # Outer settings of another run: refused, naming the setting.
     model = _model()
     opt = _build(model, outer_lr=0.3, outer_momentum=0.0)
-    out["outer"] = _refusal(lambda: opt.load_state_dict(_build(_model()).state_dict()))
+    out["outer"] = refusal(lambda: opt.load_state_dict(_build(_model()).state_dict()))
     return out
 
 
@@ -235,7 +226,7 @@ def _before_init(rank, world, directory):
     opt.load_state_dict(torch.load(os.path.join(directory, f"opt{1 - rank}.pt"), weights_only=False))
     dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world)
     before = _flat(model)
-    refusals = [_refusal(lambda: _step(model, opt, rank, 4)) for _ in range(2)]
+    refusals = [refusal(lambda: _step(model, opt, rank, 4)) for _ in range(2)]
     return refusals, torch.equal(before, _flat(model)) and opt.step_count == 4
 
 
@@ -273,7 +264,7 @@ def _subgroups(rank, world):
     mine = plain[rank % 2]
     model = _model()
     opt = _build(model, process_group=mine)
-    out = {"plain": _refusal(lambda: _step(model, opt, rank, 0))}
+    out = {"plain": refusal(lambda: _step(model, opt, rank, 0))}
     # The way the refusal names: pycomm groups made up front by every rank.
     groups = [dist.new_group(p, backend="pycomm", pg_options=pd.PycommOptions(compressor="none")) for p in pairs]
     model = _model()

@@ -16,7 +16,7 @@ import types
 
 import pytest
 import torch
-from _dist import run_ranks
+from _dist import refusal, run_ranks
 
 from pycomm.distributed import spec
 from pycomm.distributed.simulate import (
@@ -104,15 +104,6 @@ class _Evil:
     run its class's code when unpickled."""
 
 
-def _refusal(fn):
-    """The ValueError ``fn()`` raises (None if it returns)."""
-    try:
-        fn()
-    except ValueError as exc:
-        return str(exc)
-    return None
-
-
 def _rank(rank, world, names, ckpt):
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -171,7 +162,7 @@ def _rank(rank, world, names, ckpt):
     # Bytes that are not a saved state (or would run code when unpickled): refused, naming the entry.
     evil = io.BytesIO()
     torch.save({"keys": comp2.keys, "engine": _Evil()}, evil)
-    out["resume/refused"] = [_refusal(lambda: comp2.load_state_dict({k: data}))
+    out["resume/refused"] = [refusal(lambda: comp2.load_state_dict({k: data}))
                              for k, data in ((f"rank{rank}_of_{world}", b"not a checkpoint"),
                                              (f"rank{rank}_of_{world}", evil.getvalue()))]
 
