@@ -344,6 +344,15 @@ def test_a_malformed_state_is_refused_whole_naming_the_field(path, value, match)
     assert opt.inner.state_dict() == before[1]
 
 
+def test_a_reset_that_is_not_a_bool_is_refused_before_anything_changes():
+    opt = _build(_model())
+    state = opt.state_dict()
+    opt.step_count = 5
+    with pytest.raises(TypeError, match="reset_error_feedback must be a bool, got 'yes'"):
+        opt.load_state_dict(state, reset_error_feedback="yes")
+    assert opt.step_count == 5
+
+
 class _FailedWork:
     def wait(self):
         raise RuntimeError("connection closed by peer")

@@ -337,8 +337,6 @@ class CompressionState:
             ...
             ValueError: state['iteration'] must be a non-negative int, got -1
         """
-        if not isinstance(reset_error_feedback, bool):
-            raise TypeError(f"reset_error_feedback must be a bool, got {reset_error_feedback!r}")
         cfg, iteration, layouts, engine_state = _checked_state(state)
         if self._engine is not None:
             mine = self.config()

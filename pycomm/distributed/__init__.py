@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _ext
-from .checks import agree, check_residual_fields
+from .checks import all_reduce_max, agree, check_residual_fields
 from ..compressors.base import INT64_MAX, check_density, check_positive_int
 from ..compressors.plugin import options_json
 from ..wire import MAX_BLOCK_SIZE
@@ -273,10 +273,8 @@ def _agreed_ranks_per_node(inner: Any, hierarchy: Union[str, int], rank: int, si
     # (LOCAL_RANK that is not rank % L) is not a layout this can shard.
     local_rank = os.environ.get("LOCAL_RANK")
     contiguous = local == 1 or local_rank is None or hierarchy != "auto" or local_rank == str(rank % local)
-    t = torch.tensor([local, -local, 0 if contiguous else 1], dtype=torch.int64, device=device)
-    opts = dist.AllreduceOptions()
-    opts.reduceOp = dist.ReduceOp.MAX
-    inner.allreduce([t], opts).wait()
+    t = all_reduce_max(inner, torch.tensor([local, -local, 0 if contiguous else 1], dtype=torch.int64,
+                                           device=device))
     hi, lo, bad = int(t[0]), -int(t[1]), int(t[2])
     if hi == lo and not bad:
         return local

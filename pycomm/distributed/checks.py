@@ -19,8 +19,8 @@ from typing import Any, Dict, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["MAX_KEY", "OPTIONAL_RESIDUAL_FIELDS", "RESIDUAL_FIELDS", "agree", "check_fields", "check_int",
-           "check_residual_fields", "is_int", "settings_digest"]
+__all__ = ["MAX_KEY", "OPTIONAL_RESIDUAL_FIELDS", "RESIDUAL_FIELDS", "agree", "all_reduce_max", "check_fields",
+           "check_int", "check_residual_fields", "is_int", "settings_digest"]
 
 #: The largest key the engine takes (an int64).
 MAX_KEY = (1 << 63) - 1
@@ -130,11 +130,11 @@ def agree(owner: str, settings: Dict[str, Any], group: Any, device: Any,
     digest = settings_digest(settings)
     # max(d) == -max(-d) = min(d): every rank's digest is the same. One
     # all-reduce, exact (int64) in every backend.
-    both = _all_reduce_max(group, torch.tensor([digest, -digest], dtype=torch.int64, device=device))
+    both = all_reduce_max(group, torch.tensor([digest, -digest], dtype=torch.int64, device=device))
     if int(both[0]) == -int(both[1]):
         return
     text = json.dumps(settings, sort_keys=True, default=repr).encode()
-    buf = torch.zeros(int(_all_reduce_max(group, torch.tensor([len(text)], device=device))[0]), dtype=torch.uint8)
+    buf = torch.zeros(int(all_reduce_max(group, torch.tensor([len(text)], device=device))[0]), dtype=torch.uint8)
     buf[:len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
     buf = buf.to(device)
     every = [torch.empty_like(buf) for _ in range(world)]
@@ -154,7 +154,10 @@ def agree(owner: str, settings: Dict[str, Any], group: Any, device: Any,
     )
 
 
-def _all_reduce_max(group: Any, t: torch.Tensor) -> torch.Tensor:
+def all_reduce_max(group: Any, t: torch.Tensor) -> torch.Tensor:
+    """``t``, every rank's element-wise maximum, in place (exact for int64
+    in every backend); ``group``: a ProcessGroup, or a backend (a pycomm
+    group's inner one, before the group exists). A collective."""
     if isinstance(group, dist.ProcessGroup):
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     else:  # a backend whose group does not exist yet

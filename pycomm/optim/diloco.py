@@ -517,8 +517,6 @@ class DiLoCo:
         parameter sizes) is refused, naming the setting; one of another rank
         or world size too (its residuals are that rank's) unless
         ``reset_error_feedback=True``, which starts the residuals over."""
-        if not isinstance(reset_error_feedback, bool):
-            raise TypeError(f"reset_error_feedback must be a bool, got {reset_error_feedback!r}")
         extra = self._checked_state(state_dict)
         loaded = self._session.check_state(extra["engine"], "state_dict['pycomm']['engine']", reset_error_feedback,
                                            span=self.fragments,
