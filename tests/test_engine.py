@@ -63,6 +63,11 @@ def _cases():
             cases.append((cid, method, kwargs, 5000, (50, 100), 1664, "avg", dtype, "contig"))
         cid = f"{_method_id(method, kwargs)}-transposed-default-chunk-sum"
         cases.append((cid, method, kwargs, 5000, (50, 100), None, "sum", torch.float32, "transposed"))
+    # A 16-bit average longer than the engine's division on a CPU takes at
+    # once (2^20 elements): its parts meet at a boundary.
+    n = (1 << 20) + 33
+    for method in ("fp16", "bf16"):
+        cases.append((f"{method}-n{n}-avg", method, {}, n, (n,), None, "avg", torch.float32, "contig"))
     return cases
 
 

@@ -31,6 +31,10 @@ CASES = [
     ("fp16", "fp16", {}, 333, 100, "avg", torch.float32),
     ("bf16", "bf16", {}, 333, 100, "sum", torch.float32),
     ("none", "none", {}, 333, 100, "avg", torch.float32),
+    # Inputs above 2^20 elements: the exact and 16-bit path's kept buffers
+    # on a CPU, a row per rank.
+    ("fp16-large", "fp16", {}, (1 << 19) + 7, 1 << 20, "avg", torch.float32),
+    ("none-large", "none", {}, (1 << 19) + 7, 1 << 20, "sum", torch.float32),
 ]
 KEYED = ("onebit", "topk", "int8-absmax", "int8", "int4")
 

@@ -291,6 +291,9 @@ class CompressedBackend : public c10d::Backend {
   CallChecker checker_{config_, getRank(), getSize()};
   // Written by the issuing thread only; read through the queue.
   Profile profile_;
+  // The exact and 16-bit path's send buffer and its division's scratch on
+  // a CPU, kept between calls (run_uncompressed): the largest call's.
+  at::Tensor cast_send_, cast_scratch_;
   // Keyless calls run by a compressor with error feedback (onebit, topk,
   // int8, int4, registered): the stream of their rounding seeds.
   int64_t keyless_calls_ = 0;

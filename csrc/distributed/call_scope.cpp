@@ -2,9 +2,11 @@
 // collective, and the exact and 16-bit paths they share.
 #include "call_scope.h"
 
+#include <algorithm>
 #include <cmath>
 #include <sstream>
 
+#include <ATen/ScalarOps.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
 #include "algorithms.h"
@@ -21,6 +23,23 @@ at::ScalarType wire_dtype(const std::string& name) {
   for (at::ScalarType t : {at::kHalf, at::kBFloat16})
     if (name == (t == at::kHalf ? "float16" : "bfloat16")) return t;
   TORCH_CHECK(false, "no wire dtype named '", name, "'");
+}
+
+// Elements of the exact and 16-bit path's division on a CPU at a time (4
+// MB of float32), and the size above which a call sends from a kept
+// buffer: a smaller one's allocations come from the heap at once.
+constexpr int64_t kCastChunk = int64_t{1} << 20;
+
+// `numel` elements of `options`' dtype at the start of `slot`, a CPU byte
+// buffer kept between calls, grown when too small. A new buffer of a
+// bucket's size per call has its pages faulted in afresh whenever the
+// allocator has given the last one back to the system, which glibc does
+// for the caller's thread (docs/performance.md, "A large synchronous cast
+// on a CPU").
+at::Tensor kept_cpu(at::Tensor& slot, int64_t numel, const at::TensorOptions& options) {
+  const int64_t nbytes = numel * static_cast<int64_t>(options.dtype().itemsize());
+  if (!slot.defined() || slot.numel() < nbytes) slot = at::empty({nbytes}, at::kByte);
+  return slot.narrow(0, 0, nbytes).view(options.dtype().toScalarType());
 }
 
 }  // namespace
@@ -85,13 +104,30 @@ bool CompressedBackend::run_uncompressed(
   const int64_t len_in = views.in.numel() / rows_in, len_out = views.out.numel() / rows_out;
   at::Tensor send;
   {
+    Span span(profile_.encode_s);
+    const auto options = views.in.options().dtype(exact ? at::kFloat : wire_dtype(method_row(m)->dtype));
+    const at::Tensor values = views.in.view({rows_in, len_in});
     // A 16-bit sum is divided first (as PyTorch's fp16 hook does), so that
     // it cannot overflow; an exact one after.
-    Span span(profile_.encode_s);
-    const at::Tensor values = average && !exact ? views.in / world : views.in;
-    const auto dtype = exact ? at::kFloat : wire_dtype(method_row(m)->dtype);
-    send = at::empty({rows_in, len_in + 1}, values.options().dtype(dtype));
-    send.narrow(1, 0, len_in).copy_(values.view({rows_in, len_in}));
+    const bool divide = average && !exact;
+    if (views.in.is_cpu() && views.in.numel() > kCastChunk) {
+      // A large call on a CPU sends from a kept buffer. torch divides into
+      // a 16-bit output, or by a Scalar into any output, through a
+      // temporary of the output's size: the division goes into a kept
+      // float32 scratch, kCastChunk elements at a time, by the wrapped
+      // number `x / world` divides by.
+      send = kept_cpu(cast_send_, rows_in * (len_in + 1), options).view({rows_in, len_in + 1});
+      const at::Tensor divisor = at::native::wrapped_scalar_tensor(world);
+      for (int64_t r = 0; r < rows_in; ++r)
+        for (int64_t lo = 0; lo < len_in; lo += kCastChunk) {
+          const at::Tensor part = values[r].narrow(0, lo, std::min(kCastChunk, len_in - lo));
+          at::Tensor scaled = kept_cpu(cast_scratch_, part.numel(), part.options());
+          send[r].narrow(0, lo, part.numel()).copy_(divide ? at::div_out(scaled, part, divisor) : part);
+        }
+    } else {
+      send = at::empty({rows_in, len_in + 1}, options);
+      send.narrow(1, 0, len_in).copy_(divide ? values / world : values);
+    }
     send.narrow(1, len_in, 1).fill_(call.standing_in ? NAN : 0.0);
   }
   const at::Tensor wire = exchange(send.view({-1})).view({rows_out, len_out + 1});
