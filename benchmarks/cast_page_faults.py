@@ -26,14 +26,16 @@ import torch
 import torch.distributed as dist
 
 import pycomm.distributed as pd
+from pycomm.distributed import spec
 from pycomm_bench import fmt_number, median, table
 
 NUMEL = 25 * 2**20 // 4  # a DDP bucket of 25 MB
+OTHERS = spec.BLOCK_METHODS[:2]  # the groups whose calls come in between: onebit, int8
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("method", nargs="?", default="fp16", choices=("fp16", "bf16"))
+    parser.add_argument("method", nargs="?", default="fp16", choices=spec.CAST_METHODS)
     parser.add_argument("--rounds", type=int, default=15, help="interleaved rounds (default 15)")
     parser.add_argument("--calls", type=int, default=2, help="calls per contender and round (default 2)")
     a = parser.parse_args()
@@ -41,14 +43,13 @@ def main() -> int:
                       WORLD_SIZE="1")
     dist.init_process_group("gloo")
     try:
-        groups = {m: pd.wrap(None, compressor=m, min_compress_numel=1) for m in (a.method, "onebit", "int8")}
-        x = {k: torch.randn(NUMEL) for k in ("sync", "queued", "onebit", "int8")}
+        groups = {m: pd.wrap(None, compressor=m, min_compress_numel=1) for m in (a.method, *OTHERS)}
+        x = {k: torch.randn(NUMEL) for k in ("sync", "queued", *OTHERS)}
         calls = {
-            f"{a.method}": lambda: pd.all_reduce(x["sync"], key=1, group=groups[a.method], op="avg"),
+            a.method: lambda: pd.all_reduce(x["sync"], key=1, group=groups[a.method], op="avg"),
             f"{a.method}:queued": lambda: pd.all_reduce(x["queued"], key=1, group=groups[a.method], op="avg",
                                                         async_op=True).wait(),
-            "onebit": lambda: pd.all_reduce(x["onebit"], key=1, group=groups["onebit"], op="avg"),
-            "int8": lambda: pd.all_reduce(x["int8"], key=1, group=groups["int8"], op="avg"),
+            **{m: (lambda m=m: pd.all_reduce(x[m], key=1, group=groups[m], op="avg")) for m in OTHERS},
         }
         for f in calls.values():  # warm-up: every buffer a call keeps exists
             f(), f()
