@@ -18,6 +18,10 @@ asynchronous engine Work) for tau inner steps before its result is applied.
 Applied late, the outer update keeps the local progress the rank made
 meanwhile: ``params = new_anchor + (params_now - params_at_send)``.
 
+A replica sharded with FSDP2 over the "shard" dimension of a 2-D mesh
+(``mesh=``) syncs each rank's local shards over the "replicate" dimension:
+everything DiLoCo keeps is then per local shard.
+
 Memory beyond the model and the inner optimizer: one copy of the parameters
 (the anchor, in their dtype), the outer momentum (another copy, when the
 outer momentum is not 0), a float32 buffer of the largest fragment (two with
@@ -29,7 +33,9 @@ engine's rollback copy): :meth:`DiLoCo.memory_bytes`.
 
 from __future__ import annotations
 
+import io
 import warnings
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -39,7 +45,7 @@ from torch.optim import Optimizer
 from .. import distributed as pd
 from ..distributed import spec
 from ..distributed.checks import agree, check_fields, check_int
-from ..distributed.session import KEY_SPAN, EngineSession, check_version, nest_legacy
+from ..distributed.session import KEY_SPAN, EngineSession, _release, check_version, nest_legacy
 from ._checks import _all_finite, _check_compressor, _check_float, _check_int, _unscale_
 
 __all__ = ["DILOCO_KEY_BASE", "DiLoCo"]
@@ -87,6 +93,14 @@ class DiLoCo:
             ``compressor`` and ``compressor_settings``) or a pycomm group
             (used as it is; its method must be ``compressor``).
         key_base: the engine key of fragment 0 (:data:`DILOCO_KEY_BASE`).
+        mesh: for a replica sharded with FSDP2 (every module
+            ``fully_shard``-ed over ``mesh["shard"]``): the 2-D DeviceMesh
+            ``("replicate", "shard")``. Each rank then syncs its local shards
+            with the ranks of its "replicate" dimension (one pycomm group per
+            shard, made here: build DiLoCo on every rank), a fragment holds
+            whole FSDP modules, and :meth:`state_dict` is laid out for
+            ``torch.distributed.checkpoint`` (docs/across_sites.md). Not
+            with ``process_group``.
         **compressor_settings: the engine group's settings (``block_size``,
             ``chunk_numel``, ``density``, ``rounding``, ...:
             :class:`pycomm.distributed.PycommOptions`).
@@ -145,6 +159,7 @@ class DiLoCo:
         error_feedback: Optional[bool] = None,
         process_group: Optional[dist.ProcessGroup] = None,
         key_base: int = DILOCO_KEY_BASE,
+        mesh: Any = None,
         **compressor_settings: Any,
     ) -> None:
         if not isinstance(inner, Optimizer):
@@ -170,14 +185,28 @@ class DiLoCo:
             raise ValueError(f"inner: the inner optimizer trains {foreign} parameter(s) that are not the model's "
                              f"(built over a copy of the model?); DiLoCo would never sync them. Build it over "
                              f"model.parameters()")
+        sharded = [i for i, p in enumerate(params) if _is_dtensor(p)]
+        if mesh is None and sharded:
+            raise ValueError(f"model: parameter(s) {sharded[:5]} are DTensors (a replica sharded with FSDP2's "
+                             f"fully_shard): pass mesh=, the 2-D DeviceMesh ('replicate', 'shard') whose 'shard' "
+                             f"dimension the replica is sharded over")
+        if mesh is not None:
+            _check_mesh(mesh, model, params, process_group)
+        #: The 2-D ("replicate", "shard") DeviceMesh of a sharded replica, or None.
+        self.mesh = mesh
         devices = {p.device for p in params}
         if len(devices) > 1:
             raise ValueError(f"model: all parameters must be on one device, got {sorted(map(str, devices))}")
         self.sync_every = _check_int("sync_every", sync_every, 1)
         self.fragments = _check_int("fragments", fragments, 1)
-        if self.fragments > len(params):
-            raise ValueError(f"fragments={fragments} is more than the model's {len(params)} parameters "
-                             f"(a fragment holds whole parameters)")
+        # A fragment holds whole parameters; of a sharded replica, whole FSDP
+        # modules (a fragment's all-reduce then follows the modules' shards).
+        units = _units(model, params) if mesh is not None else list(range(len(params)))
+        atoms = [i for i in range(len(params)) if i == 0 or units[i] != units[i - 1]]
+        if self.fragments > len(atoms):
+            raise ValueError(f"fragments={fragments} is more than the model's {len(atoms)} "
+                             + ("runs of parameters of one FSDP module (a fragment holds whole FSDP modules)"
+                                if mesh is not None else "parameters (a fragment holds whole parameters)"))
         if self.fragments > KEY_SPAN:
             raise ValueError(f"fragments={fragments} must be at most {KEY_SPAN} (one engine key each)")
         if self.sync_every % self.fragments:
@@ -205,25 +234,39 @@ class DiLoCo:
         self.compressor_settings = dict(compressor_settings)
         # The engine group (found or made at the first sync), the keys
         # key_base + f and the residuals under them.
+        if mesh is not None:
+            # The ranks that hold the same shard of every replica: one pycomm
+            # group per shard, made here by every rank of the world.
+            process_group = _replicate_group(mesh, compressor, compressor_settings)
+            weakref.finalize(self, _release, process_group)
         self._session = EngineSession("DiLoCo", compressor, compressor_settings, process_group=process_group,
                                       key_base=key_base)
         self.process_group = process_group
         self.key_base = key_base
         self.inner = inner
+        self._model = model
         self.params = params
         # The parameter set is fixed here: which of the model's parameters
         # train, checked before every sync (one frozen or unfrozen later
         # would move unsynced, or be stepped on a zero pseudo-gradient).
         self._everything = everything
         self._trainable = [p.requires_grad for p in everything]
-        self._bounds = _fragment_bounds([p.numel() for p in params], self.fragments)
+        # Bounds from the global sizes: the same fragments on every rank.
+        ends = atoms[1:] + [len(params)]
+        self._bounds = [([*atoms, len(params)])[b] for b in _fragment_bounds(
+            [sum(p.numel() for p in params[a:e]) for a, e in zip(atoms, ends)], self.fragments)]
         # The anchor: the parameters as last synchronized (identical on every
         # rank as long as every rank starts from the same model), stepped by
         # a torch SGD whose state (the outer momentum) is torch's own.
-        self.anchor = [p.detach().clone() for p in params]
+        self.anchor = [p.detach().clone() for p in self._shards()]
         momentum = self.outer_momentum
         self.outer = torch.optim.SGD(self.anchor, lr=self.outer_lr, momentum=momentum,
                                      nesterov=self.nesterov and momentum > 0)
+        if momentum > 0:
+            # Held from the start, as memory_bytes() counts it (zeros: torch's
+            # first step then computes what it computes without a buffer).
+            for a in self.anchor:
+                self.outer.state[a]["momentum_buffer"] = torch.zeros_like(a)
         #: Inner steps taken (every call of step(), on every rank alike).
         self.step_count = 0
         #: Syncs applied, and syncs skipped as not finite, in this run.
@@ -240,8 +283,15 @@ class DiLoCo:
 
     # -- the schedule -------------------------------------------------------------
     def fragment_sizes(self) -> List[int]:
-        """Elements of each fragment, in order."""
-        return [sum(p.numel() for p in self.params[a:b]) for a, b in zip(self._bounds, self._bounds[1:])]
+        """Elements of each fragment this rank syncs, in order (of a sharded
+        replica: of its local shards)."""
+        shards = self._shards()
+        return [sum(p.numel() for p in shards[a:b]) for a, b in zip(self._bounds, self._bounds[1:])]
+
+    def _shards(self) -> List[torch.Tensor]:
+        """The tensors this rank syncs: the parameters, or (a sharded
+        replica) their local shards, views that an in-place write changes."""
+        return [p.to_local() for p in self.params] if self.mesh is not None else self.params
 
     def due(self, t: int) -> Optional[int]:
         """The fragment sent after inner step ``t`` (1-based), or None."""
@@ -347,6 +397,8 @@ class DiLoCo:
         shared = {k: mine[k] for k in _SHARED}
         shared["step_count"] = self.step_count
         shared["parameter dtypes"] = sorted({str(p.dtype) for p in self.params})
+        if self.mesh is not None:  # the same shard of every replica, element for element
+            shared["shard sizes"] = [tuple(t.shape) for t in self._shards()]
         # Exact on every rank that holds the same anchor (the same kernels on the same values).
         checksum = sum((i + 1) * a.double().sum() for i, a in enumerate(self.anchor))
         shared["anchor checksum"] = float(checksum)
@@ -362,9 +414,10 @@ class DiLoCo:
         """Start the average of fragment ``f``'s pseudo-gradient."""
         engine = self._engine_group()
         a, b = self._bounds[f], self._bounds[f + 1]
-        n = sum(p.numel() for p in self.params[a:b])
+        shards = self._shards()[a:b]
+        n = sum(p.numel() for p in shards)
         buf, offset = self._buf[:n], 0
-        for p, anchor in zip(self.params[a:b], self.anchor[a:b]):
+        for p, anchor in zip(shards, self.anchor[a:b]):
             k = p.numel()
             torch.sub(anchor.reshape(-1), p.detach().reshape(-1), out=buf[offset:offset + k])
             offset += k
@@ -374,7 +427,10 @@ class DiLoCo:
         if self.error_feedback:
             self._session.claim(f)
             key = self._session.key(f)
-        work = pd.all_reduce(buf, key=key, group=engine, op="avg", async_op=True)
+        # A fragment whose local shards are all empty (a sharded replica's
+        # last rank can hold no rows) has nothing to send, on every rank of
+        # its replicate group alike.
+        work = pd.all_reduce(buf, key=key, group=engine, op="avg", async_op=True) if n else None
         self._pending = {"fragment": f, "apply_at": self.step_count + self.delay, "work": work}
 
     def _arrive(self) -> None:
@@ -396,7 +452,7 @@ class DiLoCo:
         pending, self._pending = self._pending, None
         f = pending["fragment"]
         a, b = self._bounds[f], self._bounds[f + 1]
-        params, anchors = self.params[a:b], self.anchor[a:b]
+        params, anchors = self._shards()[a:b], self.anchor[a:b]
         n = sum(p.numel() for p in params)
         avg = self._buf[:n]
         if not _all_finite(avg):
@@ -474,7 +530,7 @@ class DiLoCo:
         residuals the engine holds now for this object's keys (allocated at
         each fragment's first sync with error feedback; counted twice: the
         engine keeps a second buffer of each for its rollback)."""
-        copy = sum(p.numel() * p.element_size() for p in self.params)
+        copy = sum(p.numel() * p.element_size() for p in self._shards())
         total = copy * (2 if self.outer_momentum > 0 else 1)
         total += self._buf.numel() * self._buf.element_size() * (2 if self._local is not None else 1)
         return total + 2 * self._session.residual_nbytes()
@@ -496,7 +552,7 @@ class DiLoCo:
                        "local": None if self._local is None else self._local[:n].clone()}
         settings = self._settings()
         settings["compressor_settings"] = dict(self.compressor_settings)
-        return {
+        state = {
             "inner": self.inner.state_dict(),
             "outer": self.outer.state_dict(),
             "anchor": [a.detach().clone() for a in self.anchor],
@@ -510,6 +566,7 @@ class DiLoCo:
                 "engine": self._session.state_dict(),
             },
         }
+        return self._sharded_state(state) if self.mesh is not None else state
 
     def load_state_dict(self, state_dict: Dict[str, Any], reset_error_feedback: bool = False) -> None:
         """Restore :meth:`state_dict` (load the model's own state too). A
@@ -517,12 +574,15 @@ class DiLoCo:
         parameter sizes) is refused, naming the setting; one of another rank
         or world size too (its residuals are that rank's) unless
         ``reset_error_feedback=True``, which starts the residuals over."""
+        load_inner = self.inner.load_state_dict
+        if self.mesh is not None:
+            state_dict, load_inner = self._unsharded_state(state_dict), self._load_sharded_inner
         extra = self._checked_state(state_dict)
         loaded = self._session.check_state(extra["engine"], "state_dict['pycomm']['engine']", reset_error_feedback,
                                            span=self.fragments,
                                            chunk_numel=self._session.wire_settings(self.params[0].device)["chunk_numel"])
         # Every check above changed nothing; then the engine, then torch's loads.
-        self._session.load_state_then(loaded, lambda: self.inner.load_state_dict(state_dict["inner"]),
+        self._session.load_state_then(loaded, lambda: load_inner(state_dict["inner"]),
                                       lambda: self.outer.load_state_dict(state_dict["outer"]))
         self._drop_pending()
         self._checked = False  # the ranks compare the loaded step count and anchor at the next step
@@ -537,6 +597,60 @@ class DiLoCo:
             if self._local is not None:
                 self._local[:n].copy_(pending["local"])
             self._pending = {"fragment": pending["fragment"], "apply_at": pending["apply_at"]}
+
+    # A sharded replica's state is laid out for torch.distributed.checkpoint
+    # (DCP), saved per replica over its "shard" group: DCP keeps one copy of
+    # what holds the same key on several ranks, so what is this rank's own is
+    # either a DTensor (the anchor, the outer momentum, the inner state: DCP
+    # saves each rank's shard) or under a key of this rank's shard.
+    def _sharded_state(self, state: Dict[str, Any]) -> Dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        def spread(i: int, t: torch.Tensor) -> Any:
+            from torch.distributed.tensor import DTensor
+
+            p = self.params[i]
+            return DTensor.from_local(t, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                      stride=p.stride())
+        outer = state["outer"]
+        outer["state"] = {i: {k: spread(i, v) if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
+                          for i, entry in outer["state"].items()}
+        own = io.BytesIO()
+        torch.save(state["pycomm"], own)
+        # The inner state by parameter name, made on a fresh optimizer too
+        # (DCP loads into the state it is given: it must hold every entry).
+        return {"inner": get_optimizer_state_dict(self._model, self.inner), "outer": outer,
+                "anchor": [spread(i, a) for i, a in enumerate(state["anchor"])],
+                "pycomm": {self._shard_key(): own.getvalue()}}
+
+    def _unsharded_state(self, state_dict: Any) -> Dict[str, Any]:
+        """:meth:`_sharded_state` undone (the local shards, this rank's
+        entry), for the checks of every state."""
+        from torch.distributed.tensor import DTensor
+
+        check_fields("state_dict", state_dict, ("inner", "outer", "anchor", "pycomm"))
+        key, mine = self._shard_key(), state_dict["pycomm"]
+        if not isinstance(mine, dict) or not isinstance(mine.get(key), bytes):
+            raise ValueError(f"cannot load this DiLoCo state: state_dict['pycomm'] holds no entry {key!r} of this "
+                             f"rank's shard (a state of an unsharded DiLoCo, or of other shards?); got "
+                             f"{sorted(mine) if isinstance(mine, dict) else type(mine).__name__}")
+        local = (lambda t: t.to_local() if isinstance(t, DTensor) else t)
+        outer = state_dict["outer"]
+        if isinstance(outer, dict) and isinstance(outer.get("state"), dict):
+            outer = dict(outer, state={i: {k: local(v) for k, v in e.items()} if isinstance(e, dict) else e
+                                       for i, e in outer["state"].items()})
+        anchor = state_dict["anchor"]
+        anchor = [local(a) for a in anchor] if isinstance(anchor, (list, tuple)) else anchor
+        return {"inner": state_dict["inner"], "outer": outer, "anchor": anchor,
+                "pycomm": torch.load(io.BytesIO(mine[key]), weights_only=True)}
+
+    def _load_sharded_inner(self, state: Any) -> None:
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        set_optimizer_state_dict(self._model, self.inner, state)
+
+    def _shard_key(self) -> str:
+        return f"shard{self.mesh.get_local_rank('shard')}"
 
     def _checked_state(self, state_dict: Any) -> Dict[str, Any]:
         """``state_dict``'s own fields (the engine state apart: the
@@ -611,3 +725,69 @@ def _fragment_bounds(numels: List[int], fragments: int) -> List[int]:
             bounds.append(i + 1)
     bounds.append(len(numels))
     return bounds
+
+
+# -------------------------------------------------------- sharded replicas ---
+def _is_dtensor(p: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(p, DTensor)
+
+
+def _check_mesh(mesh: Any, model: Any, params: List[torch.Tensor], process_group: Any) -> None:
+    """A sharded replica's mesh: 2-D, ("replicate", "shard"), every synced
+    parameter a DTensor sharded over its "shard" dimension."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard
+
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a torch.distributed.device_mesh.DeviceMesh or None, got {type(mesh).__name__}")
+    if mesh.ndim != 2 or tuple(mesh.mesh_dim_names or ()) != ("replicate", "shard"):
+        raise ValueError(f"mesh must be 2-D with the dimensions ('replicate', 'shard') (init_device_mesh(device, "
+                         f"(replicas, shards), mesh_dim_names=('replicate', 'shard'))), got {mesh.ndim}-D with "
+                         f"names {mesh.mesh_dim_names}")
+    if process_group is not None:
+        raise ValueError("process_group: give mesh or process_group, not both (with a mesh, DiLoCo syncs over "
+                         "its 'replicate' dimension)")
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError("model: with mesh=, DiLoCo takes the sharded torch.nn.Module itself (its FSDP modules "
+                        "bound the fragments), not an iterable of parameters")
+    shard = mesh["shard"]
+    for i, p in enumerate(params):
+        if not _is_dtensor(p) or p.device_mesh != shard or not all(isinstance(x, Shard) for x in p.placements):
+            where = (f"a DTensor over {p.device_mesh} with placements {p.placements}" if _is_dtensor(p)
+                     else "a plain tensor")
+            raise ValueError(f"model: parameter {i} is {where}, not sharded over mesh['shard']: shard the replica "
+                             f"with fully_shard(module, mesh=mesh['shard']) for its modules and the root")
+
+
+def _units(model: torch.nn.Module, params: List[torch.Tensor]) -> List[int]:
+    """Which FSDP module manages each parameter (its index in
+    ``model.modules()``): the innermost ``fully_shard``-ed module holding it,
+    FSDP2's own rule (a module's ``fully_shard`` takes the parameters its
+    sharded submodules did not)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    owner: Dict[int, int] = {}
+    for i, m in enumerate(model.modules()):  # pre-order: a submodule comes after its parents
+        if isinstance(m, FSDPModule):
+            for p in m.parameters():
+                owner[id(p)] = i
+    return [owner.get(id(p), -1) for p in params]
+
+
+def _replicate_group(mesh: Any, compressor: str, settings: Dict[str, Any]) -> dist.ProcessGroup:
+    """This rank's pycomm group over the mesh's "replicate" dimension (the
+    ranks holding the same shard of every replica). torch's ``new_group``
+    needs every rank of the world, in one order: every rank makes every
+    shard's group, and keeps its own."""
+    grid = mesh.mesh.reshape(mesh.mesh.shape[0], -1)
+    options = pd.PycommOptions(compressor=compressor, inner="nccl" if mesh.device_type == "cuda" else "gloo",
+                               **settings)
+    timeout = pd.timeout_of(mesh.get_group("replicate"))
+    mine = None
+    for column in grid.t().tolist():
+        group = dist.new_group(column, backend=pd.BACKEND_NAME, pg_options=options, timeout=timeout)
+        if dist.get_rank() in column:
+            mine = group
+    return mine
