@@ -252,7 +252,9 @@ def test_a_diloco_that_goes_releases_its_group(two_ranks):
 
 def test_a_state_of_other_outer_settings_is_refused(two_ranks):
     for r in two_ranks:
+        # every setting that differs, each with both values
         assert "saved with outer_lr=0.7, this DiLoCo has outer_lr=0.3" in r["outer"], r["outer"]
+        assert "saved with outer_momentum=0.9, this DiLoCo has outer_momentum=0.0" in r["outer"], r["outer"]
 
 
 # ------------------------------------------------------------ subgroups ----
@@ -281,6 +283,40 @@ def test_a_plain_subgroup_is_refused_and_pycomm_subgroups_average_within_their_p
         assert "subgroup (2 of the world's 4 ranks)" in r["plain"] and "backend='pycomm'" in r["plain"], r["plain"]
     assert torch.equal(res[0]["params"], res[2]["params"]) and torch.equal(res[1]["params"], res[3]["params"])
     assert not torch.equal(res[0]["params"], res[1]["params"])
+
+
+# ------------------------------------------ one setting apart at a time ----
+#: (setting, rank 0's value, rank 1's value, what the refusal names).
+APART = [("fragments", 2, 1, "fragments (rank 0: 2, rank 1: 1)"),
+         ("outer_lr", 0.7, 0.5, "outer_lr (rank 0: 0.7, rank 1: 0.5)"),
+         ("outer_momentum", 0.9, 0.5, "outer_momentum (rank 0: 0.9, rank 1: 0.5)"),
+         ("nesterov", True, False, "nesterov (rank 0: True, rank 1: False)"),
+         ("key_base", 1 << 41, (1 << 41) + 64, f"key_base={1 << 41}"),
+         ("error_feedback", True, False, "error_feedback (rank 0: True, rank 1: False)"),
+         ("block_size", 256, 128, "block_size', 256]], rank 1: [['block_size', 128]]")]
+
+
+def _apart(rank, world):
+    """Each setting apart in turn, in one process pair (a refusal must leave
+    the pair able to meet again): every rank raises at the first step."""
+    out = {}
+    for name, mine, theirs, _ in APART:
+        model = _model()
+        opt = _build(model, sync_every=4, compressor="int8", **{name: mine if rank == 0 else theirs})
+        out[name] = refusal(lambda: [_step(model, opt, rank, t) for t in range(4)])
+        out[name + " unchanged"] = opt.step_count == 0
+    return out
+
+
+def test_a_setting_apart_is_refused_on_every_rank_at_once():
+    # A rank left waiting would hit the store's timeout (a RuntimeError, not
+    # the refusal) or the run's, and fail the run.
+    for r in run_ranks(_apart, 2, timeout=90):
+        for name, _, _, named in APART:
+            assert r[name] is not None and named in r[name], (name, r[name])
+            assert r[name + " unchanged"], name
+    # both values named where the two ranks' keys would never meet
+    assert f"key_base={(1 << 41) + 64}" in r["key_base"]
 
 
 # ------------------------------------------------------- one process ----

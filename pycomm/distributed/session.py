@@ -188,27 +188,28 @@ def nest_legacy(state: Dict[str, Any], method: str) -> Dict[str, Any]:
     return out
 
 
-#: Per process: how often each (owner, key_base) checked its group (the
-#: store keys of :func:`same_group` are numbered by it, alike on every rank).
-_GROUP_CHECKS: Dict[Tuple[str, int], int] = {}
+#: Per process: how often each owner checked its group (the store keys of
+#: :func:`same_group` are numbered by it, alike on every rank; not by key
+#: base, so that ranks whose key bases differ still meet and are told).
+_GROUP_CHECKS: Dict[str, int] = {}
 
 
 def same_group(owner: str, group: dist.ProcessGroup, key_base: int = 0) -> None:
     """Raise on every rank when the ranks that run ``owner`` together name
     different groups (one passes a pycomm group and another none; other
-    members): a collective over groups that differ never meets, so a
-    settings exchange would wait out the timeout. Through the default store,
+    members) or key bases: a collective over groups that differ never
+    meets, so a settings exchange would wait out the timeout. Through the default store,
     not a collective: each rank writes the members and backend of its group
     and reads what each member wrote. A rank that never comes raises at the
     store's timeout, naming it. Once per client, at its first collective."""
     members = dist.get_process_group_ranks(group)
     if len(members) < 2 and dist.get_world_size() < 2:
         return
-    n = _GROUP_CHECKS.get((owner, key_base), 0)
-    _GROUP_CHECKS[(owner, key_base)] = n + 1
-    mine = f"ranks {members} ({dist.get_backend(group)})"
+    n = _GROUP_CHECKS.get(owner, 0)
+    _GROUP_CHECKS[owner] = n + 1
+    mine = f"ranks {members} ({dist.get_backend(group)}) with key_base={key_base}"
     store = dist.distributed_c10d._get_default_store()
-    prefix = f"pycomm/group/{owner}/{key_base}/{n}/"
+    prefix = f"pycomm/group/{owner}/{n}/"
     me = dist.get_rank()
     store.set(prefix + str(me), mine)
     others = [r for r in members if r != me]
@@ -220,7 +221,7 @@ def same_group(owner: str, group: dist.ProcessGroup, key_base: int = 0) -> None:
     differ = [(r, t) for r, t in zip(others, theirs) if t != mine]
     if differ:
         raise ValueError(
-            f"{owner}: the ranks run it over different process groups: this rank ({me}) over {mine}; "
+            f"{owner}: the ranks run it over different process groups or key bases: this rank ({me}) over {mine}; "
             + "; ".join(f"rank {r} over {t}" for r, t in differ)
             + ". Pass every rank its group (made up front by every rank, in one order), or none on every "
               "rank. Nothing was changed.")

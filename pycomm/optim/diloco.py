@@ -668,11 +668,11 @@ class DiLoCo:
         saved, mine = extra["settings"], self._settings()
         if not isinstance(saved, dict):
             raise TypeError(f"{where}['settings'] must be a dict, got {type(saved).__name__}")
-        for name in ("sync_every", "fragments", "delay", "compressor", "error_feedback", "parameters", "outer_lr",
-                     "outer_momentum", "nesterov"):
-            if saved.get(name) != mine[name]:
-                raise ValueError(f"cannot load this DiLoCo state: it was saved with {name}={saved.get(name)!r}, "
-                                 f"this DiLoCo has {name}={mine[name]!r}")
+        differ = [f"saved with {name}={saved.get(name)!r}, this DiLoCo has {name}={mine[name]!r}"
+                  for name in ("sync_every", "fragments", "delay", "compressor", "error_feedback", "parameters",
+                               "outer_lr", "outer_momentum", "nesterov") if saved.get(name) != mine[name]]
+        if differ:  # every difference named at once, as the ranks' comparison does
+            raise ValueError("cannot load this DiLoCo state: it was " + "; ".join(differ))
         anchors = state_dict["anchor"]
         if not isinstance(anchors, (list, tuple)) or len(anchors) != len(self.anchor) or any(
                 not isinstance(s, torch.Tensor) or s.shape != a.shape for s, a in zip(anchors, self.anchor)):
