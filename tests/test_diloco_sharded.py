@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from _dist import refusal, run_ranks
 
 H, OUTER = 4, 8  # sync_every, outer steps

@@ -146,6 +146,18 @@ def test_diloco_example(tmp_path):
     assert len({r["params_sha256"] for r in _reports(full)}) == 1
 
 
+def test_torchft_example():
+    # Fault-tolerant DiLoCo on torchft: the example launches a lighthouse and
+    # 3 replicas, kills one at 40% with SIGKILL and restarts it; it heals
+    # from a live peer and every replica ends with the same parameters.
+    pytest.importorskip("torchft")
+    out = _run([sys.executable, str(EXAMPLES / "diloco_torchft.py"), "--outer-steps", "10"])
+    assert "killed replica 2 (SIGKILL) after outer step" in out
+    assert "[replica2-restarted] replica 2: healed from a live peer" in out
+    assert "[replica2-restarted] replica 2: done at outer step 10, 1 heal(s)" in out
+    assert "3 replicas finished; their parameters are identical" in out
+
+
 @pytest.mark.parametrize("compressor,compile_,optimizer", [("onebit", False, False), ("int8", True, False),
                                                            ("onebit", False, True)])
 def test_transformers_trainer_example(tmp_path, compressor, compile_, optimizer):

@@ -224,20 +224,32 @@ def _create_backend(dist_opts: Any, options: Optional[PycommOptions]) -> Any:
         return dist.ProcessGroupNCCL(sub_store, sub_rank, sub_size, nccl_opts)
 
     inner, device = make(store, rank, size), "cuda" if inner_name == "nccl" else "cpu"
-    shared = {name: getattr(options, name) for name in _SHARED_OPTIONS}
-    agree("the pycomm group", dict(shared, check_calls=check_mode(options.check_calls)), inner, device,
-          fix="Every rank must create it with the same options")
+    _agree_options(inner, options, device)
     local = _agreed_ranks_per_node(inner, options.hierarchy, rank, size, device)
     intra = inter = None
     if local > 1:
         node, local_rank = divmod(rank, local)
         intra = make(dist.PrefixStore(f"pycomm-intra-{node}", store), local_rank, local)
         inter = make(dist.PrefixStore(f"pycomm-inter-{local_rank}", store), node, size // local)
+    return _compressed_backend(inner, options, device, intra, inter)
+
+
+def _agree_options(inner: Any, options: PycommOptions, device: str) -> None:
+    """The settings the call check does not compare, compared over the
+    inner backend (the group does not exist yet): a collective."""
+    shared = {name: getattr(options, name) for name in _SHARED_OPTIONS}
+    agree("the pycomm group", dict(shared, check_calls=check_mode(options.check_calls)), inner, device,
+          fix="Every rank must create it with the same options")
+
+
+def _compressed_backend(inner: Any, options: PycommOptions, device: str, intra: Any = None,
+                        inter: Any = None) -> Any:
+    """The engine over ``inner`` (and the node groups of a hierarchy)."""
     backend = _ext._C.CompressedBackend(
         inner,
         options.compressor,
         options.min_compress_numel,
-        options.chunk_numel or DEFAULT_CHUNK_NUMEL_BY_INNER[inner_name],
+        options.chunk_numel or DEFAULT_CHUNK_NUMEL_BY_INNER["nccl" if device == "cuda" else "gloo"],
         options.block_size or 0,  # 0: each method's default
         options.density,
         options.approx,
@@ -364,6 +376,53 @@ def wrap(group: Optional[dist.ProcessGroup] = None, compressor: str = "onebit", 
     # The user's timeout, not torch's default (30 minutes): a rank that
     # disagrees then fails the call when the user said it should.
     return dist.new_group(ranks=ranks, backend=BACKEND_NAME, pg_options=options, timeout=timeout_of(group))
+
+
+def wrap_backend(group: dist.ProcessGroup, compressor: str = "onebit", device: str | torch.device = "cpu",
+                 **settings: Any) -> dist.ProcessGroup:
+    """A compressing group that runs over ``group``'s own backend on
+    ``device`` (Gloo or NCCL) and its connections, for a group that
+    torch.distributed's registry does not hold, so that :func:`wrap` (which
+    makes new connections with ``dist.new_group`` among ranks of the default
+    group) cannot: e.g. the inner group of torchft's ``ProcessGroupGloo``,
+    which torchft replaces at every change of its quorum
+    (:mod:`pycomm.integrations.torchft`). Every rank of ``group`` calls it,
+    alike (the ranks compare the settings over ``group``: a collective).
+    The new group lives as long as it is referenced; dropping it releases
+    the engine (its thread and residuals), not ``group``. Flat only: a
+    hierarchy's node groups need a store that such a group does not give.
+
+    Example::
+
+        inner = torchft_group.parent          # after torchft configured it
+        pg = pd.wrap_backend(inner, compressor="int4")
+        pd.all_reduce(t, key=0, group=pg, op="avg")
+    """
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group must be a torch.distributed.ProcessGroup, got {type(group).__name__}")
+    device = _device(device)
+    allowed = [f.name for f in fields(PycommOptions) if f.name not in ("compressor", "inner", "hierarchy")]
+    unknown = sorted(set(settings) - set(allowed))
+    if unknown:
+        raise TypeError(f"wrap_backend() got unknown settings {unknown}; allowed: {allowed} (it wraps the group's "
+                        f"own backend, flat)")
+    try:
+        inner = group._get_backend(device)
+    except RuntimeError:
+        raise ValueError(f"group has no backend on {device.type}") from None
+    if _ext._C is not None and isinstance(inner, _ext._C.CompressedBackend):
+        raise ValueError("group is a pycomm group already: use it as it is")
+    name = inner.name()
+    if name not in ("gloo", "nccl"):
+        raise ValueError(f"can wrap a gloo or nccl backend, this group's on {device.type} is {name!r}")
+    if _ext.why_no_cpu_ops() is not None:
+        raise RuntimeError(_ext.why_no_cpu_ops())
+    options = PycommOptions(compressor=compressor, inner=name, hierarchy="flat", **settings)
+    _agree_options(inner, options, device.type)
+    backend = _compressed_backend(inner, options, device.type)
+    out = dist.ProcessGroup(group.rank(), group.size())
+    out._register_backend(device, dist.ProcessGroup.BackendType.CUSTOM, backend)
+    return out
 
 
 def timeout_of(group: Optional[dist.ProcessGroup] = None) -> Optional[timedelta]:
@@ -747,4 +806,5 @@ __all__ = [
     "reset_error_feedback",
     "undo_error_feedback",
     "wrap",
+    "wrap_backend",
 ]

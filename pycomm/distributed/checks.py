@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["MAX_KEY", "OPTIONAL_RESIDUAL_FIELDS", "RESIDUAL_FIELDS", "agree", "all_reduce_max", "check_fields",
-           "check_int", "check_residual_fields", "is_int", "settings_digest"]
+           "check_int", "check_residual_fields", "gather_json", "is_int", "settings_digest"]
 
 #: The largest key the engine takes (an int64).
 MAX_KEY = (1 << 63) - 1
@@ -133,16 +133,7 @@ def agree(owner: str, settings: Dict[str, Any], group: Any, device: Any,
     both = all_reduce_max(group, torch.tensor([digest, -digest], dtype=torch.int64, device=device))
     if int(both[0]) == -int(both[1]):
         return
-    text = json.dumps(settings, sort_keys=True, default=repr).encode()
-    buf = torch.zeros(int(all_reduce_max(group, torch.tensor([len(text)], device=device))[0]), dtype=torch.uint8)
-    buf[:len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
-    buf = buf.to(device)
-    every = [torch.empty_like(buf) for _ in range(world)]
-    if isinstance(group, dist.ProcessGroup):
-        dist.all_gather(every, buf, group=group)
-    else:
-        group.allgather([every], [buf]).wait()
-    theirs = [json.loads(bytes(t.cpu().tolist()).rstrip(b"\0")) for t in every]
+    theirs = gather_json(group, settings, device)
     diff = [k for k in settings if any(t.get(k) != theirs[0].get(k) for t in theirs)]
     if not diff:
         return  # equal values printed differently (density 1 and 1.0; one dict in two key orders) run alike
@@ -152,6 +143,22 @@ def agree(owner: str, settings: Dict[str, Any], group: Any, device: Any,
                     for k in diff)
         + f". {fix}. Nothing was changed."
     )
+
+
+def gather_json(group: Any, obj: Any, device: Any) -> list:
+    """Every rank's ``obj`` (as JSON; what JSON cannot write, by its repr),
+    in rank order; ``group``: a ProcessGroup, or a backend (a pycomm group's
+    inner one, or a group torch.distributed does not hold). A collective."""
+    text = json.dumps(obj, sort_keys=True, default=repr).encode()
+    buf = torch.zeros(int(all_reduce_max(group, torch.tensor([len(text)], device=device))[0]), dtype=torch.uint8)
+    buf[:len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+    buf = buf.to(device)
+    every = [torch.empty_like(buf) for _ in range(group.size())]
+    if isinstance(group, dist.ProcessGroup):
+        dist.all_gather(every, buf, group=group)
+    else:
+        group.allgather([every], [buf]).wait()
+    return [json.loads(bytes(t.cpu().tolist()).rstrip(b"\0")) for t in every]
 
 
 def all_reduce_max(group: Any, t: torch.Tensor) -> torch.Tensor:

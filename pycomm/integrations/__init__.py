@@ -15,6 +15,10 @@ adapter module imports its own when it is imported.
   keeps each rank's hook state in the Trainer's checkpoint folders;
   :func:`~pycomm.integrations.transformers.attach` does the same for a
   OneBitAdam or OneBitSGD given as the Trainer's optimizer.
+* :mod:`pycomm.integrations.torchft`: :class:`~pycomm.integrations.torchft.FaultTolerantDiLoCo`
+  runs :class:`pycomm.optim.DiLoCo`'s compressed outer sync inside torchft's
+  fault tolerance (its Manager's quorum, healing and commit): replicas
+  that leave and rejoin (docs/across_sites.md).
 * Here, for frameworks that take only a backend name or initialize
   torch.distributed themselves: :func:`backend` (a backend name that carries
   pycomm's settings) and :func:`init_process_group` (the default group, from
