@@ -4,6 +4,7 @@ and the warm-up cosine, and a miniature study end to end that resumes
 without rerunning what it has."""
 
 import json
+import math
 import subprocess
 import sys
 
@@ -218,3 +219,45 @@ def test_links_put_the_curves_on_an_emulated_clock(tmp_path):
     assert link["step_time_mean_s"] > 0 and link["time_to_allreduce_final_s"] == pytest.approx(link["run_s"])
     assert "100mbit" in arms["int8"]["links"] and "to allreduce's final held-out loss" in proc.stdout
     assert (tmp_path / "q-seconds.png").exists()
+
+
+def _children(pid):
+    """The processes whose parent is ``pid`` (Linux /proc)."""
+    import os
+
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    # The parent's pid is the second field after the name, which may hold spaces.
+                    if int(fh.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        kids.append(int(entry))
+            except (OSError, ValueError, IndexError):
+                pass  # ended while read
+    return kids
+
+
+def test_torchft_diloco_trains_in_the_quick_regime_and_leaves_nothing_behind(tmp_path):
+    import importlib.metadata
+    import os
+
+    pytest.importorskip("torchft")
+    from pycomm.distributed import spec
+
+    arm = Arm("torchft-diloco-H16", 2)
+    assert arm.diloco and arm in quality.ARMS and arm.name == "2r-torchft-diloco-H16"
+    setting = {"lr": 2e-3, "outer_lr": 1.0, "outer_momentum": 0.5}
+    before = set(_children(os.getpid()))
+    rec = quality.run_one(arm, setting, 0, quality.QUICK_REGIME, str(tmp_path))
+    assert set(_children(os.getpid())) <= before  # ranks gone; the lighthouse lived in rank 0
+    assert (tmp_path / f"{run_id(arm, setting, 0)}.json").exists()
+    curve = [v for _, v in rec["eval_loss_curve"]]
+    assert all(map(math.isfinite, curve)) and curve[-1] < curve[0], curve  # it trains
+    # 20 steps after the warm-up: one sync of 16, committed.
+    assert rec["entry"] == "torchft" and rec["per_seed"][0]["diloco_syncs"] == 1
+    # The same formula as pycomm's DiLoCo: an exact float32 all-reduce of the model every H steps.
+    assert rec["diloco_bytes_per_step"] == spec.wire_bytes("none", rec["gradient_numel"], 2) / 16
+    assert rec["bytes_sent_per_rank_per_step"] > 0  # measured on loopback, as every run
+    assert rec["torchft_version"] == importlib.metadata.version("torchft") and rec["torchft_quantize"] is False
+    assert rec["params_identical"]  # every replica holds the same anchor after the sync

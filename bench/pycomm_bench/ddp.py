@@ -51,7 +51,18 @@ Methods, side by side in the same rank processes (same seed, same batches):
   (``DiLoCo.bytes_per_step``), ``diloco_syncs`` and ``diloco_memory_bytes``,
   and checks that every rank holds the same anchor. Its step time varies
   (a sync every H/F steps): its table cell and speedup use the mean
-  (``step_time_mean_s``, against plain's mean), not the median.
+  (``step_time_mean_s``, against plain's mean), not the median;
+* ``torchft-diloco-H<H>``: the same warm-up, then every rank becomes one
+  torchft replica (a ``torchft.Manager`` of group world size 1 with its
+  own TCPStore, ``use_async_quorum=False``, a lighthouse in rank 0 with
+  ``min_replicas`` = the ranks) and trains inside
+  ``torchft.local_sgd.DiLoCo`` with the same inner AdamW and an outer
+  Nesterov ``torch.optim.SGD`` (``--outer-lr``, ``--outer-momentum``),
+  exact (torchft's ``should_quantize`` needs an accelerator). Evaluated,
+  counted and timed as ``diloco-*``: ``diloco_bytes_per_step`` is the same
+  formula (an exact float32 all-reduce of the model every H steps,
+  ``spec.wire_bytes("none", n, W) / H``); the record adds
+  ``torchft_version``.
 
 Every compressing method, PyTorch's and pycomm's, starts after the same
 ``start_iter`` plain warm-up steps (``optim-*``: after ``--optim-warmup``;
@@ -100,7 +111,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from pycomm.distributed import spec
 
 from .launch import Rank, RanksFailed
-from .methods import ALLREDUCE, AUTO, DDP_BASES, DILOCO, Method, parse_method as _parse_method, vocabulary
+from .methods import ALLREDUCE, AUTO, DDP_BASES, DILOCO, TORCHFT, Method, parse_method as _parse_method, vocabulary
 from .report import fail, finish, fmt_number, machine_info, progress_bar, table
 from .sweep import (DEFAULT_LR, EVAL_BATCHES, EVAL_RANK, FINAL_LOSS_WINDOW,
                     add_sweep_options, effective_bw, error_feedback_suffix, eval_batch_fn, json_key, mean,
@@ -267,7 +278,7 @@ class _RankTrainer:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         model, batch_fn, loss_fn = workload(self.cfg, seed)
-        if m.entry == "diloco":
+        if m.entry in (DILOCO, TORCHFT):
             # No DDP: DiLoCo's replicas drift between syncs by design. The
             # warm-up's inner AdamW; DiLoCo wraps it after start_iter (train()).
             return model, _optimizer(model, self.cfg), loss_fn, batch_fn, None
@@ -480,7 +491,8 @@ class _RankTrainer:
 
         ddp, opt, loss_fn, batch_fn, state = self._setup(m, start_iter, seed)
         heldout = eval_batch_fn(self.cfg, seed, batch_fn)
-        diloco = m.entry == "diloco"
+        diloco = m.entry in (DILOCO, TORCHFT)
+        torchft = None  # the replica of a torchft-diloco-* method, from start_iter on
         module = ddp if diloco else ddp.module
         eval_tx = 0  # bytes of DiLoCo's evaluation averages, not training's
         numel = sum(p.numel() for p in ddp.parameters())
@@ -491,37 +503,43 @@ class _RankTrainer:
         engine = None
         self.dist.barrier()
         tx_start = self.me.tx_bytes()
-        for step in range(steps):
-            if eval_every and step and step % eval_every == 0:
-                # Untimed, on rank 0 only (the ranks hold the same parameters);
-                # the others wait at the barrier, not in a timed step.
-                tx_eval = self.me.tx_bytes()
-                held_out = self._eval(self._consensus(module) if diloco else module, heldout, loss_fn)
-                if self.rank == 0:
-                    curve.append([step, held_out])
-                self.dist.barrier()
-                if tx_eval is not None:
-                    eval_tx += self.me.tx_bytes() - tx_eval
-            if diloco and step == start_iter:
-                opt = self._diloco(m, ddp, opt)
-            if step == timed_from:
-                tx0 = self.me.tx_bytes()
-                engine = self._engine_of(m, state, opt)
-                if engine is not None:
-                    pd.profile(engine, reset=True)
-            set_lr(opt, self.cfg, step, steps)
-            t0 = time.perf_counter()
-            loss = loss_fn(ddp, batch_fn(self.rank, step))
-            loss.backward()
-            if diloco and step < start_iter:
-                self._average_gradients(ddp)  # the plain warm-up, without DDP
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            times.append(time.perf_counter() - t0)
-            losses.append(float(loss.detach()))
-            if (step + 1) % report_every == 0 or step + 1 == steps:
-                self.emit("step", method=m.name, seed=seed, step=step + 1, steps=steps)
-        if diloco:
+        try:
+            for step in range(steps):
+                if eval_every and step and step % eval_every == 0:
+                    # Untimed, on rank 0 only (the ranks hold the same parameters);
+                    # the others wait at the barrier, not in a timed step.
+                    tx_eval = self.me.tx_bytes()
+                    held_out = self._eval(self._consensus(module) if diloco else module, heldout, loss_fn)
+                    if self.rank == 0:
+                        curve.append([step, held_out])
+                    self.dist.barrier()
+                    if tx_eval is not None:
+                        eval_tx += self.me.tx_bytes() - tx_eval
+                if m.entry == DILOCO and step == start_iter:
+                    opt = self._diloco(m, ddp, opt)
+                if m.entry == TORCHFT and step == start_iter:
+                    torchft = _TorchftReplica(self, m, ddp, opt)  # torchft's hooks on the inner AdamW
+                if step == timed_from:
+                    tx0 = self.me.tx_bytes()
+                    engine = self._engine_of(m, state, opt)
+                    if engine is not None:
+                        pd.profile(engine, reset=True)
+                set_lr(opt, self.cfg, step, steps)
+                t0 = time.perf_counter()
+                loss = loss_fn(ddp, batch_fn(self.rank, step))
+                loss.backward()
+                if diloco and step < start_iter:
+                    self._average_gradients(ddp)  # the plain warm-up, without DDP
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                times.append(time.perf_counter() - t0)
+                losses.append(float(loss.detach()))
+                if (step + 1) % report_every == 0 or step + 1 == steps:
+                    self.emit("step", method=m.name, seed=seed, step=step + 1, steps=steps)
+        finally:
+            if torchft is not None:
+                torchft.close()
+        if m.entry == DILOCO:
             # A sync still in flight (delay > 0) is applied; the replicas'
             # average is what the recorded studies evaluate (finish()'s final
             # sync of every fragment would add one outer step to them).
@@ -547,6 +565,7 @@ class _RankTrainer:
             final = self._eval(module, heldout, loss_fn) if self.rank == 0 else math.nan
         if eval_every:
             curve.append([steps, final])
+        anchor = (torchft.anchor() if torchft is not None else opt.anchor) if diloco else None
         rec = {
             "method": m.name,
             "entry": m.entry,
@@ -572,7 +591,7 @@ class _RankTrainer:
             "eval_loss_curve": curve if eval_every else None,
             "step_times_s": times,
             # DiLoCo's replicas differ by design; its promise is the same anchor.
-            "params_identical": self.me.identical(self.torch.cat([a.reshape(-1) for a in opt.anchor]))
+            "params_identical": self.me.identical(self.torch.cat([a.reshape(-1) for a in anchor]))
                                 if diloco else self._params_identical(ddp),
         }
         if engine is not None:
@@ -586,7 +605,9 @@ class _RankTrainer:
             rec["auto_bucket_methods"] = {str(b.buffer().numel()): cal.choose(b.buffer().numel())
                                           for b in ddp.reducer._get_zeros_like_grad_buckets()}
             rec["auto_calibration"] = cal.to_dict()
-        if diloco:
+        if torchft is not None:
+            rec.update(torchft.record(numel))
+        if m.entry == DILOCO:
             rec["diloco_bytes_per_step"] = opt.bytes_per_step(world_size=self.world)
             rec["diloco_bytes_per_sync"] = opt.bytes_per_sync(world_size=self.world)
             rec["diloco_syncs"] = opt.syncs
@@ -601,6 +622,122 @@ class _RankTrainer:
         self._release(state, opt)
         del ddp, opt, state
         return rec
+
+
+#: Seconds any torchft wait may take in a rank (a quorum, a collective, a
+#: connection) before it raises: a hung replica ends the run, never stalls it.
+TORCHFT_TIMEOUT_S = 60.0
+
+
+def _own_addr(peer: str) -> str:
+    """The address this process reaches ``peer`` from (its own side of the
+    route: 127.0.0.1 on loopback, the namespace's address on an emulated
+    link), which its peers can reach it at. No packet is sent.
+
+    >>> _own_addr("127.0.0.1")
+    '127.0.0.1'
+    """
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((peer, 9))
+        return s.getsockname()[0]
+
+
+class _TorchftReplica:
+    """One rank as one torchft replica, from the parameters the warm-up
+    left (the same on every rank): rank 0 runs the lighthouse
+    (``min_replicas`` = the ranks, so every quorum holds all of them)
+    inside its own process, so that it cannot outlive the run; each rank its own TCPStore and ``torchft.Manager`` (group world
+    size 1, synchronous quorum as torchft's DiLoCo requires, no sync at
+    step 0: the replicas start equal), and torchft's DiLoCo is entered
+    around the inner optimizer ``inner``, whose step hooks then do the
+    syncs. :meth:`close` ends all of it (a ``finally`` of the training
+    loop); every wait of torchft is bounded by :data:`TORCHFT_TIMEOUT_S`.
+    """
+
+    def __init__(self, trainer: "_RankTrainer", m: Method, model, inner) -> None:
+        import os
+        from datetime import timedelta
+
+        import torch
+        from torchft import Manager, ProcessGroupGloo
+        from torchft._torchft import LighthouseServer
+        from torchft.local_sgd import DiLoCo as TorchftDiLoCo
+
+        self.lighthouse = self.manager = self.diloco = self.store = None
+        self.committed: Optional[int] = None
+        self.sync_every, self.world = m.sync_every, trainer.world
+        try:
+            addr = _own_addr(os.environ["MASTER_ADDR"])
+            lighthouse = [None]
+            if trainer.rank == 0:
+                self.lighthouse = LighthouseServer(bind=f"{addr}:0", min_replicas=trainer.world,
+                                                   join_timeout_ms=int(TORCHFT_TIMEOUT_S * 1000))
+                # Its own address names this host; the peers reach it at addr.
+                lighthouse = [f"http://{addr}:{self.lighthouse.address().rsplit(':', 1)[1]}"]
+            trainer.dist.broadcast_object_list(lighthouse, src=0)
+            timeout = timedelta(seconds=TORCHFT_TIMEOUT_S)
+            self.store = torch.distributed.TCPStore(addr, 0, is_master=True, wait_for_workers=False,
+                                                    timeout=timeout)
+            self.manager = Manager(pg=ProcessGroupGloo(timeout=timeout), load_state_dict=None, state_dict=None,
+                                   min_replica_size=trainer.world, use_async_quorum=False,
+                                   replica_id=f"replica_{trainer.rank}", lighthouse_addr=lighthouse[0],
+                                   store_addr=addr, store_port=self.store.port, rank=0, world_size=1,
+                                   hostname=addr, timeout=timeout, quorum_timeout=timeout,
+                                   connect_timeout=timeout, init_sync=False)
+            outer = torch.optim.SGD(model.parameters(), lr=trainer.cfg.get("outer_lr", DILOCO_OUTER_LR),
+                                    momentum=trainer.cfg.get("outer_momentum", DILOCO_OUTER_MOMENTUM),
+                                    nesterov=True)
+            self.outer_lr, self.outer_momentum = outer.defaults["lr"], outer.defaults["momentum"]
+            self.diloco = TorchftDiLoCo(self.manager, [model], inner, outer_optimizer=outer,
+                                        sync_every=m.sync_every)
+            self.diloco.__enter__()
+        except BaseException:
+            self.close()
+            raise
+
+    def anchor(self) -> List[Any]:
+        """The parameters of the last sync, torchft's backup copy (the same
+        on every replica after each committed sync)."""
+        return [t for f in self.diloco._fragments for t in f.original_parameters.values()]
+
+    def close(self) -> None:
+        """Leave DiLoCo (its hooks off the inner optimizer), shut the
+        Manager and the lighthouse down; safe to call twice."""
+        try:
+            if self.diloco is not None:
+                self.diloco.__exit__(None, None, None)
+            if self.manager is not None:
+                self.committed = self.manager.current_step()  # one per committed outer sync
+                self.manager.shutdown(wait=False)
+        finally:
+            if self.lighthouse is not None:
+                self.lighthouse.shutdown()
+            self.manager = self.lighthouse = self.store = None  # self.diloco stays: its anchor is read after
+
+    def record(self, numel: int) -> Dict[str, Any]:
+        """The record's torchft fields. Bytes by the same formula as
+        ``diloco-*`` (``DiLoCo.bytes_per_step``): one exact float32
+        all-reduce of the whole model per sync, over every rank."""
+        import importlib.metadata
+
+        per_sync = spec.wire_bytes(spec.EXACT_METHOD, numel, self.world)
+        return {
+            "torchft_version": importlib.metadata.version("torchft"),
+            "diloco_bytes_per_sync": per_sync,
+            "diloco_bytes_per_step": per_sync / self.sync_every,
+            "diloco_bytes_formula": "spec.wire_bytes('none', n, W) / H: an exact float32 all-reduce of the "
+                                    "whole model every H steps (as DiLoCo.bytes_per_step counts it)",
+            "diloco_syncs": self.committed,
+            "diloco_outer_lr": self.outer_lr, "diloco_outer_momentum": self.outer_momentum,
+            "diloco_memory_bytes": None,
+            "optimizer": "torchft.local_sgd.DiLoCo(AdamW)",
+            "torchft_quantize": False,
+            "torchft_note": "exact sync: torchft's should_quantize path needs an accelerator and does not run on "
+                            "CPU; one torchft replica per rank (group world size 1), a lighthouse with "
+                            "min_replicas = ranks, Manager(use_async_quorum=False, init_sync=False)",
+        }
 
 
 def _rank_main(rank: Rank) -> None:
@@ -644,9 +781,14 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
             parse_method(name)
         except ValueError as exc:
             raise ValueError(f"--methods: {exc}") from None
+    if any(parse_method(name).entry == TORCHFT for name in methods):
+        import importlib.util
+
+        if importlib.util.find_spec("torchft") is None:
+            raise ValueError("--methods: torchft-diloco-* trains with torchft's DiLoCo: pip install torchft")
     if getattr(args, "optimizer", DEFAULT_OPTIMIZER) != "adamw":
         for name in methods:
-            if parse_method(name).entry == "diloco":
+            if parse_method(name).entry in (DILOCO, TORCHFT):
                 raise ValueError(f"--methods: {name}: DiLoCo's outer step (Nesterov, lr 0.7) is tuned for an "
                                  f"AdamW inner optimizer: use --optimizer adamw")
             if parse_method(name).variance_every is not None:
@@ -1008,7 +1150,7 @@ def run_plan(args: argparse.Namespace, training: bool) -> List[Dict[str, Any]]:
     plan = []
     for name in args.methods:
         twin = name[: -len("-backend")] if name.endswith("-backend") else None
-        if not training and name.startswith("diloco-"):
+        if not training and parse_method(name).sync_every is not None:  # diloco-*, torchft-diloco-*
             h = parse_method(name).sync_every
             timed = -(-args.time_steps // h) * h
             plan.append({"method": name, **timing, "steps": timing["timed_from"] + timed})
@@ -1035,10 +1177,10 @@ def step_time_stat(r: Dict[str, Any]) -> str:
     median, robust on a shared machine, but the mean for DiLoCo, whose
     median is a step without a sync and hides the sync every H/F steps.
 
-    >>> step_time_stat(dict(entry="diloco")), step_time_stat(dict(entry="hook"))
-    ('mean', 'median')
+    >>> step_time_stat(dict(entry="diloco")), step_time_stat(dict(entry="torchft")), step_time_stat(dict(entry="hook"))
+    ('mean', 'mean', 'median')
     """
-    return "mean" if r.get("entry") == DILOCO else "median"
+    return "mean" if r.get("entry") in (DILOCO, TORCHFT) else "median"
 
 
 def add_speedups(records: List[Dict[str, Any]]) -> None:
@@ -1225,8 +1367,9 @@ def format_diloco(records: List[Dict[str, Any]]) -> str:
             if plain_sent and mine else ""
         # The harness's names keep residuals unless -noef, where DiLoCo() defaults to the method's own rule.
         ef = "" if r.get("error_feedback") is None else f", error feedback {'on' if r['error_feedback'] else 'off'}"
-        lines.append(f"{r['method']} ({link}{ef}): {head}{fmt_number(formula / 1e6)} MB by DiLoCo.bytes_per_step{vs}), "
-                     f"{fmt_number(r['diloco_memory_bytes'] / 1e6)} MB of DiLoCo state per rank")
+        memory = r.get("diloco_memory_bytes")  # not counted for torchft's DiLoCo
+        lines.append(f"{r['method']} ({link}{ef}): {head}{fmt_number(formula / 1e6)} MB by DiLoCo.bytes_per_step{vs})"
+                     + ("" if memory is None else f", {fmt_number(memory / 1e6)} MB of DiLoCo state per rank"))
     if lines:
         lines.insert(0, "DiLoCo rows: step time is the mean over the timed steps (the median is a step without a sync).")
     return "\n".join(lines)

@@ -27,6 +27,11 @@ Grammar: ``<base>[-sr][-noef][-backend]``, base one of
   (:data:`DILOCO_CODECS`; error feedback on for the codecs that keep
   residuals, as for the DDP hook, where ``DiLoCo`` itself defaults to the
   method's own, ``spec.error_feedback_for``: off for int8, for one);
+* ``torchft-diloco-H<H>`` (``torchft-diloco-H16``): torchft's own DiLoCo
+  (``torchft.local_sgd.DiLoCo``, a context manager around the inner
+  optimizer) over one torchft replica per rank, its pseudo-gradients
+  averaged exactly every H steps (torchft's quantized sync needs an
+  accelerator: not offered);
 
 ``-sr`` rounds stochastically (``rounding="stochastic"``) where the
 compressor rounds (``spec.ROUNDING_METHODS``, e.g. ``int8``, ``optim-int8``,
@@ -59,6 +64,9 @@ Example::
     ('diloco', 'int4', 32, 4, 1, 'stochastic', False)
     >>> parse_method("diloco-H16").compressor, parse_method("diloco-H16").fragments
     ('none', 1)
+    >>> t = parse_method("torchft-diloco-H16")
+    >>> t.entry, t.compressor, t.sync_every, t.fragments, t.delay
+    ('torchft', 'none', 16, 1, 0)
 """
 
 from __future__ import annotations
@@ -79,6 +87,8 @@ PLAIN, ALLREDUCE = "plain", "allreduce"
 POWERSGD, AUTO, OPTIM = "powersgd", spec.AUTO_METHOD, "optim"
 #: :class:`pycomm.optim.DiLoCo` (``diloco-H<H>[-F<F>][-d<tau>][-<codec>]``).
 DILOCO = "diloco"
+#: torchft's DiLoCo (``torchft-diloco-H<H>``), exact: one torchft replica per rank.
+TORCHFT = "torchft"
 #: The table's sparse method (``topk-<density>``), its block codec of sign
 #: bits and its exact all-reduce.
 SPARSE = spec.methods(kind="sparse")[0]
@@ -87,11 +97,11 @@ EXACT = spec.EXACT_METHOD
 
 #: Every base name (``powersgd``, the sparse method and ``optim`` stand for
 #: ``powersgd-<rank>``, ``topk-<density>``, ``optim-<compressor>``).
-ALL_BASES = (PLAIN, ALLREDUCE, *spec.CAST_METHODS, POWERSGD, *spec.EF_METHODS, AUTO, OPTIM, DILOCO)
+ALL_BASES = (PLAIN, ALLREDUCE, *spec.CAST_METHODS, POWERSGD, *spec.EF_METHODS, AUTO, OPTIM, DILOCO, TORCHFT)
 #: What ``pycomm-bench allreduce`` times (a pycomm group per compressor, no suffixes).
 ALLREDUCE_BASES = (PLAIN, *spec.CAST_METHODS, *spec.EF_METHODS)
 #: What ``pycomm-bench ddp`` trains with.
-DDP_BASES = (ALLREDUCE, *spec.CAST_METHODS, POWERSGD, *spec.EF_METHODS, AUTO, OPTIM, DILOCO)
+DDP_BASES = (ALLREDUCE, *spec.CAST_METHODS, POWERSGD, *spec.EF_METHODS, AUTO, OPTIM, DILOCO, TORCHFT)
 #: Bases that take ``-noef`` / ``-backend``: the methods that keep residuals, and auto.
 SUFFIX_BASES = (*spec.EF_METHODS, AUTO)
 #: What ``optim-<compressor>`` may name: the momentum's compressor, a block codec.
@@ -103,14 +113,16 @@ DILOCO_CODECS = (*spec.BLOCK_METHODS, SPARSE, *spec.CAST_METHODS)
 _PARAM_CODEC = {SPARSE: f"{SPARSE}-<density>"}
 _PARAM = {POWERSGD: f"{POWERSGD}-<rank>", SPARSE: f"{SPARSE}-<density>",
           OPTIM: f"{OPTIM}-<{'|'.join(OPTIM_COMPRESSORS)}>[-overlap][-v<K>]",
-          DILOCO: f"{DILOCO}-H<H>[-F<F>][-d<tau>][-<{'|'.join(_PARAM_CODEC.get(c, c) for c in DILOCO_CODECS)}>]"}
+          DILOCO: f"{DILOCO}-H<H>[-F<F>][-d<tau>][-<{'|'.join(_PARAM_CODEC.get(c, c) for c in DILOCO_CODECS)}>]",
+          TORCHFT: f"{TORCHFT}-{DILOCO}-H<H>"}
 _BARE = "|".join(b for b in ALL_BASES if b not in _PARAM)
 _METHOD_RE = re.compile(
     rf"^(?P<base>{_BARE}|{POWERSGD}-(?P<rank>[0-9]+)"
     rf"|{SPARSE}-(?P<density>[0-9.eE+-]+?)|{OPTIM}-(?P<optim>[a-z0-9]+?)(?P<overlap>-overlap)?(?:-v(?P<variance>[0-9]+))?"
     # The codec is any word but a suffix, so that a wrong one gets its own error.
     rf"|{DILOCO}-H(?P<sync>[0-9]+)(?:-F(?P<fragments>[0-9]+))?(?:-d(?P<delay>[0-9]+))?"
-    r"(?:-(?!(?:sr|noef|backend)(?:-|$))(?P<codec>[a-z0-9]+)(?:-(?P<cdensity>[0-9][0-9.eE+-]*?))?)?)"
+    r"(?:-(?!(?:sr|noef|backend)(?:-|$))(?P<codec>[a-z0-9]+)(?:-(?P<cdensity>[0-9][0-9.eE+-]*?))?)?"
+    rf"|{TORCHFT}-{DILOCO}-H(?P<tsync>[0-9]+))"
     r"(?P<sr>-sr)?(?P<noef>-noef)?(?P<backend>-backend)?$"
 )
 
@@ -123,7 +135,8 @@ class Method:
     #: "ddp" (no hook: torch's own all-reduce), "torch" (PyTorch's hooks),
     #: "hook" (pycomm's hook over the Gloo group), "backend" (a "pycomm"
     #: group), "optim" (pycomm's compressed-momentum optimizer), "diloco"
-    #: (:class:`pycomm.optim.DiLoCo`, no gradient communication)
+    #: (:class:`pycomm.optim.DiLoCo`, no gradient communication), "torchft"
+    #: (torchft's DiLoCo, exact, one torchft replica per rank)
     entry: str
     #: "none", a cast, "powersgd", a method that keeps residuals or "auto"
     #: (for "optim": the momentum's compressor; for "diloco": the
@@ -141,7 +154,7 @@ class Method:
     #: "optim" with AdamW only: OneBitAdam's ``variance_update_every``
     #: (``-v<K>``); None: the optimizer's default
     variance_every: Optional[int] = None
-    #: "diloco" only: H, F and tau of :class:`pycomm.optim.DiLoCo`
+    #: "diloco" and "torchft" only: H, F and tau of :class:`pycomm.optim.DiLoCo`
     #: (``sync_every``, ``fragments``, ``delay``)
     sync_every: Optional[int] = None
     fragments: Optional[int] = None
@@ -209,6 +222,8 @@ def parse_method(name: str, bases: Sequence[str] = ALL_BASES, suffixes: bool = T
     rounding = "stochastic" if m.group("sr") else "nearest"
     if base == DILOCO:
         return _diloco(name, m)
+    if base == TORCHFT:
+        return _torchft(name, m)
     rounds = m.group("optim") if base == OPTIM else base
     if m.group("sr") and rounds not in spec.ROUNDING_METHODS:
         raise ValueError(f"method {name!r}: -sr (stochastic rounding) applies to "
@@ -300,3 +315,22 @@ def _diloco(name: str, m: "re.Match[str]") -> Method:
     return Method(name, DILOCO, codec, keeps and not m.group("noef"), density=density,
                   rounding="stochastic" if m.group("sr") else "nearest",
                   sync_every=sync, fragments=fragments, delay=delay)
+
+
+def _torchft(name: str, m: "re.Match[str]") -> Method:
+    """The :class:`Method` of a ``torchft-diloco-H<H>`` name matched by ``m``:
+    torchft's DiLoCo, exact (its quantized sync runs on an accelerator
+    only), one fragment, no delay; no suffix applies.
+
+    >>> parse_method("torchft-diloco-H16-noef")
+    Traceback (most recent call last):
+    ...
+    ValueError: method 'torchft-diloco-H16-noef': torchft-diloco-H<H> takes no suffix (-sr, -noef, -backend): its sync is exact
+    """
+    if m.group("sr") or m.group("noef") or m.group("backend"):
+        raise ValueError(f"method {name!r}: {_PARAM[TORCHFT]} takes no suffix (-sr, -noef, -backend): "
+                         f"its sync is exact")
+    sync = int(m.group("tsync"))
+    if sync < 1:
+        raise ValueError(f"method {name!r}: H must be >= 1")
+    return Method(name, TORCHFT, EXACT, sync_every=sync, fragments=1, delay=0)

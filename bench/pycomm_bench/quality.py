@@ -46,8 +46,8 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .ddp import add_flattening
-from .methods import ALLREDUCE
-from .report import clean, fail, fmt_number, table, write_json
+from .methods import ALLREDUCE, TORCHFT, parse_method
+from .report import clean, fail, fmt_number, machine_info, table, write_json
 from .sweep import mean, stdev
 
 HELP = "the quality study: held-out loss of every method against plain all-reduce, tuned alike, over seeds"
@@ -105,7 +105,12 @@ class Arm:
 
     @property
     def diloco(self) -> bool:
-        return self.method.startswith("diloco-")
+        """DiLoCo, pycomm's or torchft's: tuned over the outer grid.
+
+        >>> Arm("diloco-H16-int4").diloco, Arm("torchft-diloco-H16").diloco, Arm("int4").diloco
+        (True, True, False)
+        """
+        return parse_method(self.method).sync_every is not None
 
     @property
     def name(self) -> str:
@@ -142,7 +147,9 @@ class Arm:
 #: compare them; the onebit hook without error feedback (is the residual
 #: what hurts it under AdamW?); the int8 and int4 hooks without error
 #: feedback (the table's default for them: does the hook need it?); the
-#: 2-bit (ternary) levels in the hook and as DiLoCo's pseudo-gradient codec.
+#: 2-bit (ternary) levels in the hook and as DiLoCo's pseudo-gradient codec;
+#: torchft's own DiLoCo (exact) at 4 and 2 replicas, beside pycomm's
+#: ``diloco-H16`` arms at the same ranks and batch.
 ARMS: Tuple[Arm, ...] = (
     Arm(ALLREDUCE), Arm("diloco-H16"), Arm("diloco-H16-int4"), Arm("optim-onebit-v0"), Arm("int8"), Arm("int4"),
     Arm("fp16"), Arm("powersgd-4"), Arm(ALLREDUCE, 2), Arm("diloco-H16-int4", 2), Arm(ALLREDUCE, 1),
@@ -152,7 +159,7 @@ ARMS: Tuple[Arm, ...] = (
     Arm(ALLREDUCE, 1, batch_size=16), Arm("diloco-H16", 1, batch_size=16),
     Arm(ALLREDUCE, 2, batch_size=8), Arm("diloco-H16", 2, batch_size=8), Arm("diloco-H16-int4", 2, batch_size=8),
     Arm("onebit-noef"), Arm("int8-noef"), Arm("int4-noef"), Arm("int2"), Arm("diloco-H16-int2"),
-    Arm("int2-noef"),
+    Arm("int2-noef"), Arm("torchft-diloco-H16"), Arm("torchft-diloco-H16", 2),
 )
 
 
@@ -354,6 +361,8 @@ def summarize(arms: Sequence[Arm], runs: Dict[str, Dict[str, Any]], seeds: Seque
             "bytes_sent_per_rank_per_step_all_steps":
                 _mean_of(recs, "bytes_sent_per_rank_per_step_all_steps") if arm.ranks > 1 else None,
             "diloco_bytes_per_step": first.get("diloco_bytes_per_step"),
+            "final_loss_min": None if diverged else min(finite), "final_loss_max": None if diverged else max(finite),
+            "torchft_version": first.get("torchft_version"),
             "eval_loss_curve": [[s, mean([c[s] for c in curves])] for s in steps],
             "step_time_mean_s_loopback": mean([r["step_time_mean_s"] for r in recs]),
             # Steps of plain all-reduce before the method starts (its warm-up; OneBitAdam's is longer).
@@ -396,26 +405,27 @@ def _on_links(r: Dict[str, Any]) -> bool:
     return r["ranks"] == 4 and r["optimizer"] == "adamw" and r.get("arm_batch_size") is None
 
 
-def link_times(out: str, link: str) -> Dict[str, float]:
+def link_times(links_dir: str, link: str) -> Dict[str, float]:
     """``{method: mean step time}`` of the 4-rank methods timed at ``link``
-    (``<out>/links/<link>.json``, written by :func:`time_links`); {} if not yet."""
-    path = os.path.join(out, "links", f"{link}.json")
+    (``<links_dir>/<link>.json``, written by :func:`time_links`); {} if not yet."""
+    path = os.path.join(links_dir, f"{link}.json")
     if not os.path.exists(path):
         return {}
     with open(path, encoding="utf-8") as fh:
         return {r["method"]: r["step_time_mean_s"] for r in json.load(fh)}
 
 
-def time_links(summary: List[Dict[str, Any]], links: Sequence[str], out: str, regime: Dict[str, Any],
+def time_links(summary: List[Dict[str, Any]], links: Sequence[str], links_dir: str, regime: Dict[str, Any],
                time_steps: int) -> int:
     """Time every 4-rank method of ``summary`` on each emulated link not yet
-    timed (``pycomm-bench ddp --time-only``, written to ``<out>/links/<link>.json``)."""
+    timed for all of them, in one run per link (``pycomm-bench ddp
+    --time-only``, written to ``<links_dir>/<link>.json``)."""
     from .cli import main
 
     methods = [r["method"] for r in summary if _on_links(r)]
     for link in links:
-        path = os.path.join(out, "links", f"{link}.json")
-        if os.path.exists(path) and set(methods) <= set(link_times(out, link)):
+        path = os.path.join(links_dir, f"{link}.json")
+        if os.path.exists(path) and set(methods) <= set(link_times(links_dir, link)):
             continue
         argv = ["ddp", "--time-only", "--bandwidth", link, "--no-plots", "--no-progress", "--ranks", "4",
                 "--methods", *methods, "--time-steps", str(time_steps), "--json", path,
@@ -571,6 +581,107 @@ def plot_curves(summary: List[Dict[str, Any]], path: str) -> str:
     return path
 
 
+# --------------------------------------------------------------------------- against torchft
+
+#: How many times fewer bytes than torchft's exact sync pycomm's DiLoCo
+#: with a block codec of this many bits (error feedback on) must send.
+BYTES_TARGET_BY_BITS = {4: 7.0, 1: 25.0}
+#: The most pycomm's compressed DiLoCo's held-out loss may exceed torchft's exact one (0.5%).
+LOSS_TARGET = 0.005
+#: The link where pycomm's DiLoCo must not step slower than torchft's.
+TARGET_LINK = "100mbit"
+
+
+def against_torchft(summary: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Per ``torchft-diloco-H<H>`` arm of ``summary``, each pycomm DiLoCo
+    arm at the same ranks, batch and H (one fragment, no delay) against it:
+    held-out loss (the per-seed ratio to torchft's, mean, min, max), bytes
+    per rank per step (the formula, and as measured) and step time per
+    timed link, with the targets and whether each is met (None: not
+    measured). The exact arm must lie within torchft's seed spread (its
+    mean between torchft's lowest and highest seed); a codec of
+    :data:`BYTES_TARGET_BY_BITS` with error feedback must send that many
+    times fewer bytes at most :data:`LOSS_TARGET` above torchft's loss;
+    every arm must step no slower at :data:`TARGET_LINK`.
+
+    >>> arm = lambda method, loss, sent: dict(arm=f"4r-{method}", method=method, ranks=4, batch_size=4,
+    ...     seeds=[0], final_loss_per_seed=[loss], final_loss_mean=loss, final_loss_min=loss, final_loss_max=loss,
+    ...     diloco_bytes_per_step=sent, bytes_sent_per_rank_per_step=sent)
+    >>> [(c["arm"], [t["met"] for t in c["targets"]]) for c in against_torchft(
+    ...     [arm("torchft-diloco-H16", 2.0, 800.0), arm("diloco-H16", 2.0, 800.0), arm("diloco-H16-int4", 2.02, 100.0)])]
+    [('4r-diloco-H16', [True, None]), ('4r-diloco-H16-int4', [False, None])]
+    """
+    from pycomm.distributed import spec
+
+    out = []
+    for ft in summary:
+        if not ft["method"].startswith(f"{TORCHFT}-") or ft["final_loss_mean"] is None:
+            continue
+        h = parse_method(ft["method"]).sync_every
+        for r in summary:
+            m = parse_method(r["method"])
+            if (m.entry == TORCHFT or m.sync_every != h or (m.fragments, m.delay) != (1, 0)
+                    or (r["ranks"], r["batch_size"]) != (ft["ranks"], ft["batch_size"])):
+                continue
+            theirs = dict(zip(ft["seeds"], ft["final_loss_per_seed"]))
+            ratios = [x / theirs[s] for s, x in zip(r["seeds"], r["final_loss_per_seed"])
+                      if s in theirs and x is not None]
+            c = {"arm": r["arm"], "torchft_arm": ft["arm"], "ranks": r["ranks"],
+                 "final_loss_mean": r["final_loss_mean"], "final_loss_min": r["final_loss_min"],
+                 "final_loss_max": r["final_loss_max"], "torchft_final_loss_mean": ft["final_loss_mean"],
+                 "torchft_final_loss_min": ft["final_loss_min"], "torchft_final_loss_max": ft["final_loss_max"],
+                 "seeds_compared": [s for s in r["seeds"] if s in theirs],
+                 "loss_vs_torchft_mean": mean(ratios) if ratios else None,
+                 "loss_vs_torchft_min": min(ratios) if ratios else None,
+                 "loss_vs_torchft_max": max(ratios) if ratios else None,
+                 "bytes_per_step_formula": r["diloco_bytes_per_step"],
+                 "torchft_bytes_per_step_formula": ft["diloco_bytes_per_step"],
+                 "fewer_bytes_than_torchft": ft["diloco_bytes_per_step"] / r["diloco_bytes_per_step"],
+                 "bytes_sent_per_rank_per_step": r["bytes_sent_per_rank_per_step"],
+                 "torchft_bytes_sent_per_rank_per_step": ft["bytes_sent_per_rank_per_step"],
+                 "step_time_mean_s": {k: v["step_time_mean_s"] for k, v in (r.get("links") or {}).items()},
+                 "torchft_step_time_mean_s": {k: v["step_time_mean_s"] for k, v in (ft.get("links") or {}).items()},
+                 "targets": []}
+            if m.compressor == spec.EXACT_METHOD:
+                mine = r["final_loss_mean"]
+                met = None if mine is None else ft["final_loss_min"] <= mine <= ft["final_loss_max"]
+                c["targets"].append({"target": "held-out loss mean within torchft's seed spread (min..max)",
+                                     "met": met})
+            else:
+                bits = spec.method_spec(m.compressor).bits if m.kind == "block" else None
+                if bits not in BYTES_TARGET_BY_BITS or not m.error_feedback:
+                    continue
+                want = BYTES_TARGET_BY_BITS[bits]
+                loss = c["loss_vs_torchft_mean"]
+                c["targets"].append({"target": f">= {want:g}x fewer bytes than torchft's exact sync, at <= "
+                                               f"{LOSS_TARGET * 100:g}% held-out loss above it",
+                                     "met": None if loss is None else
+                                     c["fewer_bytes_than_torchft"] >= want and loss - 1 <= LOSS_TARGET})
+            mine, theirs_t = c["step_time_mean_s"].get(TARGET_LINK), c["torchft_step_time_mean_s"].get(TARGET_LINK)
+            c["targets"].append({"target": f"mean step no slower than torchft's at {TARGET_LINK}",
+                                 "met": None if mine is None or theirs_t is None else mine <= theirs_t})
+            out.append(c)
+    return out
+
+
+def format_against_torchft(rows: List[Dict[str, Any]]) -> str:
+    """The comparison with torchft's DiLoCo, one row per pycomm arm."""
+    def verdict(met: Optional[bool]) -> str:
+        return "not measured" if met is None else "met" if met else "NOT met"
+
+    out = []
+    for c in rows:
+        ratio = c["loss_vs_torchft_mean"]
+        out.append([c["arm"], c["torchft_arm"],
+                    "-" if c["final_loss_mean"] is None else f"{c['final_loss_mean']:.4f}",
+                    f"{c['torchft_final_loss_mean']:.4f}",
+                    "-" if ratio is None else f"{(ratio - 1) * 100:+.2f}%",
+                    f"{c['fewer_bytes_than_torchft']:.1f}x",
+                    "; ".join(f"{t['target']}: {verdict(t['met'])}" for t in c["targets"])])
+    return table(out, ["pycomm arm", "against", "held-out loss", "torchft's", "vs torchft, same seed",
+                       "fewer bytes (formula)", "targets"], tablefmt="github")
+
+
 # --------------------------------------------------------------------------- command line
 
 
@@ -597,6 +708,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--links", nargs="+", metavar="RATE", default=None,
                    help="after the runs, time each 4-rank method on these emulated links (e.g. 100mbit 1gbit; "
                         "network namespaces, root) and report its wall-clock to plain all-reduce's final loss")
+    g.add_argument("--links-dir", default=None, metavar="DIR",
+                   help="where --links writes and the report reads the step times (default: <out>/links); "
+                        "another folder times a set of arms side by side without replacing the study's")
     g.add_argument("--time-steps", type=positive_int, default=DEFAULT_TIME_STEPS,
                    help=f"timed steps per method and link with --links (default: {DEFAULT_TIME_STEPS})")
 
@@ -645,6 +759,8 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
     args.regime = QUICK_REGIME if args.quick else regime_of(args.steps or REGIME["steps"])
     if args.out is None:
         args.out = DEFAULT_OUT + ("-quick" if args.quick else "" if args.steps is None else f"-{args.steps}steps")
+    if args.links_dir is None:
+        args.links_dir = os.path.join(args.out, "links")
     if args.json is None:
         args.json = f"{args.out}-{_dt.date.today().isoformat()}.json"
     return args
@@ -676,19 +792,25 @@ def run(args: argparse.Namespace) -> int:
         print("pycomm-bench quality: no arm has finished its grid yet", file=sys.stderr)
         return 0
     if args.links and not args.report_only:
-        rc = time_links(summary, args.links, args.out, args.regime, args.time_steps)
+        rc = time_links(summary, args.links, args.links_dir, args.regime, args.time_steps)
         if rc:
             return rc
-    links = sorted(os.path.splitext(os.path.basename(p))[0] for p in glob.glob(os.path.join(args.out, "links", "*.json")))
-    times = {link: link_times(args.out, link) for link in links}
+    links = sorted(os.path.splitext(os.path.basename(p))[0] for p in glob.glob(os.path.join(args.links_dir, "*.json")))
+    times = {link: link_times(args.links_dir, link) for link in links}
     add_time_to_loss(summary, times)
     left = pending(args.arm_list, runs, seeds, args.lr_grid, args.outer_grid)
     doc = {"regime": args.regime, "lr_grid": {o: list(g) for o, g in args.lr_grid.items()}, "outer_grid": [list(p) for p in args.outer_grid],
-           "seeds": seeds, "runs_done": len(runs), "runs_known_left": len(left), "arms": summary}
+           "seeds": seeds, "runs_done": len(runs), "runs_known_left": len(left), "arms": summary,
+           "links_dir": args.links_dir, "date": _dt.date.today().isoformat(), "machine": machine_info("cpu")}
+    versus = against_torchft(summary)
+    if versus:
+        doc["against_torchft"] = versus
     write_json(args.json, doc)
     print(format_summary(summary, len(seeds)))
     if times:
         print(format_links(summary))
+    if versus:
+        print(format_against_torchft(versus))
     plain = [r for r in summary if r["method"] == ALLREDUCE and r.get("eval_loss_change_last_quarter") is not None]
     for r in plain:
         print(f"{r['arm']}: held-out loss change over the last quarter {r['eval_loss_change_last_quarter'] * 100:+.2f}%")
