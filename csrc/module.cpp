@@ -116,7 +116,8 @@ PYBIND11_MODULE(_C, m) {
                        double density, bool approx, int check_calls,
                        const c10::intrusive_ptr<c10d::Backend>& intra,
                        const c10::intrusive_ptr<c10d::Backend>& inter,
-                       const std::string& plugin_options, int64_t rounding_seed) {
+                       const std::string& plugin_options, int64_t rounding_seed,
+                       const c10::intrusive_ptr<c10d::Backend>& check) {
              pycomm::dist::Config c;
              c.rounding_seed = rounding_seed;
              c.plugin_options = plugin_options;
@@ -127,12 +128,13 @@ PYBIND11_MODULE(_C, m) {
              c.density = density;
              c.approx = approx;
              c.check_calls = check_calls;
-             return c10::make_intrusive<CompressedBackend>(inner, c, intra, inter);
+             return c10::make_intrusive<CompressedBackend>(inner, c, intra, inter, check);
            }),
            py::arg("inner"), py::arg("method"), py::arg("min_compress_numel"),
            py::arg("chunk_numel"), py::arg("block_size"), py::arg("density"), py::arg("approx"),
            py::arg("check_calls") = 1, py::arg("intra") = py::none(), py::arg("inter") = py::none(),
-           py::arg("plugin_options") = "{}", py::arg("rounding_seed") = -1)
+           py::arg("plugin_options") = "{}", py::arg("rounding_seed") = -1,
+           py::arg("check") = py::none())
       // `wait`: the caller waits for the Work at once (CallerWaits): the
       // binding waits for it before it returns (its error raised here), one
       // call from Python instead of two.
@@ -208,6 +210,8 @@ PYBIND11_MODULE(_C, m) {
            py::call_guard<py::gil_scoped_release>())
       .def("reset_error_feedback", &CompressedBackend::reset_error_feedback,
            py::arg("key") = py::none(), py::call_guard<py::gil_scoped_release>())
+      .def("kept_nbytes", &CompressedBackend::kept_nbytes,
+           py::call_guard<py::gil_scoped_release>())
       .def(
           "profile",
           [](CompressedBackend& b, bool reset) {

@@ -478,3 +478,28 @@ def test_calls_on_the_callers_thread_keep_order_and_results():
     results = run_ranks(_rank_calls_on_the_callers_thread, 2, timeout=120)
     for res in results:
         assert res["same"] and res["inference_and_param"], res
+
+
+def _rank_kept_nbytes(rank, world):
+    import pycomm.distributed as pd
+
+    n = (1 << 21) + 5
+    seen = {}
+    for method in ("fp16", "none"):
+        pg = pd.wrap(compressor=method, min_compress_numel=1)
+        pd.all_reduce(torch.ones(1 << 20), group=pg, op="avg")  # not above 2^20: nothing kept
+        seen[(method, "small")] = pd.kept_nbytes(pg)
+        pd.all_reduce(torch.ones(n), group=pg)  # a sum: the send buffer only
+        seen[(method, "sum")] = pd.kept_nbytes(pg)
+        pd.all_reduce(torch.ones(n // 2), group=pg, op="avg")  # smaller: the buffer is reused
+        seen[(method, "avg")] = pd.kept_nbytes(pg)
+    return seen
+
+
+def test_kept_nbytes_is_the_send_buffer_and_scratch():
+    n = (1 << 21) + 5
+    for seen in run_ranks(_rank_kept_nbytes, 2, timeout=120):
+        assert seen[("fp16", "small")] == 0 and seen[("none", "small")] == 0, seen
+        assert seen[("fp16", "sum")] == 2 * (n + 1), seen
+        assert seen[("fp16", "avg")] == 2 * (n + 1) + 4 * (1 << 20), seen  # a 16-bit average divides in a scratch
+        assert seen[("none", "sum")] == seen[("none", "avg")] == 4 * (n + 1), seen  # exact divides after

@@ -363,6 +363,45 @@ def _rank_old_key_against_a_first_call(rank, world):
     return out
 
 
+
+def _rank_old_key_against_a_first_call_by_default(rank, world, method, pairing):
+    """The same pairing with the default check: rank 1 checks its call (a
+    first use) where rank 0 skips the check (a key it has used). Each waits
+    in another group (the check's descriptors travel in a Gloo group of
+    their own), so both raise at the timeout; had rank 1's descriptor
+    exchange met rank 0's payload in one group, Gloo would have aborted the
+    process that received the larger message."""
+    import time
+
+    pg = pd.wrap(compressor=method, min_compress_numel=1)
+    pd.all_reduce(torch.ones(N), key=5, group=pg)
+    start = time.monotonic()
+    if rank == 0 or pairing == "new key":
+        error = _attempt(lambda: pd.all_reduce(torch.ones(N), key=5 + rank, group=pg))
+    else:
+        error = _attempt(lambda: pd.all_reduce(torch.ones(N), group=pg))
+    waited = time.monotonic() - start
+    # The group says it is broken at its next use, compressed or forwarded.
+    return error, waited, _attempt(lambda: pd.all_reduce(torch.ones(N), key=5, group=pg)), \
+        _attempt(lambda: dist.barrier(group=pg))
+
+
+@pytest.mark.parametrize("method, pairing", [("onebit", "new key"), ("fp16", "keyless")])
+def test_an_old_key_against_a_first_call_raises_on_every_rank_by_default(method, pairing):
+    from _dist import pg_timeout_for
+
+    timeout = 10
+    results = run_ranks(_rank_old_key_against_a_first_call_by_default, 2, method, pairing, timeout=timeout)
+    for rank, (error, waited, after, barrier) in enumerate(results):
+        assert error is not None and f"pycomm rank {rank} of 2" in error, error
+        assert "Timed out" in error, error
+        if rank == 1:
+            assert "got no answer from every rank" in error and 'check_calls="every"' in error, error
+        assert waited < pg_timeout_for(timeout) + 3, waited
+        for later in (after, barrier):
+            assert later is not None and "cannot run collectives any more" in later, later
+
+
 def test_an_old_key_against_a_first_call_raises_on_every_rank_when_every_call_is_checked():
     results = run_ranks(_rank_old_key_against_a_first_call, 2, timeout=120)
     for rank, res in enumerate(results):

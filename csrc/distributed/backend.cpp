@@ -16,12 +16,14 @@ using WorkPtr = c10::intrusive_ptr<c10d::Work>;
 
 CompressedBackend::CompressedBackend(c10::intrusive_ptr<c10d::Backend> inner, Config config,
                                      c10::intrusive_ptr<c10d::Backend> intra,
-                                     c10::intrusive_ptr<c10d::Backend> inter)
+                                     c10::intrusive_ptr<c10d::Backend> inter,
+                                     c10::intrusive_ptr<c10d::Backend> check)
     : c10d::Backend(inner->getRank(), inner->getSize()),
       inner_(std::move(inner)),
       config_(std::move(config)),
       intra_(std::move(intra)),
       inter_(std::move(inter)),
+      check_(std::move(check)),
       queue_(getRank(), profile_) {
   const auto& m = config_.method;
   TORCH_CHECK(known_method(m) || m == "auto" || is_plugin(m),
@@ -56,6 +58,8 @@ CompressedBackend::CompressedBackend(c10::intrusive_ptr<c10d::Backend> inner, Co
   TORCH_CHECK(config_.check_calls >= 0 && config_.check_calls <= 2,
               "check_calls must be 0 (off), 1 (first use) or 2 (every call), got ",
               config_.check_calls);
+  TORCH_CHECK(!check_ || (check_->getSize() == getSize() && check_->getRank() == getRank()),
+              "the call check's group must hold the same ranks as the inner group");
   // Gloo has no AVG: forwarded AVGs become SUM and a division here.
   inner_has_avg_ = inner_->getBackendName() != "gloo";
 }
@@ -68,6 +72,7 @@ CompressedBackend::~CompressedBackend() {
   std::optional<pybind11::gil_scoped_release> no_gil;
   if (Py_IsInitialized() && PyGILState_Check()) no_gil.emplace();
   queue_.stop();
+  check_.reset();
   intra_.reset();
   inter_.reset();
   inner_.reset();
@@ -151,6 +156,15 @@ Profile CompressedBackend::profile(bool reset) {
     if (reset) profile_ = Profile();
   })->wait();
   return copy;
+}
+
+int64_t CompressedBackend::kept_nbytes() {
+  int64_t n = 0;
+  submit(c10d::OpType::UNKNOWN, {}, [this, &n] {
+    for (const at::Tensor* t : {&cast_send_, &cast_scratch_})
+      if (t->defined()) n += t->nbytes();
+  })->wait();
+  return n;
 }
 
 // -------------------------------------------------- error-feedback state ---

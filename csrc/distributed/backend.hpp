@@ -58,7 +58,8 @@ class CompressedBackend : public c10d::Backend {
   // null: flat.
   CompressedBackend(c10::intrusive_ptr<c10d::Backend> inner, Config config,
                     c10::intrusive_ptr<c10d::Backend> intra = {},
-                    c10::intrusive_ptr<c10d::Backend> inter = {});
+                    c10::intrusive_ptr<c10d::Backend> inter = {},
+                    c10::intrusive_ptr<c10d::Backend> check = {});
   ~CompressedBackend() override;
 
   const std::string getBackendName() const override { return "pycomm"; }
@@ -110,6 +111,9 @@ class CompressedBackend : public c10d::Backend {
   // A copy of the worker's Profile (read between collectives); `reset`
   // starts a new one.
   Profile profile(bool reset = false);
+  // Bytes the engine keeps between calls for itself (not residuals): the
+  // send buffer and scratch of the large exact and 16-bit calls on a CPU.
+  int64_t kept_nbytes();
 
   // ---- every collective of c10d::Backend ----
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
@@ -281,6 +285,13 @@ class CompressedBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Backend> inner_;
   Config config_;
   c10::intrusive_ptr<c10d::Backend> intra_, inter_;
+  // Where the call check exchanges its descriptors: a Gloo group of the
+  // same ranks beside the inner one (none: the inner group). A rank whose
+  // call skips the check (a key it has used) while a peer checks its call
+  // (a key's first use) then waits in another group than the peer, and
+  // both time out, instead of one of them receiving the other's message:
+  // Gloo aborts the process that receives a message larger than it posted.
+  c10::intrusive_ptr<c10d::Backend> check_;
   bool inner_has_avg_;
 
   // Only the queue's tasks touch these (one at a time, WorkQueue); the

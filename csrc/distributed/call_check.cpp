@@ -143,7 +143,7 @@ void CallChecker::changed(int64_t key, const CallRecord& first, const CallRecord
 }
 
 void CallChecker::exchange(c10d::Backend* pg, const Call& call, const at::Tensor& tensor,
-                           bool refused,
+                           bool refused, c10::Device device,
                            const std::function<void(const c10::intrusive_ptr<c10d::Work>&)>& wait) {
   const std::string& method = call.method;
   int64_t density_bits;
@@ -162,8 +162,8 @@ void CallChecker::exchange(c10d::Backend* pg, const Call& call, const at::Tensor
   mine[kCollective] = call.collective;
   mine[kRounding] = method_rounds(method) ? config_.rounding_seed : -1;
   const int world = world_;
-  const auto opts = tensor.options().dtype(at::kLong);
-  at::Tensor in = at::tensor(mine, at::kLong).to(tensor.device());
+  const auto opts = at::TensorOptions().dtype(at::kLong).device(device);
+  at::Tensor in = at::tensor(mine, at::kLong).to(device);
   at::Tensor out = at::empty({world * kFields}, opts);
   wait(pg->_allgather_base(out, in, c10d::AllgatherOptions()));
   const at::Tensor all = out.cpu().view({world, kFields});

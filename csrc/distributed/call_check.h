@@ -55,10 +55,12 @@ class CallChecker {
   };
   Need need(const Call& call, const at::Tensor& tensor, bool refused,
             std::optional<CallRecord>* first) const;
-  // The descriptor exchange over `pg` (`wait` waits for its collective):
-  // throws, on every rank, naming each field that differs and every rank's
-  // value; else remembers the call (unless `refused`).
+  // The descriptor exchange over `pg`, in tensors on `device` (`wait` waits
+  // for its collective): throws, on every rank, naming each field that
+  // differs and every rank's value; else remembers the call (unless
+  // `refused`).
   void exchange(c10d::Backend* pg, const Call& call, const at::Tensor& tensor, bool refused,
+                c10::Device device,
                 const std::function<void(const c10::intrusive_ptr<c10d::Work>&)>& wait);
   // Throws the error of a key's call that differs from its first (after
   // the stand-in), or that this rank refused.

@@ -121,8 +121,12 @@ bool CompressedBackend::run_uncompressed(
       for (int64_t r = 0; r < rows_in; ++r)
         for (int64_t lo = 0; lo < len_in; lo += kCastChunk) {
           const at::Tensor part = values[r].narrow(0, lo, std::min(kCastChunk, len_in - lo));
+          if (!divide) {
+            send[r].narrow(0, lo, part.numel()).copy_(part);
+            continue;
+          }
           at::Tensor scaled = kept_cpu(cast_scratch_, part.numel(), part.options());
-          send[r].narrow(0, lo, part.numel()).copy_(divide ? at::div_out(scaled, part, divisor) : part);
+          send[r].narrow(0, lo, part.numel()).copy_(at::div_out(scaled, part, divisor));
         }
     } else {
       send = at::empty({rows_in, len_in + 1}, options);
@@ -216,6 +220,7 @@ void CompressedBackend::begin_seeds(Call& call, ErrorFeedback* ef) {
 
 // ------------------------------------------------------------ call check ---
 void CompressedBackend::check_call(const Call& call, const at::Tensor& tensor, bool refused) {
+  queue_.require_usable();  // every compressed call and refusal starts here
   std::optional<CallRecord> first;
   const CallChecker::Need need = checker_.need(call, tensor, refused, &first);
   if (need == CallChecker::Need::kNothing) return;
@@ -225,8 +230,22 @@ void CompressedBackend::check_call(const Call& call, const at::Tensor& tensor, b
     CallChecker::changed(*call.key, *first, CallChecker::record(call, tensor), refused);
   }
   ++profile_.collectives;  // its wait counts as the check's, not the wire's
-  checker_.exchange(inner_.get(), call, tensor, refused,
-                    [](const c10::intrusive_ptr<c10d::Work>& w) { wait_inner(w); });
+  // The check's own group exchanges on the CPU (Gloo); the inner group on
+  // the tensor's device.
+  const c10::Device where = check_ ? c10::Device(c10::kCPU) : tensor.device();
+  checker_.exchange(check_ ? check_.get() : inner_.get(), call, tensor, refused, where,
+                    [](const c10::intrusive_ptr<c10d::Work>& w) {
+                      try {
+                        wait_inner(w);
+                      } catch (...) {
+                        rethrow_with_context(
+                            "its call check (the first use of a key, or of a keyless signature) "
+                            "got no answer from every rank: a rank is lost, or runs a call whose "
+                            "check it skipped at this position (a key it has used before, where "
+                            "this rank makes a key's first call); check_calls=\"every\" names "
+                            "the calls. ");
+                      }
+                    });
 }
 
 void CompressedBackend::stand_in(int64_t key, const CallRecord& first) {

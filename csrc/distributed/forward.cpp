@@ -13,6 +13,7 @@ WorkPtr CompressedBackend::forward(c10d::OpType type, std::vector<at::Tensor> re
                                    const std::vector<at::Tensor>& tensors) {
   auto stream = caller_stream(tensors.empty() ? result : tensors);
   return submit(type, std::move(result), [this, issue = std::move(issue)] {
+    queue_.require_usable();
     ++profile_.forwarded;
     Span span(profile_.forwarded_s);
     wait_inner(issue());
@@ -34,6 +35,7 @@ WorkPtr CompressedBackend::forward_allreduce(std::vector<at::Tensor>& tensors,
     const int world = getSize();
     auto stream = caller_stream(tensors);
     return submit(c10d::OpType::ALLREDUCE, tensors, [this, tensors, sum_opts, world]() mutable {
+      queue_.require_usable();
       ++profile_.forwarded;
       Span span(profile_.forwarded_s);
       wait_inner(inner_->allreduce(tensors, sum_opts));

@@ -35,8 +35,23 @@ void PycommWork::complete(std::exception_ptr error, int source_rank) {
   }
 }
 
+namespace {
+// The queue whose task this thread runs (the worker, or a caller in
+// run_on_caller): where a failed inner collective is recorded.
+thread_local WorkQueue* running_queue = nullptr;
+}  // namespace
+
 void wait_inner(const WorkPtr& work) {
-  if (work) work->wait();
+  if (!work) return;
+  try {
+    work->wait();
+  } catch (const std::exception& e) {
+    if (running_queue) {
+      const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
+      running_queue->mark_broken(c10_error ? c10_error->what_without_backtrace() : e.what());
+    }
+    throw;
+  }
 }
 
 std::optional<c10::Stream> caller_stream(const std::vector<at::Tensor>& tensors) {
@@ -169,6 +184,19 @@ void WorkQueue::finish_pending(PendingCall& call) {
   }
 }
 
+void WorkQueue::mark_broken(const std::string& why) {
+  if (broken_.empty()) broken_ = why.empty() ? "unknown error" : why;
+}
+
+void WorkQueue::require_usable() const {
+  if (broken_.empty()) return;
+  C10_THROW_ERROR(DistBackendError,
+                  "this pycomm group cannot run collectives any more: one of its inner "
+                  "collectives failed earlier (" + broken_ + "). After a timeout or a lost peer "
+                  "the inner group's ranks are no longer in step; create a new group (and resume "
+                  "from a checkpoint)");
+}
+
 WorkPtr WorkQueue::submit(c10d::OpType type, std::vector<at::Tensor> result,
                           std::function<void()> body, std::optional<c10::Stream> stream,
                           bool overlaps) {
@@ -191,6 +219,8 @@ WorkPtr WorkQueue::submit_call(c10d::OpType type, std::vector<at::Tensor> result
     // current stream when it completes.
     std::optional<c10::StreamGuard> guard;
     if (stream) guard.emplace(*stream);
+    WorkQueue* const outer = running_queue;
+    running_queue = this;
     try {
       if (std::optional<PendingCall> deferred = body()) {
         deferred->work = work;
@@ -206,6 +236,7 @@ WorkPtr WorkQueue::submit_call(c10d::OpType type, std::vector<at::Tensor> result
     } catch (...) {
       work->complete(std::current_exception());
     }
+    running_queue = outer;
   }, overlaps};
   // On an accelerator the caller's thread is not blocked by the call in
   // any case (it waits on its stream), so the worker runs it.

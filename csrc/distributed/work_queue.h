@@ -10,6 +10,7 @@
 #include <functional>
 #include <mutex>
 #include <optional>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -87,7 +88,8 @@ struct PendingCall {
 
 // Waits for an inner backend's Work. A backend may return none for a
 // collective it has nothing to wait for: ProcessGroupNCCL (torch 2.11) does
-// for a forwarded all-reduce of one rank.
+// for a forwarded all-reduce of one rank. A failure marks the running
+// task's queue broken (WorkQueue::mark_broken) and is rethrown.
 void wait_inner(const c10::intrusive_ptr<c10d::Work>& work);
 
 // The caller's current stream on the device of the first accelerator
@@ -155,6 +157,13 @@ class WorkQueue {
   // false), or all of them (`wait` true), or all up to the last one on
   // `key` (waiting for the device as needed). Called by a running task.
   void settle(bool wait, std::optional<int64_t> key = std::nullopt);
+  // Records that an inner collective failed (a timeout, a lost peer: the
+  // inner group's ranks are out of step from then on), called by
+  // wait_inner in a task; the first cause is kept.
+  void mark_broken(const std::string& why);
+  // Throws, naming the first failure, once one was recorded: a task that
+  // would issue a collective calls it first. Called by a running task.
+  void require_usable() const;
   // Runs what is queued, then stops the worker; no submit after. The owner
   // calls it before the state its tasks use goes.
   void stop();
@@ -175,6 +184,7 @@ class WorkQueue {
   std::condition_variable queue_cv_;
   std::deque<Task> queue_;
   std::deque<PendingCall> pending_;  // under issue_mutex_
+  std::string broken_;               // under issue_mutex_: mark_broken
   bool stopping_ = false;
   std::thread worker_;  // last: started once the rest is set up
 };

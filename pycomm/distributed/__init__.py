@@ -231,7 +231,12 @@ def _create_backend(dist_opts: Any, options: Optional[PycommOptions]) -> Any:
         node, local_rank = divmod(rank, local)
         intra = make(dist.PrefixStore(f"pycomm-intra-{node}", store), local_rank, local)
         inter = make(dist.PrefixStore(f"pycomm-inter-{local_rank}", store), node, size // local)
-    return _compressed_backend(inner, options, device, intra, inter)
+    # The call check's descriptors travel in a Gloo group of their own: where
+    # one rank checks its call and another skips the check (docs/reliability.md,
+    # section 2), each then waits in its own group until the timeout, instead
+    # of Gloo aborting the process that receives the other's larger message.
+    check = make(dist.PrefixStore("pycomm-check", store), rank, size) if inner_name == "gloo" and size > 1 else None
+    return _compressed_backend(inner, options, device, intra, inter, check)
 
 
 def _agree_options(inner: Any, options: PycommOptions, device: str) -> None:
@@ -243,7 +248,7 @@ def _agree_options(inner: Any, options: PycommOptions, device: str) -> None:
 
 
 def _compressed_backend(inner: Any, options: PycommOptions, device: str, intra: Any = None,
-                        inter: Any = None) -> Any:
+                        inter: Any = None, check: Any = None) -> Any:
     """The engine over ``inner`` (and the node groups of a hierarchy)."""
     backend = _ext._C.CompressedBackend(
         inner,
@@ -258,6 +263,7 @@ def _compressed_backend(inner: Any, options: PycommOptions, device: str, intra: 
         inter,
         options_json(options.compressor, options.compressor_options) if is_plugin(options.compressor) else "{}",
         options.rounding_seed,
+        check,
     )
     if options.compressor == AUTO_METHOD:
         from .auto import calibrate
@@ -769,6 +775,22 @@ def profile(group: Optional[dist.ProcessGroup] = None, device: str = "cpu", rese
     return d
 
 
+def kept_nbytes(group: Optional[dist.ProcessGroup] = None, device: str = "cpu") -> int:
+    """Bytes the engine of ``group`` keeps between calls for itself, this
+    rank only, not counting residuals (:func:`error_feedback_state`): the
+    send buffer of its largest exact or 16-bit call on a CPU above 2^20
+    elements (the tensor's size plus one element), and for a 16-bit average
+    a 4 MB scratch, kept so that each call does not fault a new buffer's
+    pages in (docs/performance.md). 0 until such a call.
+
+    Example::
+
+        pd.all_reduce(torch.ones(1 << 21), group=pg, op="avg")   # pg: compressor="fp16"
+        pd.kept_nbytes(pg)   # 2 * (2**21 + 1) + 4 MiB
+    """
+    return int(_pycomm_backend(group, _device(device)).kept_nbytes())
+
+
 def calibration(group: Optional[dist.ProcessGroup] = None, device: str = "cpu") -> "Calibration":
     """The calibration of a ``compressor="auto"`` group: what was measured,
     the model, and the method of each size (``print(calibration().format())``).
@@ -798,6 +820,7 @@ __all__ = [
     "error_feedback_state",
     "init_process_group",
     "is_pycomm_group",
+    "kept_nbytes",
     "load_error_feedback_state",
     "options_of",
     "profile",

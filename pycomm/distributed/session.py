@@ -531,6 +531,17 @@ class EngineSession:
         return sum(t.numel() * t.element_size() for ef in self.residuals().values()
                    for t in [ef["worker"], *ef["server"]])
 
+    def kept_nbytes(self) -> int:
+        """Bytes the engine keeps between calls for itself
+        (:func:`pycomm.distributed.kept_nbytes`) when the engine group is
+        this session's own; 0 for a shared group (its buffer serves every
+        user of the group) or before the group exists."""
+        from . import kept_nbytes
+
+        if self._engine is None or not self._private:
+            return 0
+        return kept_nbytes(self._engine, self._device.type)
+
     def load_residuals(self, residuals: Dict[int, Dict[str, Any]]) -> None:
         """Make ``residuals`` (``{offset: residuals}``, checked by the
         caller with :func:`check_residuals`, and this session's to keep)

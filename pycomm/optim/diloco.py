@@ -526,14 +526,18 @@ class DiLoCo:
     def memory_bytes(self) -> int:
         """Bytes this object holds beyond the model and the inner optimizer:
         the anchor (one copy of the parameters), the outer momentum (one
-        more, when ``outer_momentum > 0``), the fragment buffer(s) and the
+        more, when ``outer_momentum > 0``), the fragment buffer(s), the
         residuals the engine holds now for this object's keys (allocated at
         each fragment's first sync with error feedback; counted twice: the
-        engine keeps a second buffer of each for its rollback)."""
+        engine keeps a second buffer of each for its rollback) and what the
+        engine keeps for itself now (:func:`pycomm.distributed.kept_nbytes`:
+        with the exact or a 16-bit method on a CPU, a send buffer of the
+        largest fragment, from the first sync on), when the engine group is
+        this object's own."""
         copy = sum(p.numel() * p.element_size() for p in self._shards())
         total = copy * (2 if self.outer_momentum > 0 else 1)
         total += self._buf.numel() * self._buf.element_size() * (2 if self._local is not None else 1)
-        return total + 2 * self._session.residual_nbytes()
+        return total + 2 * self._session.residual_nbytes() + self._session.kept_nbytes()
 
     # -- state ----------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
