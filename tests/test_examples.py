@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -92,6 +93,62 @@ def test_onebit_adam_example(tmp_path):
     _check(_reports(full), "gloo", 30, buckets=(1, 2), ef=True)
     _check(_reports(resumed), "gloo", 30, buckets=(1, 2), ef=True)
     assert _same_model(_reports(full), _reports(resumed))
+
+
+def test_deepspeed_migration_example(tmp_path):
+    # A DeepSpeed OneBitAdam config converted to pycomm's OneBitAdam and
+    # trained under DDP on 2 Gloo ranks.
+    out = _torchrun("deepspeed_migration.py", "--steps", 30, "--out", tmp_path)
+    assert ("mapped: lr -> lr=0.001, betas -> betas=(0.9, 0.999), eps -> eps=1e-08, "
+            "weight_decay -> weight_decay=0.0, freeze_step -> warmup_steps=5; "
+            "no effect: cuda_aware, comm_backend_name; variance_update_every=0") in out
+    assert "DeepSpeed key 'cuda_aware' has no effect in pycomm" in out
+    before, after = map(float, re.search(r"data set loss: before ([\d.]+), after ([\d.]+)", out).groups())
+    assert after < 0.5 * before, out
+    assert "OneBitAdam: 30 iterations" in out
+    _check(_reports(tmp_path), "gloo", 30, buckets=(0,), ef=True)  # one flat buffer: key_base + 0
+
+    # The conversion alone, in this process: the example imported by path.
+    import importlib.util
+    import warnings
+
+    import torch
+
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        spec_ = importlib.util.spec_from_file_location("deepspeed_migration", EXAMPLES / "deepspeed_migration.py")
+        ex = importlib.util.module_from_spec(spec_)
+        spec_.loader.exec_module(ex)
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    params = list(torch.nn.Linear(4, 2).parameters())
+
+    def config(**kv):
+        return {"optimizer": {"type": "OneBitAdam", "params": kv}}
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # mapped keys warn about nothing
+        opt = ex.onebit_adam_from_deepspeed(config(lr=4e-4, betas=[0.8, 0.99], eps=1e-6, weight_decay=0.01,
+                                                   freeze_step=7, amsgrad=False), params)
+    group = opt.param_groups[0]
+    assert (group["lr"], group["betas"], group["eps"], group["weight_decay"]) == (4e-4, (0.8, 0.99), 1e-6, 0.01)
+    assert (opt.warmup_steps, opt.variance_update_every, opt.compressor) == (7, 0, "onebit")
+    # DeepSpeed's defaults for absent keys, where pycomm's differ
+    opt = ex.onebit_adam_from_deepspeed(config(), params)
+    assert (opt.param_groups[0]["weight_decay"], opt.warmup_steps) == (0.0, 100000)
+    for key in ("cuda_aware", "comm_backend_name", "bias_correction", "eps_inside_sqrt"):
+        with pytest.warns(UserWarning, match=f"'{key}' has no effect in pycomm"):
+            ex.onebit_adam_from_deepspeed(config(**{key: True}), params)
+    for kv, named in [({"freeze_stpe": 5}, "freeze_stpe"), ({"var_freeze_step": 10}, "var_freeze_step (a ZeroOneAdam"),
+                      ({"max_coeff": 0.3}, "max_coeff (a OneBitLamb"), ({"max_grad_norm": 1.0}, "max_grad_norm"),
+                      ({"amsgrad": True}, "amsgrad")]:
+        with pytest.raises(ValueError, match=re.escape(named)):
+            ex.onebit_adam_from_deepspeed(config(lr=1e-3, cuda_aware=False, **kv), params)
+    for kind in ("ZeroOneAdam", "OneBitLamb"):
+        with pytest.raises(ValueError, match=f"'{kind}' has no pycomm counterpart"):
+            ex.onebit_adam_from_deepspeed({"optimizer": {"type": kind, "params": {}}}, params)
+    with pytest.raises(ValueError, match="freeze_step must be an int >= 1"):
+        ex.onebit_adam_from_deepspeed(config(freeze_step=0), params)
 
 
 def test_lightning_example(tmp_path):
