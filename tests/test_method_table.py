@@ -153,3 +153,38 @@ def test_methods_filter():
     assert spec.methods(dtype=torch.bfloat16) == tuple(m.name for m in spec.METHOD_TABLE if m.dtype == torch.bfloat16)
     with pytest.raises(TypeError, match="no field 'colour'"):
         spec.methods(colour="red")
+
+
+#: The kernel files: every layer of every kernel family (CPU, CUDA, Triton,
+#: the C++ ops). The shared math header is where the methods' rules live.
+KERNEL_DIRS = ("kernels", os.path.join("csrc", "ops"), os.path.join("pycomm", "triton"))
+MATH_HEADER = os.path.join("kernels", "include", "pycomm", "compress_math.h")
+
+
+def test_kernel_files_name_no_method_but_their_symbols():
+    """A kernel file speaks of widths and families, not of the methods the
+    table builds from them: a method name (comments included) may appear in
+    one only where it is also a symbol there: a kernel family's name, which
+    starts its functions (``onebit_...``, ``topk_...``) and names its file
+    in each layer (``onebit.cu``, ``topk.py``)."""
+    import re
+
+    compressed = [m for m in spec.METHODS if spec.method_spec(m).kind in ("block", "sparse")]
+    files = []
+    for top in KERNEL_DIRS:
+        for dirpath, _, filenames in os.walk(os.path.join(ROOT, top)):
+            files += [os.path.join(dirpath, f) for f in filenames if f.endswith((".py", ".cpp", ".cu", ".cuh", ".h"))]
+    assert len(files) > 10  # the walk reached the kernels
+    offenders = []
+    for path in sorted(files):
+        rel = os.path.relpath(path, ROOT)
+        if rel == MATH_HEADER:
+            continue
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        for name in compressed:
+            family = any(f.split(".")[0] == name for f in os.listdir(os.path.dirname(path)))
+            if re.search(rf"\b{name}\b", text) and not family and not re.search(rf"\b{name}_\w", text):
+                line = next(i for i, s in enumerate(text.splitlines(), 1) if re.search(rf"\b{name}\b", s))
+                offenders.append(f"{rel}:{line}: {name}")
+    assert not offenders, "method names in kernel files (speak of bits and families):\n" + "\n".join(offenders)

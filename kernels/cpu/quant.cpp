@@ -1,5 +1,5 @@
-// quant CPU kernel: block quantization to `bits`-bit levels (int8, int4,
-// int2) with fused error feedback.
+// quant CPU kernel: block quantization to `bits`-bit levels (8, 4 or 2
+// bits) with fused error feedback.
 //
 // Two passes per block: pass 1 forms c = grad + residual (written to the
 // residual buffer, so pass 2 re-reads it from cache) and its absmax; pass 2

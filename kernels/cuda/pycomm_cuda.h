@@ -70,8 +70,8 @@ void topk_decompress(const int32_t* indices, const float* values, int64_t count,
                      bool accumulate, cudaStream_t stream);
 
 // ----------------------------------------------------------------- quant ---
-// Block quantization to `bits`-bit levels, bits = 8, 4 or 2 (int8 / int4 /
-// int2, quant_bits_ok), the rules of compress_math.h: c = grad + residual
+// Block quantization to `bits`-bit levels, bits = 8, 4 or 2
+// (quant_bits_ok), the rules of compress_math.h: c = grad + residual
 // (residual may be nullptr), per block scales[b] = amax / qmax,
 // data[quant_num_bytes(n, bits)] the levels (8 / bits per byte, element i
 // at bit (i % per) * bits of byte i / per), residual = c - q * scale.

@@ -1,12 +1,12 @@
-// quant CUDA kernels: block quantization to `bits`-bit levels (int8, int4,
-// int2) with a per-block absmax scale and fused error feedback. The rules
+// quant CUDA kernels: block quantization to `bits`-bit levels (8, 4 or 2
+// bits) with a per-block absmax scale and fused error feedback. The rules
 // and the wire format are compress_math.h's (section "quant"); the oracle is
 // pycomm/compressors/quant.py (compress_reference).
 //
 // The width is a template parameter (kBits in 8, 4, 2; with_bits is the one
 // place that turns the runtime bits into it). A thread works on a unit of
 // kUnit = max(2, 8 / kBits) consecutive elements of a block: whole bytes
-// (int8: 2 bytes; int4: 1 byte of 2 levels; int2: 1 byte of 4 levels), so
+// (8 bits: 2 bytes; 4 bits: 1 byte of 2 levels; 2 bits: 1 byte of 4 levels), so
 // no two threads ever write the same byte, and the levels are packed with
 // compress_math.h's quant_pack / quant_unpack for every width: no code path
 // branches on the width, the loops over a unit's elements and bytes have
@@ -44,20 +44,20 @@ namespace {
 constexpr unsigned kFullMask = 0xffffffffu;
 
 // Elements a thread holds in registers at once, for every width: kItems
-// units of kUnit (int8 and int4: 4 pairs, as before; int2: 2 bytes of 4).
-// Fixed in elements, not units, so that int2's wider unit neither raises
+// units of kUnit (8 and 4 bits: 4 pairs, as before; 2 bits: 2 bytes of 4).
+// Fixed in elements, not units, so that 2 bits' wider unit neither raises
 // register pressure nor changes which kernel a block_size gets.
 constexpr int kThreadElems = 8;
 
 // What a width fixes at compile time (kPer is quant_per_byte, as a constant
-// for array sizes). A unit is at least 2 elements so that int8 keeps the pair
+// for array sizes). A unit is at least 2 elements so that 8 bits keep the pair
 // geometry it always had (more work per thread than a byte per thread),
 // and at least a byte so that bytes are never shared between threads.
 template <int kBits>
 struct Width {
   static constexpr int kPer = 8 / kBits;                // levels per byte
   static constexpr int kUnit = kPer > 2 ? kPer : 2;     // elements per thread unit
-  static constexpr int kBytes = kUnit / kPer;           // bytes per unit (int8: 2, else 1)
+  static constexpr int kBytes = kUnit / kPer;           // bytes per unit (8 bits: 2, else 1)
   static constexpr int kItems = kThreadElems / kUnit;   // units per thread (per tile)
   static_assert(kBits == 8 || kBits == 4 || kBits == 2, "quant_bits_ok");
   static_assert(kUnit % kPer == 0 && kThreadElems % kUnit == 0, "units are whole bytes, items whole units");
@@ -88,7 +88,7 @@ __device__ __forceinline__ ScaleInv scale_inv(float amax, bool has_nan, int qmax
 // block_size, which is one of kPer, and off is one of kUnit), so the unit's
 // bytes start at (begin + off) / kPer and are this thread's alone. Byte b is
 // written when its first element is in range: otherwise it belongs to the
-// next block (int8 with an odd block_size) or lies past the payload. In a
+// next block (8 bits with an odd block_size) or lies past the payload. In a
 // written byte, levels past len are 0: that happens only at n, since
 // block_size is a multiple of kPer.
 template <int kBits>
@@ -281,7 +281,7 @@ __global__ void __launch_bounds__(kBlockThreads)
 // ---------------------------------------------------------------------------
 // Decompress: a thread per unit (kUnit elements, whole bytes), grid-stride.
 // The block index needs a division per element (a unit may straddle two
-// blocks: int8 with an odd block_size): 32-bit when n < 2^31 (then no
+// blocks: 8 bits with an odd block_size): 32-bit when n < 2^31 (then no
 // index, nor index + stride, overflows; block_size <= 2^30 always fits).
 constexpr int kDecompressThreads = 256;
 
@@ -297,7 +297,7 @@ __global__ void __launch_bounds__(kDecompressThreads)
     uint8_t bytes[W::kBytes];
 #pragma unroll
     for (int b = 0; b < W::kBytes; ++b) {
-      // A byte past the payload (int8's second one at odd n) is not read.
+      // A byte past the payload (8 bits' second one at odd n) is not read.
       bytes[b] = b == 0 || i + b * W::kPer < n ? data[i / W::kPer + b] : 0;
     }
 #pragma unroll

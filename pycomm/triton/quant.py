@@ -57,7 +57,7 @@ from ..wire import (  # noqa: E402
 # Elements one program holds at once. A tile is [ROWS, NBYTES, PER]: row r
 # is a block, byte j of it holds elements PER * j + k, k < PER = 8 // BITS,
 # at bit k * BITS (the wire's order), so packing is a reduction over the
-# last axis and every byte is whole in one program (int8: PER = 1, the last
+# last axis and every byte is whole in one program (8 bits: PER = 1, the last
 # axis has one element). Small blocks share a program (ROWS blocks, one per
 # row); a block longer than a tile gets a program of its own that loops
 # over tiles, so register pressure depends neither on block_size nor on the
@@ -141,7 +141,7 @@ def _emit(
     shift = (BITS * tl.arange(0, PER))[None, None, :]
     byte = tl.sum(field << shift, axis=2)
     # A byte is the block's when its first element is (blocks start at
-    # multiples of PER): past `end` it belongs to the next block (int8 with
+    # multiples of PER): past `end` it belongs to the next block (8 bits with
     # an odd block_size) or lies past the payload.
     tl.store(data_ptr + first // PER, byte.to(tl.uint8), mask=first < end)
 
