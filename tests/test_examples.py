@@ -150,6 +150,20 @@ def test_deepspeed_migration_example(tmp_path):
     with pytest.raises(ValueError, match="freeze_step must be an int >= 1"):
         ex.onebit_adam_from_deepspeed(config(freeze_step=0), params)
 
+    # docs/optim.md's key table says what the example does: each mapped key
+    # to its argument, every other key to none.
+    section = (EXAMPLES.parent / "docs" / "optim.md").read_text().split("### Config keys")[1].split("\n### ")[0]
+    rows = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[0].startswith("`"):
+            for key in re.findall(r"`(\w+)`", cells[0]):
+                rows[key] = cells[3]
+    for key, arg in ex.MAPPED.items():
+        assert rows[key].startswith(f"`{arg}`"), (key, rows[key])
+    for key in [*ex.NO_EFFECT, *ex.OTHER_OPTIMIZERS, "amsgrad", "max_grad_norm"]:
+        assert rows[key].startswith("none"), (key, rows[key])
+
 
 def test_lightning_example(tmp_path):
     pytest.importorskip("lightning")

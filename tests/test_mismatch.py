@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from _dist import run_ranks
+from _dist import pg_timeout_for, run_ranks
 
 import pycomm
 import pycomm.distributed as pd
@@ -388,8 +388,6 @@ def _rank_old_key_against_a_first_call_by_default(rank, world, method, pairing):
 
 @pytest.mark.parametrize("method, pairing", [("onebit", "new key"), ("fp16", "keyless")])
 def test_an_old_key_against_a_first_call_raises_on_every_rank_by_default(method, pairing):
-    from _dist import pg_timeout_for
-
     timeout = 10
     results = run_ranks(_rank_old_key_against_a_first_call_by_default, 2, method, pairing, timeout=timeout)
     for rank, (error, waited, after, barrier) in enumerate(results):
