@@ -6,7 +6,7 @@ method's and with plain all-reduce's (the targets: within 10% of the best
 fixed method, never more than 5% slower than plain), and lists the methods
 the calibration chose for the buckets.
 
-    python benchmarks/auto_vs_fixed.py benchmarks/results/ddp-auto-*ranks-cpu-*.json
+    python benchmarks/auto_vs_fixed.py benchmarks/results/ddp/cpu-*ranks-auto.json
 """
 
 from __future__ import annotations

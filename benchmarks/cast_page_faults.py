@@ -6,7 +6,7 @@ groups (onebit, int8) on tensors of their own, as in
 ``pycomm-bench allreduce --per-call``. Prints, per contender, the median
 time per call and the minor page faults per call (``getrusage``): a call
 whose buffers the allocator handed back to the system faults them in
-afresh (docs/performance.md, "A large synchronous cast on a CPU").
+afresh (docs/performance.md, "Memory the engine keeps").
 
     python benchmarks/cast_page_faults.py            # fp16
     python benchmarks/cast_page_faults.py bf16 --rounds 21

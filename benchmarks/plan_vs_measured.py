@@ -14,7 +14,7 @@ that predate it: minus the compute time alone).
   start of the same run (the run must include the ``auto`` method), summed
   over the run's DDP buckets.
 
-    python benchmarks/plan_vs_measured.py                       # newest benchmarks/results/ddp-cpu-*.json
+    python benchmarks/plan_vs_measured.py                       # benchmarks/results/ddp/cpu-4ranks.json
     python benchmarks/plan_vs_measured.py a.json b.json --alpha 50e-6
 """
 
@@ -73,9 +73,9 @@ def main(argv=None) -> int:
     ap.add_argument("--buckets", type=int, default=5, help="DDP buckets per step (4.9M params, 4 MB buckets: 5)")
     ap.add_argument("--block-size", type=int, default=256)
     args = ap.parse_args(argv)
-    paths = args.json or [max(glob.glob(os.path.join("benchmarks", "results", "ddp-cpu-*.json")), default=None)]
+    paths = args.json or [next(iter(glob.glob(os.path.join("benchmarks", "results", "ddp", "cpu-4ranks.json"))), None)]
     if paths == [None]:
-        print("no benchmarks/results/ddp-cpu-*.json: run pycomm-bench ddp first", file=sys.stderr)
+        print("no benchmarks/results/ddp/cpu-4ranks.json: run pycomm-bench ddp first", file=sys.stderr)
         return 2
     rows = []
     for path in paths:

@@ -4,8 +4,7 @@ one thread, median of 9 calls after 2 warm-ups.
 
     python benchmarks/quant_kernel_times.py [label]   # prints one dict of ms
 
-Run it with two builds one after the other to compare them (the figures in
-docs/performance.md came from three runs of each, alternating).
+Run it with two builds one after the other, alternating, to compare them.
 """
 
 from __future__ import annotations

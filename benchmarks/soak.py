@@ -1,7 +1,7 @@
 """Soak run of the compressed all-reduce: many calls, mixed sizes, several
 in flight at once, on the "pycomm" backend over Gloo, 2 local ranks.
 
-    python benchmarks/soak.py                 # 2,000 calls, writes benchmarks/results/soak-cpu-DATE.json
+    python benchmarks/soak.py                 # 2,000 calls, writes benchmarks/results/soak/cpu.json
     python benchmarks/soak.py --calls 200 --out /tmp/soak.json
 
 Each rank issues the calls in waves of ``--in-flight`` (``async_op=True``,
@@ -32,6 +32,7 @@ import time
 
 from pycomm_bench.launch import run_ranks
 from pycomm_bench.methods import ONEBIT, SPARSE
+from pycomm_bench.records import stamp_command, update_index_of
 from pycomm_bench.report import default_json_path, write_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -141,11 +142,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--in-flight", type=int, default=4)
-    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/soak-cpu-DATE.json)")
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/soak/cpu.json)")
     args = ap.parse_args(argv)
     report = run(args.calls, args.in_flight)
     out = args.out or os.path.join(ROOT, default_json_path("soak", "cpu"))
-    write_json(out, report)
+    write_json(out, stamp_command(report))
+    update_index_of(out)
     for name, ok in report["checks"].items():
         print(("ok    " if ok else "FAIL  ") + name)
     print(f"{args.calls} calls in {report['ranks'][0]['seconds']:.1f} s; report: {out}")

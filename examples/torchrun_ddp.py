@@ -27,7 +27,7 @@ from _common import add_run_options, make_model, report, train
 
 # Exact all-reduce for 5 iterations, then int8 (no error feedback, its default): the
 # setup for momentum SGD (onebit on gradients costs final loss under
-# momentum; docs/results.md, "Which method with which optimizer").
+# momentum; docs/results.md, "The quality study").
 HOOK = dict(compressor="int8", start_iter=5)
 
 

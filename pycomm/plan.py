@@ -350,11 +350,20 @@ def _results_dirs() -> List[str]:
     return ([here] if here == cwd else [here, cwd]) + [MEASUREMENTS_DIR]
 
 
-def _newest_result(pattern: str, accept=lambda doc: True) -> Optional[str]:
-    """The newest ``benchmarks/results/<pattern>`` (by its ``date``) whose
-    document ``accept`` takes, next to the package or under the working
-    directory; ``--quick`` smoke runs are skipped (too small to trust). None
-    if there is none."""
+def _newest_result(patterns: Sequence[str], accept=lambda doc: True) -> Optional[str]:
+    """The newest file (by its ``date``) matching the first of ``patterns``
+    that any file matches, under ``benchmarks/results`` next to the package
+    or under the working directory, or among the package's measurements,
+    whose document ``accept`` takes; ``--quick`` smoke runs are skipped (too
+    small to trust). None if there is none."""
+    for pattern in patterns:
+        found = _newest_of(pattern, accept)
+        if found:
+            return found
+    return None
+
+
+def _newest_of(pattern: str, accept) -> Optional[str]:
     best = None
     for d in _results_dirs():
         for path in glob.glob(os.path.join(d, pattern)):
@@ -374,16 +383,24 @@ def _newest_result(pattern: str, accept=lambda doc: True) -> Optional[str]:
 
 
 def find_kernels_json(device: str) -> Optional[str]:
-    """The newest ``benchmarks/results/kernels-<device>-*.json``."""
-    return _newest_result(f"kernels-{device}-*.json")
+    """The kernel benchmark record of ``device`` at its default settings
+    (``benchmarks/results/kernels/<device>.json``), else a GPU check's
+    (``gpu/*/kernels-<device>.json``), else the newest other one of the
+    device (``kernels/<device>-<settings>.json``)."""
+    return _newest_result([os.path.join("kernels", f"{device}.json"), os.path.join("gpu", "*", f"kernels-{device}*.json"),
+                           os.path.join("kernels", f"{device}*.json"), f"kernels-{device}-*.json"])
 
 
 def find_engine_json(device: str) -> Optional[str]:
-    """The newest ``benchmarks/results/allreduce-<device>-*.json`` written by
+    """The newest engine benchmark record of ``device`` written by
     the engine benchmark (``pycomm-bench allreduce --device cuda``: it has
     per-method ``records`` and a ``bucket`` part, which the multi-rank Gloo
-    benchmark's files do not)."""
-    return _newest_result(f"allreduce-{device}-*.json", lambda doc: "records" in doc and "bucket" in doc)
+    benchmark's files do not): ``benchmarks/results/allreduce/<device>*.json``,
+    a GPU check's ``gpu/*/engine.json``, or the package's measurements."""
+    return _newest_result([os.path.join("allreduce", f"{device}*.json"), os.path.join("gpu", "*", "engine.json"),
+                           f"allreduce-{device}-*.json"],
+                          lambda doc: "records" in doc and "bucket" in doc
+                          and str(doc.get("device", device)).startswith(device))
 
 
 def engine_cost(doc: Mapping, method: str, block_size: Optional[int] = None, density: float = 0.01,
@@ -601,7 +618,7 @@ def plan(params: float, gpus: int, gpus_per_node: int = 8, intra: str = "nvlink4
             kernels["note"] = kernels["label"]
         else:  # never fill in a guess: say what is missing and leave compute out
             why = (f"{path} has no {compressor} row for these settings" if path
-                   else f"no benchmarks/results/kernels-{kernel_device}-*.json")
+                   else f"no benchmarks/results/kernels/{kernel_device}*.json")
             kernels["note"] = (f"no measurement ({why}; run `pycomm-bench kernels --device {kernel_device}`): "
                                "compressor compute left out of the totals")
     elif kind in KERNEL_KINDS:
@@ -882,10 +899,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="pycomm chunk, elements (each chunk is its own collectives); 0: one per bucket; "
                          "default: pycomm's where the gradients are compressed (2^26 on cuda, 2^20 on cpu)")
     ap.add_argument("--kernels-json", help="pycomm-bench kernels result for compressor throughput "
-                                           "(default: newest benchmarks/results/kernels-<kernel-device>-*.json)")
+                                           "(default: newest benchmarks/results/kernels/<kernel-device>*.json)")
     ap.add_argument("--engine-json", help="pycomm-bench allreduce --device cuda result: the engine's measured time "
                                           "per call, chunk and element as the compressor's compute (default: newest "
-                                          "benchmarks/results/allreduce-<kernel-device>-*.json with engine records)")
+                                          "benchmarks/results/allreduce/<kernel-device>*.json with engine records)")
     ap.add_argument("--kernel-device", choices=("cuda", "cpu"), default="cuda",
                     help="where gradients are compressed (cuda for GPU training)")
     ap.add_argument("--min-saving", type=float, default=DEFAULT_MIN_SAVING,

@@ -138,7 +138,7 @@ def test_per_call_section_runs_one_rank_and_writes_json(tmp_path):
 def test_per_call_defaults_and_refusals(tmp_path):
     args = allreduce.make_args(per_call=True)
     assert args.ranks == [1] and args.sizes == [1024, 65536, 25 * 2 ** 20 // 4] and args.calls == 200
-    assert "plain" in args.methods and args.json.split("/")[-1].startswith("allreduce-per-call-cpu-")
+    assert "plain" in args.methods and args.json.endswith("per-call/cpu-1rank.json")
     with pytest.raises(ValueError, match="between 2 and"):
         allreduce.make_args(ranks="1")  # one rank only for the per-call section
     with pytest.raises(ValueError, match="calls"):
@@ -202,3 +202,10 @@ def test_the_engine_benchmark_ships_its_result_with_the_package(tmp_path, monkey
     assert sorted(p.name for p in shipped.iterdir()) == ["allreduce-cpu-x-2026-01-01.json",
                                                           "allreduce-cuda-gpu9-2026-12-04.json"]
     assert json.loads(open(out).read()) == {"a": 1}
+    # a record under its stable name ships under the device's name
+    out = engine_cuda.ship({"b": 2}, "benchmarks/results/allreduce/cuda-gpu9.json")
+    assert sorted(p.name for p in shipped.iterdir()) == ["allreduce-cpu-x-2026-01-01.json", "allreduce-cuda-gpu9.json"]
+    assert json.loads(open(out).read()) == {"b": 2}
+    # the GPU check's engine.json ships under its GPU's name
+    out = engine_cuda.ship({"gpu": "GPU 9"}, "/tmp/out/engine.json")
+    assert sorted(p.name for p in shipped.iterdir()) == ["allreduce-cpu-x-2026-01-01.json", "allreduce-cuda-gpu-9.json"]

@@ -35,7 +35,7 @@ def test_defaults():
     assert a.methods == ["plain", "bf16", "int8", "int4", "int8-weights"] and a.ranks == 4
     assert a.bandwidth == ["1gbit"] and a.rates == [1e9] and a.steps == fsdp.DEFAULT_STEPS
     q = _args("--quick")
-    assert q.steps < a.steps and q.json.endswith("-quick.json") and "fsdp-cpu-" in q.json
+    assert q.steps < a.steps and q.json.endswith("-quick.json") and q.json.endswith("fsdp/cpu-4ranks-quick.json")
     assert _args("--methods", "int4").methods == ["plain", "int4"]  # the baseline always runs
 
 

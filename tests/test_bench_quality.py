@@ -4,6 +4,7 @@ and the warm-up cosine, and a miniature study end to end that resumes
 without rerunning what it has."""
 
 import json
+import os
 import math
 import subprocess
 import sys
@@ -171,7 +172,8 @@ def test_a_longer_study_keeps_the_regime_in_proportion_and_its_own_folder():
     assert r["eval_every"] == 3 * quality.REGIME["eval_every"]
     assert {k: v for k, v in r.items() if k not in ("steps", "lr_warmup", "start_iter", "eval_every")} == \
         {k: v for k, v in quality.REGIME.items() if k not in ("steps", "lr_warmup", "start_iter", "eval_every")}
-    assert args.out.endswith("quality-3000steps")
+    assert args.out.endswith(os.path.join("quality", "runs-3000steps"))
+    assert args.json.endswith(os.path.join("quality", "summary-3000steps.json"))
     assert quality.resolve_args(build_parser().parse_args(["quality"])).regime == quality.REGIME
 
 

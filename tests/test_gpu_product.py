@@ -1001,7 +1001,7 @@ def test_bench_timing_and_report_helpers():
     assert ec.timed_ms(t["a"])["median_ms"] > 0
     assert ec.gbps(1 << 26, None) is None and ec.ratio(1.0, 0.0) is None and ec.ratio(3.0, 2.0) == 1.5
     assert ec.json_path("NVIDIA H200", quick=True).endswith("-quick.json")
-    assert "allreduce-cuda-nvidia-h200-" in ec.json_path("NVIDIA H200")
+    assert ec.json_path("NVIDIA H200").endswith("allreduce/cuda-nvidia-h200.json")
     out, res = torch.empty(4099), torch.zeros(4099)
     xs = _data("kernels", 0, 0, 4099)
     for m in ("onebit", "int8", "int4", "topk", "fp16", "bf16"):

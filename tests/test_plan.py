@@ -343,20 +343,19 @@ def test_the_methods_that_change_the_optimizer_are_planned_beside(compressor):
     assert P.plan(compressor="none", **kw)["alternatives"] and not P.plan(compressor="none", **{**kw, "gpus": 1})["alternatives"]
 
 
-def test_the_package_ships_the_newest_engine_measurements():
+def test_the_package_ships_the_newest_engine_measurements(monkeypatch):
     # A copy, kept equal to the newest engine result of the source tree (the
     # engine benchmark writes both), so that a wheel plans as the tree does.
     import os
 
-    results = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "results")
     shipped = sorted(os.listdir(P.MEASUREMENTS_DIR))
-    assert shipped, "no shipped measurements"
-    for name in shipped:
-        with open(os.path.join(P.MEASUREMENTS_DIR, name)) as f, open(os.path.join(results, name)) as g:
-            assert json.load(f) == json.load(g), name
-    device = shipped[0].split("-")[1]
-    newest = P._newest_result(f"allreduce-{device}-*.json", lambda d: "records" in d and "bucket" in d)
-    assert os.path.basename(newest) in shipped
+    assert shipped == ["allreduce-cuda-nvidia-h200.json"], shipped
+    tree = [d for d in P._results_dirs() if d != P.MEASUREMENTS_DIR]
+    monkeypatch.setattr(P, "_results_dirs", lambda: tree)
+    newest = P.find_engine_json("cuda")
+    assert newest is not None and not newest.startswith(P.MEASUREMENTS_DIR)
+    with open(os.path.join(P.MEASUREMENTS_DIR, shipped[0])) as f, open(newest) as g:
+        assert json.load(f) == json.load(g), newest
 
 
 def test_a_wheel_plans_as_the_source_tree(monkeypatch):

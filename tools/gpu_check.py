@@ -108,7 +108,9 @@ usage: {prog} [--dry-run] [--only STEPS] [--budget SECONDS] [--numel N]
        {pad} [--wheelhouse DIR] [-h|--help] [OUT_DIR]
 
   OUT_DIR            where the results go (default: $PYCOMM_GPU_OUT, else
-                     benchmarks/results/gpu-<date>/, or gpu-dryrun-<date>/
+                     benchmarks/results/gpu/<gpu name>/, the device's current
+                     record, or build/gpu-dryrun/ for a dry run, which
+                     measures no GPU
                      with --dry-run)
   --dry-run          CPU machine: run all that needs no GPU, skip the rest
   --only STEPS       comma-separated steps: build, tests_product,
@@ -833,7 +835,7 @@ def step_bench(st: Dict[str, object]) -> int:
                     "--no-progress", "--json", os.path.join(st["out"], "kernels-cpu-dryrun.json")], cwd=st["root"])
     say(f"benchmark on cuda, numel {st['numel']}, 15 repeats after 3 warm-ups, CUDA events")
     return _sh([*helper, "--device", "cuda", "--numel", st["numel"], "--repeats", "15", "--warmup", "3",
-                "--no-progress", "--json", os.path.join(st["out"], f"kernels-cuda-{st['date']}.json")], cwd=st["root"])
+                "--no-progress", "--json", os.path.join(st["out"], "kernels-cuda.json")], cwd=st["root"])
 
 
 STEPS = {"env": step_env, "build": step_build, "tests": step_tests, "tests_product": step_tests_product,
@@ -1432,6 +1434,17 @@ def _git(*args: str) -> str:
     return text.strip() if rc == 0 else ""
 
 
+def _gpu_slug() -> str:
+    """The first GPU's name as a folder name (``nvidia-h200``), from
+    nvidia-smi; ``gpu`` where it cannot say."""
+    try:
+        name = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                              text=True, timeout=30).stdout.splitlines()[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return "gpu"
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "gpu"
+
+
 def main(argv: Optional[Sequence[str]] = None, prog: str = PROG) -> int:
     """The GPU check (see the module docstring); the exit status: 0 if every
     step passed, 1 if one failed, 2 on a bad command line.
@@ -1458,8 +1471,9 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = PROG) -> int:
         return 0
     mode = str(opts["mode"])
     date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d")
-    out = str(opts["out_arg"] or os.environ.get("PYCOMM_GPU_OUT") or os.path.join(
-        ROOT, "benchmarks", "results", f"gpu-dryrun-{date}" if mode == "dry" else f"gpu-{date}"))
+    out = str(opts["out_arg"] or os.environ.get("PYCOMM_GPU_OUT") or (
+        os.path.join(ROOT, "build", "gpu-dryrun") if mode == "dry"
+        else os.path.join(ROOT, "benchmarks", "results", "gpu", _gpu_slug())))
     try:
         os.makedirs(out, exist_ok=True)
     except OSError:

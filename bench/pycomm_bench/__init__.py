@@ -17,10 +17,13 @@ The harness:
 * :mod:`~pycomm_bench.sweep`: what the training sweeps (ddp, fsdp) share;
 * :mod:`~pycomm_bench.links`: a cluster's bus bandwidth, measured with ranks;
 * :mod:`~pycomm_bench.report`: machine description, tables, JSON files, exit status;
+* :mod:`~pycomm_bench.records`: where the records go (``benchmarks/results/<benchmark>/``),
+  each folder's generated ``INDEX.md``, and the doc tables drawn from records;
 * :mod:`~pycomm_bench.models`: the models and data the DDP benchmark trains.
 
 The benchmarks, one module each (:data:`pycomm_bench.cli.SUBCOMMANDS`):
-``kernels``, ``allreduce``, ``ddp``, ``fsdp``, ``hierarchy``, ``all``; and
+``kernels``, ``allreduce``, ``ddp``, ``fsdp``, ``hierarchy``, ``all``, ``index`` (the
+records' indexes and the doc tables); and
 ``gpu-check``, the GPU check (``tools/gpu_check.py`` of the source tree). Every benchmark verifies results
 before timing them, reports the median and the p10/p90 spread of repeated
 runs, and measures the contenders it compares interleaved in the same run,

@@ -592,7 +592,9 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
     a.progress = bool(getattr(a, "progress", True))
     a.threads = getattr(a, "threads", None)
     if getattr(a, "json", None) is None:
-        a.json = default_json_path("allreduce-per-call" if a.per_call else "allreduce", "cpu", quick=quick)
+        ranks = "-".join(map(str, a.ranks)) + ("rank" if list(a.ranks) == [1] else "ranks")
+        a.json = (default_json_path("allreduce-per-call", "cpu", quick=quick, settings=ranks) if a.per_call
+                  else default_json_path("allreduce", "cpu", quick=quick))
     return a
 
 

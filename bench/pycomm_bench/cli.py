@@ -44,6 +44,7 @@ SUBCOMMANDS = {
     "fsdp": "pycomm_bench.fsdp",
     "hierarchy": "pycomm_bench.hierarchy",
     "all": "pycomm_bench.all",
+    "index": "pycomm_bench.records",
 }
 #: tool -> its file in the source tree (relative to :data:`SOURCE_ROOT`), whose
 #: ``main(argv, prog)`` takes the rest of the command line.
@@ -163,7 +164,7 @@ def common_options() -> argparse.ArgumentParser:
                    help="untimed runs per contender first (default: 3, or 1 with --quick)")
     g.add_argument("--json", metavar="PATH", default=None,
                    help="where to write the results "
-                        "(default: benchmarks/results/<bench>-<device>-<YYYY-MM-DD>.json, "
+                        "(default: benchmarks/results/<bench>/<device>[-<settings>].json, "
                         "with -quick before .json for --quick, relative to the current directory)")
     g.add_argument("--quick", action="store_true",
                    help="small sizes and few repeats: a smoke test, not a measurement")

@@ -839,7 +839,7 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
         args.batch_size = 1 if args.workload == "lm" else 32
     if args.json is None:
         suffix = "" if args.workload == "lm" else f"-{args.workload}"
-        args.json = default_json_path(f"ddp{suffix}", "cpu", quick=args.quick)
+        args.json = default_json_path("ddp", "cpu", quick=args.quick, settings=f"{args.ranks}ranks{suffix}")
     return args
 
 

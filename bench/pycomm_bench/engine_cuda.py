@@ -849,14 +849,13 @@ def gpu_slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "gpu"
 
 
-def json_path(gpu_name: str, quick: bool = False, today: Optional[_dt.date] = None) -> str:
-    """``benchmarks/results/allreduce-cuda-<gpu>-<YYYY-MM-DD>[-quick].json``.
+def json_path(gpu_name: str, quick: bool = False) -> str:
+    """``benchmarks/results/allreduce/cuda-<gpu>[-quick].json``.
 
-    >>> json_path("NVIDIA H200", today=_dt.date(2026, 12, 4))
-    'benchmarks/results/allreduce-cuda-nvidia-h200-2026-12-04.json'
+    >>> json_path("NVIDIA H200")
+    'benchmarks/results/allreduce/cuda-nvidia-h200.json'
     """
-    base = default_json_path("allreduce", "cuda", today=today, quick=quick)
-    return base.replace("allreduce-cuda-", f"allreduce-cuda-{gpu_slug(gpu_name)}-", 1)
+    return default_json_path("allreduce", "cuda", quick=quick, settings=gpu_slug(gpu_name))
 
 
 # -------------------------------------------------------------------- cli ---
@@ -982,7 +981,11 @@ def ship(doc: dict, path: str) -> Optional[str]:
 
     if not os.path.isdir(os.path.join(os.path.dirname(MEASUREMENTS_DIR), os.pardir, "benchmarks", "results")):
         return None
-    name = os.path.basename(path)
+    if doc.get("gpu"):  # wherever the record went (the GPU check writes engine.json): the device's name
+        name = f"allreduce-cuda-{gpu_slug(str(doc['gpu']))}.json"
+    else:
+        name = os.path.basename(path)
+        name = name if name.startswith("allreduce-") else "allreduce-" + name  # allreduce/cuda-<gpu>.json
     device = name.split("-")[1]
     for old in glob.glob(os.path.join(MEASUREMENTS_DIR, f"allreduce-{device}-*.json")):
         os.remove(old)

@@ -316,7 +316,7 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
     if args.lr is None:
         args.lr = DEFAULT_LR["adamw"]
     if args.json is None:
-        args.json = default_json_path("fsdp", "cpu", quick=args.quick)
+        args.json = default_json_path("fsdp", "cpu", quick=args.quick, settings=f"{args.ranks}ranks")
     return args
 
 

@@ -190,7 +190,7 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
         if c not in COMPRESSORS:
             raise ValueError(f"--compressors: any of {', '.join(COMPRESSORS)}, got {c!r}")
     if args.json is None:
-        args.json = default_json_path("hierarchy", "cpu", quick=args.quick)
+        args.json = default_json_path("hierarchy", "cpu", quick=args.quick, settings=str(args.bandwidth).lower())
     return args
 
 

@@ -88,7 +88,7 @@ OUTER_GRID = ((0.5, 0.9), (1.0, 0.7), (1.0, 0.5))
 DEFAULT_SEEDS = 3
 #: Timed steps per method and link (--links): two syncs of DiLoCo-H16.
 DEFAULT_TIME_STEPS = 32
-DEFAULT_OUT = os.path.join("benchmarks", "results", "quality")
+DEFAULT_OUT = os.path.join("benchmarks", "results", "quality", "runs")
 
 
 @dataclass(frozen=True)
@@ -761,8 +761,9 @@ def resolve_args(args: argparse.Namespace) -> argparse.Namespace:
         args.out = DEFAULT_OUT + ("-quick" if args.quick else "" if args.steps is None else f"-{args.steps}steps")
     if args.links_dir is None:
         args.links_dir = os.path.join(args.out, "links")
-    if args.json is None:
-        args.json = f"{args.out}-{_dt.date.today().isoformat()}.json"
+    if args.json is None:  # quality/runs[-X] -> quality/summary[-X].json
+        folder, runs = os.path.split(args.out)
+        args.json = os.path.join(folder, runs.replace("runs", "summary", 1) + ".json")
     return args
 
 
@@ -805,7 +806,9 @@ def run(args: argparse.Namespace) -> int:
     versus = against_torchft(summary)
     if versus:
         doc["against_torchft"] = versus
-    write_json(args.json, doc)
+    from .records import stamp_command, update_index_of
+
+    write_json(args.json, stamp_command(doc))
     print(format_summary(summary, len(seeds)))
     if times:
         print(format_links(summary))
@@ -816,6 +819,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"{r['arm']}: held-out loss change over the last quarter {r['eval_loss_change_last_quarter'] * 100:+.2f}%")
     print(f"wrote {args.json} ({len(runs)} runs; {len(left)} known to be left)")
     if not getattr(args, "plots", True):
+        update_index_of(args.json)
         return 0
     try:
         print(f"wrote {plot_curves(summary, os.path.splitext(args.json)[0] + '-curves.png')}")
@@ -823,6 +827,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"wrote {plot_seconds(summary, times, os.path.splitext(args.json)[0] + '-seconds.png')}")
     except ImportError:
         print("matplotlib is not installed: no plot", file=sys.stderr)
+    update_index_of(args.json)
     return 0
 
 

@@ -128,20 +128,24 @@ def machine_info(device: object = "cpu") -> Dict[str, object]:
     return info
 
 
-def default_json_path(bench: str, device: object, today: Optional[_dt.date] = None, quick: bool = False) -> str:
-    """``benchmarks/results/<bench>-<device type>-<YYYY-MM-DD>[-quick].json``
-    (relative to cwd); a ``--quick`` smoke run never overwrites a measurement.
+def default_json_path(bench: str, device: object, quick: bool = False, settings: str = "") -> str:
+    """The record a benchmark writes when ``--json`` is not given:
+    ``benchmarks/results/<folder>/<device type>[-<settings>][-quick].json``
+    (relative to cwd; ``records.record_path``). A rerun with the same
+    settings replaces the record; a ``--quick`` smoke run never overwrites a
+    measurement.
 
     Example::
 
-        >>> import datetime
-        >>> default_json_path("kernels", "cuda:0", datetime.date(2025, 1, 2))
-        'benchmarks/results/kernels-cuda-2025-01-02.json'
+        >>> default_json_path("kernels", "cuda:0")
+        'benchmarks/results/kernels/cuda.json'
+        >>> default_json_path("ddp-mlp", "cpu", settings="4ranks-mlp")
+        'benchmarks/results/ddp/cpu-4ranks-mlp.json'
     """
-    today = today or _dt.date.today()
+    from .records import record_path
+
     kind = str(device).split(":")[0] if isinstance(device, str) else device.type  # type: ignore[attr-defined]
-    suffix = "-quick" if quick else ""
-    return os.path.join("benchmarks", "results", f"{bench}-{kind}-{today.isoformat()}{suffix}.json")
+    return record_path(bench, kind + (f"-{settings}" if settings else ""), quick=quick)
 
 
 def clean(value: Any) -> Any:
@@ -240,15 +244,19 @@ def fail(command: str, message: object, status: int = 1) -> int:
 def finish(doc: object, path: str, text: str, failures: Sequence[str] = (),
            started: Optional[float] = None) -> int:
     """The end of every benchmark: print ``text`` (its table), write ``doc``
-    to ``path``, say so (with the seconds since ``started``, a
+    to ``path`` with the command that made it (and, under a results folder,
+    rewrite the folder's ``INDEX.md``), say so (with the seconds since ``started``, a
     ``time.monotonic()``), print one ``FAILED`` line per failure on stderr;
     the exit status: 1 if anything failed, else 0.
 
     >>> finish({"records": []}, "/tmp/x.json", "table", ["onebit: wrong"])   # doctest: +SKIP
     1
     """
+    from .records import stamp_command, update_index_of
+
     print(text)
-    write_json(path, doc)
+    write_json(path, stamp_command(doc))
+    update_index_of(path)
     took = f" ({time.monotonic() - started:.0f} s)" if started is not None else ""
     print(f"\nwrote {path}{took}", flush=True)
     for line in failures:

@@ -423,8 +423,8 @@ def plot(records: List[Dict[str, Any]], prefix: str, what: str = "DDP", baseline
     loss vs seconds at the (first) training bandwidth, ``baseline`` drawn
     bold. Returns the paths written.
 
-    >>> plot(records, "benchmarks/results/ddp-cpu-2026-12-02")   # doctest: +SKIP
-    ['benchmarks/results/ddp-cpu-2026-12-02-step-time.png', ...]
+    >>> plot(records, "benchmarks/results/ddp/cpu-4ranks")   # doctest: +SKIP
+    ['benchmarks/results/ddp/cpu-4ranks-step-time.png', ...]
     """
     import matplotlib
 
@@ -487,13 +487,17 @@ def plot(records: List[Dict[str, Any]], prefix: str, what: str = "DDP", baseline
 
 
 def write_plots(records: List[Dict[str, Any]], json_path: str, **plot_options: Any) -> None:
-    """:func:`plot` next to the JSON file ``json_path``, each path printed;
-    matplotlib is optional, so without it a note on stderr and no plots."""
+    """:func:`plot` next to the JSON file ``json_path``, each path printed
+    (and the folder's index rewritten to list them); matplotlib is optional,
+    so without it a note on stderr and no plots."""
+    from .records import update_index_of
+
     try:
         for p in plot(records, os.path.splitext(json_path)[0], **plot_options):
             print(f"wrote {p}")
     except ImportError:
         print("matplotlib is not installed: no plots", file=sys.stderr)
+    update_index_of(json_path)
 
 
 def _smooth(xs: Sequence[float], window: int = 10) -> List[float]:
