@@ -223,3 +223,18 @@ def test_the_sections_other_files_cite_exist():
             if m.group(2) not in {_anchor(t) for t in _headings(DOCS / f"{m.group(1)}.md")}:
                 bad.append(f"{f.name}: {m.group(1)}.md#{m.group(2)}")
     assert not bad, bad
+
+
+def test_the_kill_rejoin_study_says_whether_the_killed_runs_end_within_the_spread():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("kill_rejoin", ROOT / "benchmarks" / "kill_rejoin.py")
+    kr = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kr)
+    runs = [{"mode": "uninterrupted", "seed": s, "heldout_loss": v} for s, v in ((0, 2.0), (1, 2.2), (2, 2.1))]
+    inside = kr.summarize(runs + [{"mode": "killed", "seed": s, "heldout_loss": v} for s, v in ((0, 2.05), (1, 2.1))])
+    assert inside["within_seed_spread"] is True and inside["killed"]["seeds"] == [0, 1]
+    assert inside["killed"]["vs_uninterrupted_per_seed"] == pytest.approx([2.05 / 2.0, 2.1 / 2.2])
+    outside = kr.summarize(runs + [{"mode": "killed", "seed": 0, "heldout_loss": 2.3}])
+    assert outside["within_seed_spread"] is False and outside["killed"]["mean"] == 2.3
+    assert kr.summarize(runs)["within_seed_spread"] is None  # no killed run yet

@@ -149,7 +149,8 @@ class Arm:
 #: feedback (the table's default for them: does the hook need it?); the
 #: 2-bit (ternary) levels in the hook and as DiLoCo's pseudo-gradient codec;
 #: torchft's own DiLoCo (exact) at 4 and 2 replicas, beside pycomm's
-#: ``diloco-H16`` arms at the same ranks and batch.
+#: ``diloco-H16`` arms at the same ranks and batch; and pycomm's onebit
+#: pseudo-gradients at 2 replicas, to compare with torchft's there too.
 ARMS: Tuple[Arm, ...] = (
     Arm(ALLREDUCE), Arm("diloco-H16"), Arm("diloco-H16-int4"), Arm("optim-onebit-v0"), Arm("int8"), Arm("int4"),
     Arm("fp16"), Arm("powersgd-4"), Arm(ALLREDUCE, 2), Arm("diloco-H16-int4", 2), Arm(ALLREDUCE, 1),
@@ -159,7 +160,7 @@ ARMS: Tuple[Arm, ...] = (
     Arm(ALLREDUCE, 1, batch_size=16), Arm("diloco-H16", 1, batch_size=16),
     Arm(ALLREDUCE, 2, batch_size=8), Arm("diloco-H16", 2, batch_size=8), Arm("diloco-H16-int4", 2, batch_size=8),
     Arm("onebit-noef"), Arm("int8-noef"), Arm("int4-noef"), Arm("int2"), Arm("diloco-H16-int2"),
-    Arm("int2-noef"), Arm("torchft-diloco-H16"), Arm("torchft-diloco-H16", 2),
+    Arm("int2-noef"), Arm("torchft-diloco-H16"), Arm("torchft-diloco-H16", 2), Arm("diloco-H16-onebit", 2),
 )
 
 

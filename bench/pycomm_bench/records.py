@@ -30,7 +30,7 @@ import re
 import shlex
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 #: The results tree, relative to the source tree's root (and to the working
 #: directory the benchmarks run in).
@@ -105,7 +105,7 @@ def command_line(argv: Optional[Sequence[str]] = None) -> str:
     head = os.path.basename(argv[0]) if argv else ""
     if head in ("pycomm-bench", "__main__.py", "-m", "-c") or head.startswith("pycomm_bench"):
         return shlex.join(["pycomm-bench", *argv[1:]])
-    return shlex.join(["python", os.path.relpath(argv[0]) if argv and os.path.isabs(argv[0]) else head, *argv[1:]])
+    return shlex.join(["python", os.path.relpath(os.path.abspath(argv[0])) if argv else head, *argv[1:]])
 
 
 def stamp_command(doc: Any, command: Optional[str] = None) -> Any:
@@ -256,6 +256,15 @@ def _headline_quality(doc: Dict[str, Any]) -> str:
             f"{best['bytes_vs_allreduce']:.0f}x fewer bytes than plain")
 
 
+def _headline_kill_rejoin(doc: Dict[str, Any]) -> str:
+    s = doc["summary"]
+    k, u = s["killed"], s["uninterrupted"]
+    if k["mean"] is None or u["mean"] is None:
+        return "-"
+    return (f"{len(k['seeds'])} seeds: a replica killed and rejoined ends at {_pct(k['vs_uninterrupted_mean'])} held-out "
+            f"loss against uninterrupted ({'within' if s['within_seed_spread'] else 'outside'} its seed spread)")
+
+
 def _headline_soak(doc: Dict[str, Any]) -> str:
     return f"{doc['calls']:,} calls on {doc['world_size']} ranks: {sum(doc['checks'].values())}/{len(doc['checks'])} checks hold"
 
@@ -270,6 +279,7 @@ HEADLINES: Dict[str, Callable[[Any], str]] = {
     "ddp": lambda d: _headline_steps(d, "speedup_vs_allreduce", "allreduce"),
     "fsdp": lambda d: _headline_steps(d, "speedup_vs_plain", "plain"),
     "quality": _headline_quality, "soak": _headline_soak, "gpu-check": _headline_gpu,
+    "kill-rejoin": _headline_kill_rejoin,
 }
 
 
@@ -514,6 +524,28 @@ def _view_hierarchy(doc: Dict[str, Any]) -> str:
                f"{_link_label(doc.get('bandwidth_bits_per_s'))} between the nodes")
 
 
+def _view_kill_rejoin(doc: Dict[str, Any]) -> str:
+    """One row per run: the final held-out loss, the killed run against the
+    uninterrupted one of its seed, whether the replicas ended identical, and
+    the survivors' longest and median wait between two syncs."""
+    rows = []
+    plain = {r["seed"]: r["heldout_loss"] for r in doc["runs"] if r["mode"] == "uninterrupted"}
+    for r in sorted(doc["runs"], key=lambda r: (r["seed"], r["mode"] != "uninterrupted")):
+        vs = "" if r["mode"] == "uninterrupted" or r["seed"] not in plain else _pct(r["heldout_loss"] / plain[r["seed"]])
+        rows.append([r["seed"], r["mode"] + (f" after outer step {r['killed_after_outer_step']}"
+                                             if r.get("killed_after_outer_step") else ""),
+                     f"{r['heldout_loss']:.4f}", vs, "yes" if r["replicas_identical"] else "NO",
+                     f"{r['survivor_sync_gap_max_s']:.1f} / {r['survivor_sync_gap_median_s']:.2f}"])
+    s = doc["summary"]
+    for m in ("uninterrupted", "killed"):
+        if s[m]["mean"] is not None:
+            rows.append(["mean", m, f"{s[m]['mean']:.4f} ({s[m]['min']:.4f}..{s[m]['max']:.4f})",
+                         _pct(s["killed"]["vs_uninterrupted_mean"]) if m == "killed" and
+                         s["killed"]["vs_uninterrupted_mean"] else "", "", ""])
+    return _md(rows, ["seed", "run", "held-out loss", "vs uninterrupted", "replicas identical",
+                      "survivors' wait between syncs, s: longest / median"])
+
+
 def _view_seeds(docs: List[Any]) -> str:
     """Held-out loss per seed against plain's of the same seed, one row per
     method, from one training record per seed."""
@@ -537,7 +569,7 @@ VIEWS: Dict[str, Callable[[Any], str]] = {
     "table": _view_table, "diloco": _ddp("format_diloco"), "profile": _ddp("format_profile"),
     "summary": _quality("summary"), "links": _quality("links"), "torchft": _quality("torchft"),
     "kernels": _view_kernels, "per-call": _view_per_call, "seeds": _view_seeds, "allreduce": _view_allreduce,
-    "hierarchy": _view_hierarchy,
+    "hierarchy": _view_hierarchy, "kill-rejoin": _view_kill_rejoin,
 }
 
 _MARK = re.compile(r"^<!-- table: (?P<record>\S+)(?: (?P<view>[\w-]+))? -->$")
