@@ -29,14 +29,9 @@ import argparse
 import hashlib
 import json
 import os
-import queue
-import re
 import signal
 import statistics
-import subprocess
 import sys
-import tempfile
-import threading
 import time
 from datetime import timedelta
 from typing import Any, Dict, List, Optional
@@ -131,72 +126,31 @@ def replica(a: argparse.Namespace) -> None:
 def run_one(a: argparse.Namespace, mode: str, seed: int) -> Dict[str, Any]:
     """A lighthouse and 3 replicas over the run; in mode "killed" replica 2
     is killed at 40% of the outer steps and its standby started."""
-    logs = tempfile.mkdtemp(prefix="kill_rejoin_")
-    events: "queue.Queue" = queue.Queue()
-    procs: List[subprocess.Popen] = []
+    from pycomm.integrations.torchft import LocalRun
 
-    def start(cmd, tag, stdin=False):
-        log = open(os.path.join(logs, f"{tag}.log"), "w")  # torchft's own log lines
-        p = subprocess.Popen(cmd, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT if tag == "lighthouse" else log, text=True)
-
-        def read():
-            for line in p.stdout:
-                events.put((tag, line.rstrip()))
-            events.put((tag, None))
-        threading.Thread(target=read, daemon=True).start()
-        procs.append(p)
-        return p
-
-    def next_event(timeout=600):
-        try:
-            return events.get(timeout=timeout)
-        except queue.Empty:
-            raise RuntimeError(f"nothing happened for {timeout} s; logs in {logs}") from None
-
-    lighthouse = os.path.join(os.path.dirname(sys.executable), "torchft_lighthouse")
     outer_steps = a.steps // SYNC_EVERY
     kill_at = max(2, round(KILL_AT * outer_steps))
     t0 = time.time()
-    try:
-        start([lighthouse if os.path.exists(lighthouse) else "torchft_lighthouse", "--min_replicas", "2",
-               "--bind", "127.0.0.1:0", "--join_timeout_ms", str(LIGHTHOUSE_MS), "--heartbeat_timeout_ms",
-               str(LIGHTHOUSE_MS)], "lighthouse")
-        port = None
-        while port is None:
-            tag, line = next_event(120)
-            if line is None:
-                raise RuntimeError(f"the lighthouse ended before it listened; logs in {logs}")
-            found = re.search(r"listening on: \S+:(\d+)", line)
-            port = found and found.group(1)
-        common = ["--lighthouse", f"http://127.0.0.1:{port}", "--seed", str(seed), "--steps", str(a.steps),
-                  "--model", a.model, "--compressor", a.compressor, "--standby"]
+    with LocalRun(timeout=600) as run:
+        address = run.lighthouse(min_replicas=2, join_timeout_ms=LIGHTHOUSE_MS, heartbeat_timeout_ms=LIGHTHOUSE_MS)
+        common = ["--lighthouse", address, "--seed", str(seed), "--steps", str(a.steps), "--model", a.model,
+                  "--compressor", a.compressor, "--standby"]
         here = os.path.abspath(__file__)
-        starters = [start([sys.executable, here, "--replica", str(r), *common], f"replica{r}", stdin=True)
+        starters = [run.start([sys.executable, here, "--replica", str(r), *common], f"replica{r}", stdin=True)
                     for r in range(REPLICAS)]
-        standby = (start([sys.executable, here, "--replica", "2", *common], "restarted", stdin=True)
+        standby = (run.start([sys.executable, here, "--replica", "2", *common], "restarted", stdin=True)
                    if mode == "killed" else None)
-        ready = set()
-        while len(ready) < len(procs) - 1:
-            tag, line = next_event()
-            if tag == "lighthouse":
-                continue
-            if line is None:
-                raise RuntimeError(f"{tag} ended before it started; logs in {logs}")
-            ready.add(tag)
+        run.ready([f"replica{r}" for r in range(REPLICAS)] + (["restarted"] if standby else []))
         for p in starters:
-            p.stdin.write("go\n")
-            p.stdin.flush()
+            run.send(p, "go")
         want = {"replica0", "replica1", "restarted" if standby else "replica2"}
         finished, done, commits, killed_at_time = set(), {}, {}, None
         while not want <= finished:
-            tag, line = next_event()
-            if tag == "lighthouse":
-                continue
+            tag, line = run.next_event()
             if line is None:
                 finished.add(tag)
                 if tag in want and tag not in done:
-                    raise RuntimeError(f"{tag} ended without finishing; logs in {logs}")
+                    raise RuntimeError(f"{tag} ended without finishing; logs in {run.logs}")
                 continue
             if not line.startswith("{"):
                 continue
@@ -209,15 +163,9 @@ def run_one(a: argparse.Namespace, mode: str, seed: int) -> Dict[str, Any]:
                     starters[2].send_signal(signal.SIGKILL)
                     killed_at_time = time.time()
                     finished.add("replica2")
-                    standby.stdin.write("go\n")
-                    standby.stdin.flush()
-        for p in procs[1:]:
+                    run.send(standby, "go")
+        for p in run.procs[1:]:
             p.wait(timeout=120)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait(timeout=10)
     survivors = [commits.get(t, []) for t in ("replica0", "replica1")]
     gaps = [b[1] - a_[1] for c in survivors for a_, b in zip(c, c[1:])]
     losses = {t: d["heldout_loss"] for t, d in done.items()}

@@ -24,13 +24,9 @@ so that the short run does not wait for Python's imports.
 import argparse
 import hashlib
 import os
-import queue
 import re
 import signal
-import subprocess
 import sys
-import tempfile
-import threading
 from datetime import timedelta
 
 import torch
@@ -93,68 +89,25 @@ def replica(args) -> None:
 
 def launch(args) -> int:
     """A lighthouse and 3 replicas; replica 2 killed at 40% and restarted."""
+    from pycomm.integrations.torchft import LocalRun
+
     here = os.path.abspath(__file__)
-    logs = tempfile.mkdtemp(prefix="diloco_torchft_")
-    events: "queue.Queue" = queue.Queue()
-    procs = []
-
-    def start(cmd, tag, stdin=False):
-        log = open(os.path.join(logs, f"{tag}.log"), "w")  # torchft's own log lines
-        # In this process's group: whatever ends it (Ctrl-C, a killpg) ends them too.
-        p = subprocess.Popen(cmd, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT if tag == "lighthouse" else log, text=True)
-
-        def read():
-            for line in p.stdout:
-                events.put((tag, line.rstrip()))
-            events.put((tag, None))
-        threading.Thread(target=read, daemon=True).start()
-        procs.append(p)
-        return p
-
-    def next_event(timeout=120):
-        try:
-            return events.get(timeout=timeout)
-        except queue.Empty:
-            raise SystemExit(f"nothing happened for {timeout} s; logs in {logs}") from None
-
-    lighthouse = os.path.join(os.path.dirname(sys.executable), "torchft_lighthouse")
-    try:
-        start([lighthouse if os.path.exists(lighthouse) else "torchft_lighthouse", "--min_replicas", "2",
-               "--bind", "127.0.0.1:0", "--join_timeout_ms", str(LIGHTHOUSE_MS), "--heartbeat_timeout_ms",
-               str(LIGHTHOUSE_MS)], "lighthouse")
-        port = None
-        while port is None:  # it says which port it got
-            tag, line = next_event()
-            if line is None:
-                raise SystemExit(f"the lighthouse ended before it listened; logs in {logs}")
-            found = re.search(r"listening on: \S+:(\d+)", line)
-            port = found and found.group(1)
-        address = f"http://127.0.0.1:{port}"
+    with LocalRun() as run:
+        address = run.lighthouse(min_replicas=2, join_timeout_ms=LIGHTHOUSE_MS, heartbeat_timeout_ms=LIGHTHOUSE_MS)
         print(f"lighthouse on {address}", flush=True)
         common = ["--lighthouse", address, "--outer-steps", str(args.outer_steps), "--sync-every",
-                  str(args.sync_every), "--compressor", args.compressor]
+                  str(args.sync_every), "--compressor", args.compressor, "--standby"]
         # Each replica, and the restart of replica 2, waits for a go once its
         # imports are done: the three then start together.
-        starters = [start([sys.executable, here, "--replica", str(r), "--standby", *common], f"replica{r}",
-                          stdin=True) for r in range(3)]
-        standby = start([sys.executable, here, "--replica", "2", "--standby", *common], "replica2-restarted",
-                        stdin=True)
-        ready = set()
-        while len(ready) < 4:
-            tag, line = next_event()
-            if tag != "lighthouse":
-                if line is None:
-                    raise SystemExit(f"{tag} ended before it started; logs in {logs}")
-                ready.add(tag)
+        starters = [run.start([sys.executable, here, "--replica", str(r), *common], f"replica{r}", stdin=True)
+                    for r in range(3)]
+        standby = run.start([sys.executable, here, "--replica", "2", *common], "replica2-restarted", stdin=True)
+        run.ready(["replica0", "replica1", "replica2", "replica2-restarted"])
         for p in starters:
-            p.stdin.write("go\n")
-            p.stdin.flush()
+            run.send(p, "go")
         kill_at, killed, finished, done = max(2, round(0.4 * args.outer_steps)), False, set(), []
         while not {"replica0", "replica1", "replica2-restarted"} <= finished:
-            tag, line = next_event()
-            if tag == "lighthouse":
-                continue
+            tag, line = run.next_event()
             if line is None:
                 finished.add(tag)
                 continue
@@ -167,19 +120,13 @@ def launch(args) -> int:
                 finished.add("replica2")
                 killed = True
                 print(f"killed replica 2 (SIGKILL) after outer step {step.group(1)}; restarting it", flush=True)
-                standby.stdin.write("go\n")
-                standby.stdin.flush()
+                run.send(standby, "go")
         shas = {line.rsplit(" ", 1)[1] for line in done}
         same = len(done) == 3 and len(shas) == 1
         print(f"{len(done)} replicas finished; their parameters are "
               f"{'identical' if same else 'NOT identical'}", flush=True)
         rcs = [p.wait(timeout=60) for p in starters[:2] + [standby]]
         return 0 if same and killed and rcs == [0, 0, 0] else 1
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait(timeout=10)
 
 
 def main() -> int:

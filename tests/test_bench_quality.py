@@ -100,13 +100,15 @@ def test_a_diverged_run_is_recorded_and_loses_without_breaking_the_report(tmp_pa
 
 def test_time_to_plain_loss_on_a_link():
     # plain: 1.0 s per step at this link; a method twice as fast per step after 10 exact steps.
-    plain = {"method": "allreduce", "ranks": 4, "optimizer": "adamw", "steps": 100, "exact_steps": 10, "final_loss_mean": 2.0,
+    plain = {"arm": "allreduce", "method": "allreduce", "ranks": 4, "optimizer": "adamw", "steps": 100, "exact_steps": 10, "final_loss_mean": 2.0,
              "eval_loss_curve": [[0, 5.0], [50, 3.0], [100, 2.0]]}
-    fast = dict(plain, method="int8", final_loss_mean=1.9, eval_loss_curve=[[0, 5.0], [50, 2.5], [100, 1.9]])
-    slow = dict(plain, method="diloco-H16", final_loss_mean=2.5, eval_loss_curve=[[0, 5.0], [50, 3.5], [100, 2.5]])
-    other, sgd = dict(plain, ranks=2), dict(plain, optimizer="sgd")
-    quality.add_time_to_loss([plain, fast, slow, other, sgd], {"100mbit": {"allreduce": 1.0, "int8": 0.5,
-                                                                       "diloco-H16": 0.1}})
+    fast = dict(plain, arm="int8", method="int8", final_loss_mean=1.9, eval_loss_curve=[[0, 5.0], [50, 2.5], [100, 1.9]])
+    slow = dict(plain, arm="diloco-H16", method="diloco-H16", final_loss_mean=2.5, eval_loss_curve=[[0, 5.0], [50, 3.5], [100, 2.5]])
+    # At 2 ranks, plain and int8 against 2-rank plain (timed at 0.5 s), not the 4-rank one.
+    other, sgd = dict(plain, arm="2r-allreduce", ranks=2), dict(plain, arm="4r-sgd", optimizer="sgd")
+    fast2 = dict(fast, arm="2r-int8", ranks=2)
+    quality.add_time_to_loss([plain, fast, slow, other, fast2, sgd], {"100mbit": {
+        4: {"allreduce": 1.0, "int8": 0.5, "diloco-H16": 0.1}, 2: {"allreduce": 0.5, "int8": 0.25}}})
     assert plain["links"]["100mbit"]["time_to_allreduce_final_s"] == pytest.approx(100.0)
     # int8 reaches 2.0 at step 50 + 0.5/0.6 * 50 = 91.67: 10 s of exact steps, 81.67 steps at 0.5 s.
     f = fast["links"]["100mbit"]
@@ -116,9 +118,24 @@ def test_time_to_plain_loss_on_a_link():
     s = slow["links"]["100mbit"]
     assert "time_to_allreduce_final_s" not in s and s["allreduce_time_to_method_final_s"] == pytest.approx(75.0)
     assert s["allreduce_time_over_method_time"] == pytest.approx(75.0 / 19.0)
-    assert "links" not in other and "links" not in sgd  # only the 4-rank AdamW arms are timed
+    assert other["links"]["100mbit"]["time_to_allreduce_final_s"] == pytest.approx(50.0)
+    assert fast2["links"]["100mbit"]["allreduce_time_over_method_time"] == pytest.approx(
+        f["allreduce_time_over_method_time"])  # both halved: the same ratio
+    assert "links" not in sgd  # only the AdamW arms at the regime's batch are timed
+    assert "2r-int8" in quality.format_links([fast2])
     assert "never reaches it" in quality.format_links([slow]) and "faster than allreduce" in quality.format_links([fast])
     assert "(the reference)" in quality.format_links([plain]) and "faster" not in quality.format_links([plain])
+
+
+def test_link_timings_are_named_by_link_and_rank_count(tmp_path):
+    for link, ranks, t in (("100mbit", 4, 1.0), ("100mbit", 2, 0.5), ("1gbit", 2, 0.1)):
+        path = quality.links_path(str(tmp_path), link, ranks)
+        with open(path, "w") as fh:
+            json.dump([{"method": "allreduce", "step_time_mean_s": t}], fh)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["100mbit-2ranks.json", "100mbit.json", "1gbit-2ranks.json"]
+    assert quality.timed_links(str(tmp_path)) == {"100mbit": {2: {"allreduce": 0.5}, 4: {"allreduce": 1.0}},
+                                                  "1gbit": {2: {"allreduce": 0.1}}}
+    assert quality.link_times(str(tmp_path), "1gbit") == {}
 
 
 def test_heldout_text_is_never_trained_on():
@@ -263,3 +280,16 @@ def test_torchft_diloco_trains_in_the_quick_regime_and_leaves_nothing_behind(tmp
     assert rec["bytes_sent_per_rank_per_step"] > 0  # measured on loopback, as every run
     assert rec["torchft_version"] == importlib.metadata.version("torchft") and rec["torchft_quantize"] is False
     assert rec["params_identical"]  # every replica holds the same anchor after the sync
+
+
+def test_against_torchft_names_each_target_and_the_step_times_side_by_side():
+    def arm(name, loss, sent, ms):
+        return dict(arm=f"4r-{name}", method=name, ranks=4, batch_size=4, seeds=[0, 1], final_loss_per_seed=[loss, loss],
+                    final_loss_mean=loss, final_loss_min=loss, final_loss_max=loss, diloco_bytes_per_step=sent,
+                    bytes_sent_per_rank_per_step=sent, links={"100mbit": {"step_time_mean_s": ms / 1e3}})
+    rows = quality.against_torchft([arm("torchft-diloco-H16", 2.0, 800.0, 120), arm("diloco-H16", 2.0, 800.0, 100),
+                                    arm("diloco-H16-int4", 2.02, 100.0, 130)])
+    assert [(c["arm"], [t["met"] for t in c["targets"]]) for c in rows] == [
+        ("4r-diloco-H16", [True, True]), ("4r-diloco-H16-int4", [False, False])]  # +1% loss; a slower step
+    text = quality.format_against_torchft(rows)
+    assert "100mbit 100 (120)" in text and "100mbit 130 (120)" in text and "NOT met" in text

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 import pytest
-from _dist import subprocess_env
+from _dist import free_port, refusal, run_ranks, subprocess_env
 
 pytest.importorskip("torchft")
 
@@ -139,9 +139,10 @@ class Proc:
 class Cluster:
     """A lighthouse and replicas, every one ended in :meth:`close`."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, min_replicas: int = 2) -> None:
         self.tmp, self.procs = tmp, []
-        self.lighthouse = self._add(Proc([_lighthouse_binary(), "--min_replicas", "2", "--bind", "127.0.0.1:0",
+        self.lighthouse = self._add(Proc([_lighthouse_binary(), "--min_replicas", str(min_replicas), "--bind",
+                                          "127.0.0.1:0",
                                           "--join_timeout_ms", str(LIGHTHOUSE_MS), "--heartbeat_timeout_ms",
                                           str(LIGHTHOUSE_MS), "--quorum_tick_ms", "20"], tmp / "lighthouse.log",
                                          merge=True))  # it logs to stderr
@@ -173,14 +174,55 @@ class Cluster:
 
 
 @pytest.fixture
-def cluster(tmp_path):
+def cluster(tmp_path, request):
     c = None
     try:
-        c = Cluster(tmp_path)
+        c = Cluster(tmp_path, **getattr(request, "param", {}))
         yield c
     finally:
         if c is not None:
             c.close()
+
+
+def _check_no_sync_applied_half(named_records) -> None:
+    """On every rank, a sync is either committed (the Manager's step, the
+    syncs and the anchor move on together) or dropped (none of them moves,
+    nor the outer momentum); and every rank that committed a step holds the
+    same anchor and momentum after it as the others of its shard."""
+    by_step = {}
+    for name, records in named_records:
+        prev = None
+        for rec in records:
+            if prev is not None and not rec["healed"]:
+                if rec["committed"]:
+                    assert rec["manager_step"] == prev["manager_step"] + 1 and rec["syncs"] == prev["syncs"] + 1
+                else:
+                    assert (rec["manager_step"], rec["syncs"], rec["anchor_sha"], rec["momentum_sha"]) == (
+                        prev["manager_step"], prev["syncs"], prev["anchor_sha"], prev["momentum_sha"]), name
+            assert rec["syncs"] == rec["manager_step"]  # every committed sync applied, nothing else
+            prev = rec
+            if rec["committed"]:
+                by_step.setdefault(rec["manager_step"], set()).add((rec["anchor_sha"], rec["momentum_sha"]))
+    assert sorted(by_step) == list(range(1, OUTER + 1))
+    assert all(len(v) == 1 for v in by_step.values()), by_step
+
+
+def _check_survivor(recs, killed_at: float, paused_at: float, replicas: int) -> None:
+    """A survivor's syncs: the one the victim died in dropped (its error
+    reported to the Manager), then a new quorum without it (a new engine
+    group), the heal, and the whole quorum again; never a stop longer than
+    one outer step plus the timeout."""
+    dropped = [rec for rec in recs if not rec["committed"]]
+    assert len(dropped) == 1 and dropped[0]["manager_step"] == PAUSE and dropped[0]["error"], dropped
+    assert dropped[0]["replicas"] == replicas and dropped[0]["start"] < killed_at
+    after = recs[recs.index(dropped[0]) + 1:]
+    assert after[0]["committed"] and after[0]["new_group"] and after[0]["quorum_id"] > dropped[0]["quorum_id"]
+    assert any(rec["replicas"] == replicas and rec["participants"] == replicas - 1 for rec in after)  # the heal
+    assert after[-1]["replicas"] == replicas and after[-1]["participants"] == replicas
+    times = [rec["time"] for rec in recs]
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    before = [b - a for a, b in zip(times, times[1:]) if b < paused_at]
+    assert max(gaps) <= max(before) + TIMEOUT, (gaps, before)
 
 
 OUTER = 12  # outer steps (the Manager's step at the end)
@@ -220,49 +262,72 @@ def test_a_replica_killed_mid_sync_rejoins_and_every_replica_ends_identical(clus
     assert first["join"] and first["healed"] and first["committed"] and not first["participating"]
     assert first["manager_step"] > PAUSE
 
-    # No sync applied half: on every replica, a sync is either committed
-    # (the Manager's step, the syncs and the anchor move on together) or
-    # dropped (none of them moves, nor the outer momentum).
-    for name, r in [*reports.items(), ("replica2", {"records": victim_syncs})]:
-        prev = None
-        for rec in r["records"]:
-            if prev is not None and not rec["healed"]:
-                if rec["committed"]:
-                    assert rec["manager_step"] == prev["manager_step"] + 1 and rec["syncs"] == prev["syncs"] + 1
-                else:
-                    assert (rec["manager_step"], rec["syncs"], rec["anchor_sha"], rec["momentum_sha"]) == (
-                        prev["manager_step"], prev["syncs"], prev["anchor_sha"], prev["momentum_sha"]), name
-            assert rec["syncs"] == rec["manager_step"]  # every committed sync applied, nothing else
-            prev = rec
-    # ... and every replica that committed a step holds the same anchor and
-    # momentum after it, the healed replica included.
-    by_step = {}
-    for r in [*reports.values(), {"records": victim_syncs}]:
-        for rec in r["records"]:
-            if rec["committed"]:
-                by_step.setdefault(rec["manager_step"], set()).add((rec["anchor_sha"], rec["momentum_sha"]))
-    assert sorted(by_step) == list(range(1, OUTER + 1))
-    assert all(len(v) == 1 for v in by_step.values()), by_step
-
+    # No sync applied half, on every replica, the healed one included.
+    _check_no_sync_applied_half([*((n, r["records"]) for n, r in reports.items()), ("replica2", victim_syncs)])
     for name in ("replica0", "replica1"):
         # An engine group per quorum, each released at the next change.
         r = reports[name]
         assert r["groups_made"] == r["groups_seen"] >= 2 and r["groups_alive"] == 1, r
-        recs = reports[name]["records"]
-        # The sync the victim died in: dropped, its error reported to the Manager.
-        dropped = [rec for rec in recs if not rec["committed"]]
-        assert len(dropped) == 1 and dropped[0]["manager_step"] == PAUSE and dropped[0]["error"], dropped
-        assert dropped[0]["replicas"] == 3 and dropped[0]["start"] < killed_at
-        # Then a new quorum without it (a new engine group), and one with the restarted replica.
-        after = recs[recs.index(dropped[0]) + 1:]
-        assert after[0]["committed"] and after[0]["new_group"] and after[0]["quorum_id"] > dropped[0]["quorum_id"]
-        assert any(rec["replicas"] == 3 and rec["participants"] == 2 for rec in after)  # the heal
-        assert after[-1]["replicas"] == 3 and after[-1]["participants"] == 3
-        # The survivors never stopped longer than one outer step plus the timeout.
-        times = [rec["time"] for rec in recs]
-        gaps = [b - a for a, b in zip(times, times[1:])]
-        before = [b - a for a, b in zip(times, times[1:]) if b < paused["time"]]
-        assert max(gaps) <= max(before) + TIMEOUT, (gaps, before)
+        _check_survivor(r["records"], killed_at, paused["time"], replicas=3)
+
+
+SHARDS = 2
+
+
+@pytest.mark.parametrize("cluster", [{"min_replicas": 1}], indirect=True)
+def test_a_sharded_replica_killed_mid_sync_rejoins_shard_by_shard(cluster):
+    """2 replicas, each sharded with FSDP2 over 2 processes (a Manager per
+    shard rank); both processes of replica 1 killed in a sync and restarted:
+    replica 0 goes on alone, and every shard rank of the restarted replica
+    heals from the live peer of its own shard."""
+    common = ("--outer-steps", OUTER, "--sync-every", 4, "--compressor", "int4", "--min-replicas", 1,
+              "--shards", SHARDS)
+
+    def replica(r, name, *extra):
+        port = free_port()  # the replica's TCPStore, started by its shard 0
+        return [cluster.replica(r, f"{name}-shard{s}", *common, "--shard", s, "--store-port", port, *extra,
+                                "--wait-for-go", "--hold-quorum", stdin=True) for s in range(SHARDS)]
+
+    starters = [replica(0, "replica0"), replica(1, "replica1", "--pause-at", PAUSE)]
+    restart = replica(1, "replica1-restarted")
+    everyone = [p for group in (*starters, restart) for p in group]
+    for p in everyone:
+        p.event("ready", "imports")
+    for p in (*starters[0], *starters[1]):
+        p.send("go\n")
+    # Every Manager up before the first quorum: with one replica enough,
+    # the lighthouse would not wait for the other.
+    for p in (*starters[0], *starters[1]):
+        p.event("manager", "the Managers")
+    for p in (*starters[0], *starters[1]):
+        p.send("go\n")
+    paused = [p.event("paused", "the victim's shard ranks to reach their pause") for p in starters[1]]
+    for p in starters[1]:
+        os.killpg(p.proc.pid, signal.SIGKILL)
+    killed_at = time.time()
+    for p in restart:
+        p.send("go\ngo\n")
+    for p in (*starters[0], *restart):
+        assert p.finish() == 0, p.tail()
+    reports = {(name, s): cluster.report(f"{name}-shard{s}") for name in ("replica0", "replica1-restarted")
+               for s in range(SHARDS)}
+
+    # Every shard rank reached the last step; the ranks of one shard hold
+    # the same bits in both replicas, and the two shards differ.
+    assert {r["manager_step"] for r in reports.values()} == {OUTER}
+    for s in range(SHARDS):
+        assert reports["replica0", s]["params_sha"] == reports["replica1-restarted", s]["params_sha"]
+    assert reports["replica0", 0]["params_sha"] != reports["replica0", 1]["params_sha"]
+    for s in range(SHARDS):
+        healed = reports["replica1-restarted", s]
+        assert healed["heals"] == 1
+        first = healed["records"][0]
+        assert first["join"] and first["healed"] and first["committed"] and not first["participating"]
+        assert first["manager_step"] > PAUSE
+        victim = [e for e in starters[1][s].events if e["event"] == "sync"]
+        _check_no_sync_applied_half([("replica0", reports["replica0", s]["records"]), ("victim", victim),
+                                     ("restarted", healed["records"])])
+        _check_survivor(reports["replica0", s]["records"], killed_at, min(e["time"] for e in paused), replicas=2)
 
 
 def test_a_joining_replica_of_another_model_or_settings_is_refused_and_changes_nothing(cluster):
@@ -346,3 +411,46 @@ def test_bad_arguments_are_refused_naming_them():
         for m in managers:
             m.shutdown(wait=False)
         lighthouse.shutdown()
+
+
+def _sharded_refusals(rank, world_size):
+    """One rank, its replica sharded over a 1-D mesh of itself."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torchft import Manager, ProcessGroupGloo
+    from torchft._torchft import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1)
+    net = torch.nn.Linear(4, 2)
+    flat = init_device_mesh("cpu", (1,), mesh_dim_names=("shard",))
+    fully_shard(net, mesh=flat)
+    managers = []
+
+    def manager(world_size):
+        store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        managers.append(Manager(pg=ProcessGroupGloo(), load_state_dict=None, state_dict=None, min_replica_size=1,
+                                lighthouse_addr=lighthouse.address(), store_addr="127.0.0.1", store_port=store.port,
+                                rank=0, world_size=world_size, hostname="127.0.0.1"))
+        return managers[-1]
+
+    def build(world_size, mesh, model=net):
+        return lambda: FaultTolerantDiLoCo(manager(world_size), model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                           mesh=mesh)
+
+    try:
+        two_d = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
+        return {"two managers": refusal(build(2, flat)), "two-d mesh": refusal(build(1, two_d)),
+                "no mesh": refusal(build(2, None, torch.nn.Linear(4, 2))),
+                "sharded, no mesh": refusal(build(1, None))}
+    finally:
+        for m in managers:
+            m.shutdown(wait=False)
+        lighthouse.shutdown()
+
+
+def test_a_sharded_replica_needs_a_manager_per_shard_rank_and_its_shard_mesh():
+    r = run_ranks(_sharded_refusals, 1, timeout=90)[0]
+    assert "one Manager per shard rank" in r["two managers"] and "world_size=2" in r["two managers"], r
+    assert "1-D with the dimensions ('shard',)" in r["two-d mesh"], r
+    assert "one process (Manager(world_size=1)), or sharded over mesh=" in r["no mesh"], r
+    assert "pass mesh=, the 1-D DeviceMesh ('shard',)" in r["sharded, no mesh"], r

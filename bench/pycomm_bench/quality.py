@@ -40,6 +40,7 @@ import glob
 import json
 import math
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -401,60 +402,90 @@ def crossing(curve: Sequence[Sequence[float]], target: float) -> Optional[float]
 
 
 def _on_links(r: Dict[str, Any]) -> bool:
-    """Whether ``--links`` times arm record ``r``: the 4-rank AdamW arms
-    at the regime's batch."""
-    return r["ranks"] == 4 and r["optimizer"] == "adamw" and r.get("arm_batch_size") is None
+    """Whether ``--links`` times arm record ``r``: the AdamW arms at the
+    regime's batch (at each of their rank counts)."""
+    return r["optimizer"] == "adamw" and r.get("arm_batch_size") is None
 
 
-def link_times(links_dir: str, link: str) -> Dict[str, float]:
-    """``{method: mean step time}`` of the 4-rank methods timed at ``link``
-    (``<links_dir>/<link>.json``, written by :func:`time_links`); {} if not yet."""
-    path = os.path.join(links_dir, f"{link}.json")
+#: The rank count whose link timings are named after the link alone.
+LINK_RANKS = 4
+
+
+def links_path(links_dir: str, link: str, ranks: int) -> str:
+    """Where :func:`time_links` writes ``ranks``-rank timings at ``link``:
+    ``<link>.json`` at :data:`LINK_RANKS`, ``<link>-<ranks>ranks.json``
+    otherwise."""
+    return os.path.join(links_dir, f"{link}.json" if ranks == LINK_RANKS else f"{link}-{ranks}ranks.json")
+
+
+def link_times(links_dir: str, link: str, ranks: int = LINK_RANKS) -> Dict[str, float]:
+    """``{method: mean step time}`` of the ``ranks``-rank methods timed at
+    ``link`` (:func:`links_path`, written by :func:`time_links`); {} if not yet."""
+    path = links_path(links_dir, link, ranks)
     if not os.path.exists(path):
         return {}
     with open(path, encoding="utf-8") as fh:
         return {r["method"]: r["step_time_mean_s"] for r in json.load(fh)}
 
 
+def timed_links(links_dir: str) -> Dict[str, Dict[int, Dict[str, float]]]:
+    """``{link: {ranks: {method: mean step time}}}`` of every timing in ``links_dir``."""
+    out: Dict[str, Dict[int, Dict[str, float]]] = {}
+    for path in sorted(glob.glob(os.path.join(links_dir, "*.json"))):
+        name = os.path.splitext(os.path.basename(path))[0]
+        found = re.fullmatch(r"(.+)-(\d+)ranks", name)
+        link, ranks = (found.group(1), int(found.group(2))) if found else (name, LINK_RANKS)
+        out.setdefault(link, {})[ranks] = link_times(links_dir, link, ranks)
+    return out
+
+
 def time_links(summary: List[Dict[str, Any]], links: Sequence[str], links_dir: str, regime: Dict[str, Any],
                time_steps: int) -> int:
-    """Time every 4-rank method of ``summary`` on each emulated link not yet
-    timed for all of them, in one run per link (``pycomm-bench ddp
-    --time-only``, written to ``<links_dir>/<link>.json``)."""
-    from .cli import main
-
-    methods = [r["method"] for r in summary if _on_links(r)]
-    for link in links:
-        path = os.path.join(links_dir, f"{link}.json")
-        if os.path.exists(path) and set(methods) <= set(link_times(links_dir, link)):
-            continue
-        argv = ["ddp", "--time-only", "--bandwidth", link, "--no-plots", "--no-progress", "--ranks", "4",
-                "--methods", *methods, "--time-steps", str(time_steps), "--json", path,
-                "--netns-prefix", "pycomm-quality"]
-        for k in ("model", "seq_len", "batch_size"):
-            argv += [f"--{k.replace('_', '-')}", str(regime[k])]
-        print(f"[quality] timing {len(methods)} methods at {link}: pycomm-bench {' '.join(argv)}", file=sys.stderr)
-        rc = main(argv)
-        if rc:
-            return rc
+    """Time the methods of ``summary`` on each emulated link, at each of
+    their rank counts, where not yet timed for all of them: one run per link
+    and rank count (``pycomm-bench ddp --time-only``, written to
+    :func:`links_path`)."""
+    for ranks in sorted({r["ranks"] for r in summary if _on_links(r)}):
+        methods = [r["method"] for r in summary if _on_links(r) and r["ranks"] == ranks]
+        for link in links:
+            path = links_path(links_dir, link, ranks)
+            if os.path.exists(path) and set(methods) <= set(link_times(links_dir, link, ranks)):
+                continue
+            rc = _time_link(link, ranks, methods, path, regime, time_steps)
+            if rc:
+                return rc
     return 0
 
 
-def add_time_to_loss(summary: List[Dict[str, Any]], times: Dict[str, Dict[str, float]]) -> None:
-    """Per 4-rank arm and timed link: the wall-clock to reach plain
-    all-reduce's final held-out loss (its exact warm-up steps at plain's
-    step time, the rest at its own), against plain's whole run; where a
-    method never reaches it, the reverse: the time plain needs to reach the
-    method's final loss, against the method's whole run."""
-    plain = next((r for r in summary if r["method"] == ALLREDUCE and _on_links(r)), None)
-    if plain is None:
-        return
-    target = plain["final_loss_mean"]
+def _time_link(link: str, ranks: int, methods: List[str], path: str, regime: Dict[str, Any], time_steps: int) -> int:
+    """One ``pycomm-bench ddp --time-only`` run: ``methods`` at ``ranks`` ranks on ``link``."""
+    from .cli import main
+
+    argv = ["ddp", "--time-only", "--bandwidth", link, "--no-plots", "--no-progress", "--ranks", str(ranks),
+            "--methods", *methods, "--time-steps", str(time_steps), "--json", path, "--netns-prefix", "pycomm-quality"]
+    for k in ("model", "seq_len", "batch_size"):
+        argv += [f"--{k.replace('_', '-')}", str(regime[k])]
+    print(f"[quality] timing {len(methods)} methods at {link}, {ranks} ranks: pycomm-bench {' '.join(argv)}",
+          file=sys.stderr)
+    return main(argv)
+
+
+def add_time_to_loss(summary: List[Dict[str, Any]], times: Dict[str, Dict[int, Dict[str, float]]]) -> None:
+    """Per arm and timed link (``times``: :func:`timed_links`): the
+    wall-clock to reach plain all-reduce's final held-out loss at the same
+    rank count (its exact warm-up steps at plain's step time, the rest at
+    its own), against plain's whole run; where a method never reaches it,
+    the reverse: the time plain needs to reach the method's final loss,
+    against the method's whole run."""
+    plains = {r["ranks"]: r for r in summary if r["method"] == ALLREDUCE and _on_links(r)}
     for r in summary:
+        plain = plains.get(r["ranks"])
+        target = None if plain is None else plain["final_loss_mean"]
         if not _on_links(r) or target is None or r["final_loss_mean"] is None:  # a diverged seed: no curve to put on a clock
             continue
         r["links"] = {}
-        for link, t in times.items():
+        for link, by_ranks in times.items():
+            t = by_ranks.get(r["ranks"], {})
             if r["method"] not in t or ALLREDUCE not in t:
                 continue
             tp, tm = t[ALLREDUCE], t[r["method"]]
@@ -506,9 +537,9 @@ def format_summary(summary: List[Dict[str, Any]], n_seeds: int) -> str:
 
 
 def format_links(summary: List[Dict[str, Any]]) -> str:
-    """Per 4-rank method and link: mean step time and the wall-clock to
-    plain's final loss (or, where it never gets there, plain's time to the
-    method's final loss), as a ratio to plain."""
+    """Per arm and link: mean step time and the wall-clock to plain's final
+    loss at the same rank count (or, where it never gets there, plain's
+    time to the method's final loss), as a ratio to plain."""
     rows = []
     for r in summary:
         for link, x in (r.get("links") or {}).items():
@@ -522,30 +553,32 @@ def format_links(summary: List[Dict[str, Any]]) -> str:
                            f"{x['allreduce_time_to_method_final_s']:.0f} s = {ratio:.2f}x its run")
             else:
                 verdict = "never reaches it; allreduce never gets as high"
-            rows.append([r["method"], link, f"{x['step_time_mean_s'] * 1e3:.0f}", f"{x['run_s']:.0f}", verdict])
-    return table(rows, ["method", "link", "mean step ms", "run s", "to allreduce's final held-out loss"],
+            rows.append([r["arm"], link, f"{x['step_time_mean_s'] * 1e3:.0f}", f"{x['run_s']:.0f}", verdict])
+    return table(rows, ["arm", "link", "mean step ms", "run s", "to allreduce's final held-out loss (same ranks)"],
                  tablefmt="github")
 
 
-def plot_seconds(summary: List[Dict[str, Any]], times: Dict[str, Dict[str, float]], path: str) -> str:
+def plot_seconds(summary: List[Dict[str, Any]], times: Dict[str, Dict[int, Dict[str, float]]], path: str) -> str:
     """Held-out loss (mean over seeds) against wall-clock seconds on each
-    timed link, 4 ranks: where each method's curve crosses plain's final loss."""
+    timed link and rank count: where each method's curve crosses plain's
+    final loss."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(times), figsize=(7 * len(times), 5), squeeze=False)
-    for ax, (link, t) in zip(axes[0], times.items()):
+    panels = [(link, ranks, t) for link, by_ranks in times.items() for ranks, t in sorted(by_ranks.items())]
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 5), squeeze=False)
+    for ax, (link, ranks, t) in zip(axes[0], panels):
         for r in summary:
-            if not _on_links(r) or r["method"] not in t or len(r["eval_loss_curve"]) < 2:
+            if not _on_links(r) or r["ranks"] != ranks or r["method"] not in t or len(r["eval_loss_curve"]) < 2:
                 continue
             tp, tm, e = t[ALLREDUCE], t[r["method"]], r["exact_steps"]
             xs = [min(s, e) * tp + max(0, s - e) * tm for s, _ in r["eval_loss_curve"][1:]]
             ax.plot(xs, [v for _, v in r["eval_loss_curve"][1:]], label=r["method"],
                     linewidth=2.5 if r["method"] == ALLREDUCE else 1.2)
         ax.set_xscale("log")
-        ax.set_xlabel(f"seconds at {link} (measured step times, 4 ranks)")
+        ax.set_xlabel(f"seconds at {link} (measured step times, {ranks} ranks)")
         ax.set_ylabel("held-out loss (mean over seeds)")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
@@ -678,9 +711,12 @@ def format_against_torchft(rows: List[Dict[str, Any]]) -> str:
                     f"{c['torchft_final_loss_mean']:.4f}",
                     "-" if ratio is None else f"{(ratio - 1) * 100:+.2f}%",
                     f"{c['fewer_bytes_than_torchft']:.1f}x",
+                    ", ".join(f"{link} {t * 1e3:.0f} ({c['torchft_step_time_mean_s'][link] * 1e3:.0f})"
+                              for link, t in sorted(c["step_time_mean_s"].items())
+                              if link in c["torchft_step_time_mean_s"]) or "not timed",
                     "; ".join(f"{t['target']}: {verdict(t['met'])}" for t in c["targets"])])
     return table(out, ["pycomm arm", "against", "held-out loss", "torchft's", "vs torchft, same seed",
-                       "fewer bytes (formula)", "targets"], tablefmt="github")
+                       "fewer bytes (formula)", "mean step ms (torchft's)", "targets"], tablefmt="github")
 
 
 # --------------------------------------------------------------------------- command line
@@ -797,8 +833,7 @@ def run(args: argparse.Namespace) -> int:
         rc = time_links(summary, args.links, args.links_dir, args.regime, args.time_steps)
         if rc:
             return rc
-    links = sorted(os.path.splitext(os.path.basename(p))[0] for p in glob.glob(os.path.join(args.links_dir, "*.json")))
-    times = {link: link_times(args.links_dir, link) for link in links}
+    times = timed_links(args.links_dir)
     add_time_to_loss(summary, times)
     left = pending(args.arm_list, runs, seeds, args.lr_grid, args.outer_grid)
     doc = {"regime": args.regime, "lr_grid": {o: list(g) for o, g in args.lr_grid.items()}, "outer_grid": [list(p) for p in args.outer_grid],

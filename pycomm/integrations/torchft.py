@@ -53,15 +53,28 @@ Example (each replica, a process of its own; the lighthouse runs
         loss_fn(model(x), y).backward()
         opt.step()          # inner step; every 16th also syncs with the quorum
 
+A replica sharded with FSDP2 has one Manager per shard rank and passes its
+``("shard",)`` mesh (``mesh=``; docs/across_sites.md, "Sharded replicas
+under torchft"). :class:`LocalRun` starts a lighthouse and replica
+processes on one machine (the example's and the benchmark's launcher).
+
 Importing this module needs no torchft; building a FaultTolerantDiLoCo does.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import queue
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
 import time
 import warnings
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -71,9 +84,9 @@ from .. import distributed as pd
 from .._optional import require
 from ..distributed.checks import all_reduce_max, gather_json, settings_digest
 from ..optim._checks import _all_finite
-from ..optim.diloco import DILOCO_KEY_BASE, DiLoCo
+from ..optim.diloco import DILOCO_KEY_BASE, DiLoCo, _is_dtensor
 
-__all__ = ["FaultTolerantDiLoCo", "STATE_KEY"]
+__all__ = ["FaultTolerantDiLoCo", "LocalRun", "STATE_KEY"]
 
 #: The key of :class:`FaultTolerantDiLoCo`'s state functions in the Manager
 #: (``manager.register_state_dict_fn``): what a healing replica receives.
@@ -84,7 +97,6 @@ _NOT_HERE = {
     "fragments": "it syncs the whole model at each outer step (one quorum, one commit per sync)",
     "delay": "a sync is committed or dropped before the next inner step (torchft's should_commit)",
     "process_group": "the group is the quorum's, made by the Manager's ProcessGroupGloo",
-    "mesh": "a replica is one process here",
     "inner": "the engine wraps the Manager's own Gloo (or NCCL) group",
     "hierarchy": "the engine wraps the quorum's group flat",
 }
@@ -99,16 +111,27 @@ class FaultTolerantDiLoCo(DiLoCo):
     """:class:`pycomm.optim.DiLoCo` over a torchft Manager's quorum.
 
     Args:
-        manager: the replica's ``torchft.Manager``, built over torchft's
-            ``ProcessGroupGloo`` (or ``ProcessGroupNCCL``), one process per
-            replica (``world_size=1``), with torchft's async quorum (its
-            default: a replica healing in a sync sends zeros and is not
-            counted); its ``timeout`` bounds each outer sync's all-reduce
-            and commit, its ``quorum_timeout`` the wait for a quorum.
+        manager: this process's ``torchft.Manager``, built over torchft's
+            ``ProcessGroupGloo`` (or ``ProcessGroupNCCL``) with torchft's
+            async quorum (its default: a replica healing in a sync sends
+            zeros and is not counted); its ``timeout`` bounds each outer
+            sync's all-reduce and commit, its ``quorum_timeout`` the wait for
+            a quorum. One process per replica (``world_size=1``), or, for a
+            replica sharded over ``mesh``, one Manager per shard rank
+            (``rank=mesh.get_local_rank("shard")``, ``world_size=mesh.size()``):
+            torchft's group of each then holds the ranks of one shard in
+            every replica, and a replica commits a sync only when all of its
+            shard ranks do.
         model: the replica's ``torch.nn.Module`` (its parameters trained,
-            its whole state sent to a healing peer).
+            its whole state sent to a healing peer); for a sharded replica,
+            every module ``fully_shard``-ed over ``mesh``.
         inner: the inner optimizer over ``model.parameters()``.
         sync_every: inner steps between two outer syncs (H).
+        mesh: for a replica sharded with FSDP2, its 1-D DeviceMesh
+            ``("shard",)`` (``init_device_mesh(device, (shards,),
+            mesh_dim_names=("shard",))`` within the replica's own job): each
+            rank syncs and keeps its local shards only, and a healing rank
+            receives the shards of the live peer of its own shard rank.
         outer_lr, outer_momentum, nesterov, compressor, error_feedback,
             key_base, **compressor_settings: as :class:`~pycomm.optim.DiLoCo`'s
             (the whole model is synced at each outer step: no ``fragments``,
@@ -141,8 +164,10 @@ class FaultTolerantDiLoCo(DiLoCo):
     TypeError: manager must be a torchft.Manager, got object
     """
 
+    _MESH_DIMS = ("shard",)  # the replicas meet in torchft's groups, not in a mesh
+
     def __init__(self, manager: Any, model: torch.nn.Module, inner: Optimizer, sync_every: int = 16, *,
-                 outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: bool = True,
+                 mesh: Any = None, outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: bool = True,
                  compressor: str = "none", error_feedback: Optional[bool] = None,
                  key_base: int = DILOCO_KEY_BASE, **compressor_settings: Any) -> None:
         for name in sorted(set(compressor_settings) & set(_NOT_HERE)):
@@ -166,12 +191,18 @@ class FaultTolerantDiLoCo(DiLoCo):
             raise ValueError("manager: FaultTolerantDiLoCo needs torchft's async quorum (Manager("
                              "use_async_quorum=True), its default): a replica healing in a sync then sends zeros, "
                              "is not counted in its average, and receives the peer's state at should_commit")
-        if manager._group_world_size != 1:
-            raise ValueError(f"manager: each replica must be one process (Manager(world_size=1)), got "
-                             f"world_size={manager._group_world_size}")
         super().__init__(model, inner, sync_every=sync_every, outer_lr=outer_lr, outer_momentum=outer_momentum,
                          nesterov=nesterov, compressor=compressor, error_feedback=error_feedback,
-                         key_base=key_base, **compressor_settings)
+                         key_base=key_base, mesh=mesh, **compressor_settings)
+        got = (manager._group_rank, manager._group_world_size)
+        if mesh is None and got[1] != 1:
+            raise ValueError(f"manager: each replica must be one process (Manager(world_size=1)), or sharded over "
+                             f"mesh= (one Manager per shard rank); got world_size={got[1]} and no mesh")
+        if mesh is not None and got != (mesh.get_local_rank("shard"), mesh.size()):
+            raise ValueError(f"manager: a replica sharded over mesh ({mesh.size()} ranks) needs one Manager per shard "
+                             f"rank, Manager(rank=mesh.get_local_rank('shard'), world_size={mesh.size()}): this rank "
+                             f"is shard {mesh.get_local_rank('shard')}, its Manager has rank={got[0]}, "
+                             f"world_size={got[1]}")
         self.manager = manager
         self._tf_group = tf_group
         self._device = self.params[0].device
@@ -264,7 +295,7 @@ class FaultTolerantDiLoCo(DiLoCo):
         if not participating:
             # Zeros: the parameters at the anchor (this replica's progress
             # is replaced by the healed state, or by the new anchor).
-            for p, a in zip(self.params, self.anchor):
+            for p, a in zip(self._shards(), self.anchor):
                 p.copy_(a)
         super()._send(f)
         if not self._wait(self._pending.pop("work")):
@@ -345,6 +376,9 @@ class FaultTolerantDiLoCo(DiLoCo):
         mine["parameter shapes"] = [list(p.shape) for p in self.params]
         mine["parameter dtypes"] = [str(p.dtype) for p in self.params]
         mine["model state"] = [[k, list(v.shape), str(v.dtype)] for k, v in self._model.state_dict().items()]
+        if self.mesh is not None:
+            mine["shard"] = [self.mesh.get_local_rank("shard"), self.mesh.size()]
+            mine["local shard shapes"] = [list(t.shape) for t in self._shards()]
         return json.loads(json.dumps(mine, default=repr))
 
     def _agree_with_peers(self, inner: dist.ProcessGroup) -> None:
@@ -390,10 +424,18 @@ class FaultTolerantDiLoCo(DiLoCo):
         """What a healing replica receives (on torchft's quorum thread, while
         this replica waits for the quorum: nothing moves meanwhile): the
         DiLoCo state without this replica's residuals, the model's state,
-        and the fingerprint the receiver checks first."""
-        state = self.state_dict()
+        and the fingerprint the receiver checks first. Of a sharded replica,
+        this rank's local shards as plain tensors (``dtensors`` names the
+        inner state's entries to make DTensors again)."""
+        state = self._local_state()
         state["pycomm"]["engine"] = dict(state["pycomm"]["engine"], world_size=None, rank=None, residuals={})
-        return {"fingerprint": self._fingerprint(), "model": self._model.state_dict(), "diloco": state}
+        # New dicts: torch's state_dict() holds the optimizer's own entries.
+        inner = state["inner"]["state"]
+        dtensors = [[i, k] for i, entry in inner.items() for k, v in entry.items() if _is_dtensor(v)]
+        state["inner"] = dict(state["inner"], state={i: {k: _local(v) if isinstance(v, torch.Tensor) else v
+                                                         for k, v in entry.items()} for i, entry in inner.items()})
+        return {"fingerprint": self._fingerprint(), "diloco": state, "dtensors": dtensors,
+                "model": {k: _local(v) for k, v in self._model.state_dict().items()}}
 
     def _load_from_peer(self, state: Dict[str, Any]) -> None:
         """Heal from a live peer's :meth:`_state_for_peer` (called by the
@@ -414,19 +456,35 @@ class FaultTolerantDiLoCo(DiLoCo):
         group = self._session.group
         self._session.detach()
         try:
-            self.load_state_dict(state["diloco"])
+            self._load_local(state["diloco"], lambda inner: self.inner.load_state_dict(
+                self._spread_inner(inner, state["dtensors"])), reset_error_feedback=True)
         finally:
             if group is not None:
                 self._session.adopt(group, self._device)
-        self._model.load_state_dict(state["model"])
         with torch.no_grad():
+            # In place: the model's tensors (of a sharded replica, its local
+            # shards) are the ones its modules and optimizers hold.
+            for k, v in self._model.state_dict().items():
+                _local(v).copy_(state["model"][k])
             # A sync boundary: the peer's progress since its anchor is the
             # peer's to send, not this replica's.
-            for p, a in zip(self.params, self.anchor):
+            for p, a in zip(self._shards(), self.anchor):
                 p.copy_(a)
         self._pending, self._checked = pending, True
         self.heals += 1
         self._healed = True
+
+    def _spread_inner(self, inner: Dict[str, Any], dtensors: Any) -> Dict[str, Any]:
+        """The inner state of :meth:`_state_for_peer`, its ``dtensors``
+        entries made DTensors again over their parameters' shards."""
+        from torch.distributed.tensor import DTensor
+
+        order = [p for g in self.inner.param_groups for p in g["params"]]
+        for i, k in dtensors:
+            p, t = order[i], inner["state"][i][k]
+            inner["state"][i][k] = DTensor.from_local(t, p.device_mesh, p.placements, run_check=False,
+                                                      shape=p.shape, stride=p.stride())
+        return inner
 
     def load_state_dict(self, state_dict: Dict[str, Any], reset_error_feedback: bool = True) -> None:
         """:meth:`DiLoCo.load_state_dict`, the residuals always started over
@@ -441,3 +499,111 @@ class FaultTolerantDiLoCo(DiLoCo):
         """:meth:`DiLoCo.bytes_per_sync` in the current quorum (or ``world_size``)."""
         return super().bytes_per_sync(world_size if world_size is not None else self._engine_group().size())
 
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (a view), a plain tensor itself."""
+    return t.to_local() if _is_dtensor(t) else t
+
+
+class LocalRun:
+    """The processes of a fault-tolerant run on one machine: torchft's
+    lighthouse (its ``torchft_lighthouse`` console script) and replica
+    processes, every stdout line of theirs an event ``(tag, line)`` on one
+    queue (``(tag, None)`` when its output ends), their stderr in
+    ``<logs>/<tag>.log``; every process is killed when the run closes.
+
+    Example (a replica script that prints a line once ready, then waits
+    for one on stdin)::
+
+        with LocalRun() as run:
+            address = run.lighthouse(min_replicas=2)
+            procs = [run.start([sys.executable, "replica.py", "--replica", str(r), "--lighthouse", address],
+                               f"replica{r}", stdin=True) for r in range(3)]
+            run.ready([f"replica{r}" for r in range(3)])
+            for p in procs:
+                run.send(p, "go")
+            tag, line = run.next_event()
+    """
+
+    def __init__(self, logs: Optional[str] = None, timeout: float = 120.0) -> None:
+        self.logs = logs or tempfile.mkdtemp(prefix="pycomm_torchft_")
+        self.timeout = timeout
+        self.events: "queue.Queue[Tuple[str, Optional[str]]]" = queue.Queue()
+        self.procs: List[subprocess.Popen] = []
+
+    def __enter__(self) -> "LocalRun":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def start(self, cmd: Sequence[str], tag: str, stdin: bool = False) -> subprocess.Popen:
+        """Start ``cmd``; its stdout lines become events tagged ``tag``."""
+        err = open(os.path.join(self.logs, f"{tag}.log"), "w")  # torchft's own log lines
+        p = subprocess.Popen(list(cmd), stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+                             stdout=subprocess.PIPE, stderr=err, text=True)
+        err.close()  # the child holds its own descriptor
+
+        def read() -> None:
+            for line in p.stdout:
+                self.events.put((tag, line.rstrip()))
+            self.events.put((tag, None))
+        threading.Thread(target=read, daemon=True).start()
+        self.procs.append(p)
+        return p
+
+    def lighthouse(self, min_replicas: int, join_timeout_ms: int = 3000, heartbeat_timeout_ms: int = 3000) -> str:
+        """Start torchft's lighthouse on a free port of 127.0.0.1 and return
+        its address once it listens. It waits ``join_timeout_ms`` for a
+        replica that is heartbeating but has not asked for the quorum, and
+        counts one whose heartbeat stopped as gone after
+        ``heartbeat_timeout_ms``."""
+        found = os.path.join(os.path.dirname(sys.executable), "torchft_lighthouse")
+        binary = found if os.path.exists(found) else shutil.which("torchft_lighthouse") or "torchft_lighthouse"
+        log = os.path.join(self.logs, "lighthouse.log")
+        with open(log, "w") as out:  # it logs to stderr, a line per quorum tick: to a file, not a pipe
+            self.procs.append(subprocess.Popen(
+                [binary, "--min_replicas", str(min_replicas), "--bind", "127.0.0.1:0", "--join_timeout_ms",
+                 str(join_timeout_ms), "--heartbeat_timeout_ms", str(heartbeat_timeout_ms)],
+                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT))
+        end = time.monotonic() + self.timeout
+        while time.monotonic() < end:
+            with open(log) as fh:
+                port = re.search(r"listening on: \S+:(\d+)", fh.read())
+            if port:
+                return f"http://127.0.0.1:{port.group(1)}"
+            if self.procs[-1].poll() is not None:
+                raise RuntimeError(f"the lighthouse ended before it listened; its log: {log}")
+            time.sleep(0.05)
+        raise RuntimeError(f"the lighthouse did not listen within {self.timeout} s; its log: {log}")
+
+    def next_event(self, timeout: Optional[float] = None) -> Tuple[str, Optional[str]]:
+        """The next ``(tag, line)``; raises after ``timeout`` (default: the run's) without one."""
+        wait = self.timeout if timeout is None else timeout
+        try:
+            return self.events.get(timeout=wait)
+        except queue.Empty:
+            raise RuntimeError(f"nothing happened for {wait} s; logs in {self.logs}") from None
+
+    def ready(self, tags: Sequence[str]) -> None:
+        """Wait for a first line of each of ``tags`` (a process that ends first raises)."""
+        waiting = set(tags)
+        while waiting:
+            tag, line = self.next_event()
+            if line is None and tag in waiting:
+                raise RuntimeError(f"{tag} ended before it was ready; logs in {self.logs}")
+            waiting.discard(tag)
+
+    @staticmethod
+    def send(p: subprocess.Popen, line: str) -> None:
+        """Write ``line`` to ``p``'s stdin (a process standing by waits for it)."""
+        p.stdin.write(line + "\n")
+        p.stdin.flush()
+
+    def close(self) -> None:
+        """Kill every process still running and reap them all."""
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(timeout=10)

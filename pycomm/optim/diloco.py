@@ -144,6 +144,9 @@ class DiLoCo:
     #: ``found_inf`` set), so that a rank that found an inf still counts
     #: the step and stays on the others' sync schedule.
     _step_supports_amp_scaling = True
+    #: The dimensions of ``mesh=``: the replicas and the shards of each
+    #: (a subclass whose replicas meet elsewhere shards over ("shard",) alone).
+    _MESH_DIMS: Tuple[str, ...] = ("replicate", "shard")
 
     def __init__(
         self,
@@ -188,10 +191,10 @@ class DiLoCo:
         sharded = [i for i, p in enumerate(params) if _is_dtensor(p)]
         if mesh is None and sharded:
             raise ValueError(f"model: parameter(s) {sharded[:5]} are DTensors (a replica sharded with FSDP2's "
-                             f"fully_shard): pass mesh=, the 2-D DeviceMesh ('replicate', 'shard') whose 'shard' "
+                             f"fully_shard): pass mesh=, the {len(self._MESH_DIMS)}-D DeviceMesh {self._MESH_DIMS} whose 'shard' "
                              f"dimension the replica is sharded over")
         if mesh is not None:
-            _check_mesh(mesh, model, params, process_group)
+            _check_mesh(mesh, model, params, process_group, self._MESH_DIMS)
         #: The 2-D ("replicate", "shard") DeviceMesh of a sharded replica, or None.
         self.mesh = mesh
         devices = {p.device for p in params}
@@ -234,7 +237,7 @@ class DiLoCo:
         self.compressor_settings = dict(compressor_settings)
         # The engine group (found or made at the first sync), the keys
         # key_base + f and the residuals under them.
-        if mesh is not None:
+        if mesh is not None and "replicate" in self._MESH_DIMS:
             # The ranks that hold the same shard of every replica: one pycomm
             # group per shard, made here by every rank of the world.
             process_group = _replicate_group(mesh, compressor, compressor_settings)
@@ -547,6 +550,12 @@ class DiLoCo:
         sync in flight, if any: its all-reduce is waited for (not applied)
         and its average saved, so that a resumed run applies it at the same
         step as an uninterrupted one."""
+        state = self._local_state()
+        return self._sharded_state(state) if self.mesh is not None else state
+
+    def _local_state(self) -> Dict[str, Any]:
+        """:meth:`state_dict` with this rank's tensors as they are (of a
+        sharded replica: local shards, the inner state as torch keeps it)."""
         pending = None
         if self._pending is not None:
             self._arrive()
@@ -570,7 +579,7 @@ class DiLoCo:
                 "engine": self._session.state_dict(),
             },
         }
-        return self._sharded_state(state) if self.mesh is not None else state
+        return state
 
     def load_state_dict(self, state_dict: Dict[str, Any], reset_error_feedback: bool = False) -> None:
         """Restore :meth:`state_dict` (load the model's own state too). A
@@ -581,6 +590,12 @@ class DiLoCo:
         load_inner = self.inner.load_state_dict
         if self.mesh is not None:
             state_dict, load_inner = self._unsharded_state(state_dict), self._load_sharded_inner
+        self._load_local(state_dict, load_inner, reset_error_feedback)
+
+    def _load_local(self, state_dict: Dict[str, Any], load_inner: Callable[[Any], None],
+                    reset_error_feedback: bool) -> None:
+        """:meth:`load_state_dict` of a :meth:`_local_state`, the inner
+        state loaded by ``load_inner``."""
         extra = self._checked_state(state_dict)
         loaded = self._session.check_state(extra["engine"], "state_dict['pycomm']['engine']", reset_error_feedback,
                                            span=self.fragments,
@@ -738,18 +753,20 @@ def _is_dtensor(p: Any) -> bool:
     return isinstance(p, DTensor)
 
 
-def _check_mesh(mesh: Any, model: Any, params: List[torch.Tensor], process_group: Any) -> None:
-    """A sharded replica's mesh: 2-D, ("replicate", "shard"), every synced
-    parameter a DTensor sharded over its "shard" dimension."""
+def _check_mesh(mesh: Any, model: Any, params: List[torch.Tensor], process_group: Any,
+                dims: Tuple[str, ...]) -> None:
+    """A sharded replica's mesh: of the dimensions ``dims`` (("replicate",
+    "shard"), or ("shard",) alone), every synced parameter a DTensor sharded
+    over its "shard" dimension."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import Shard
 
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a torch.distributed.device_mesh.DeviceMesh or None, got {type(mesh).__name__}")
-    if mesh.ndim != 2 or tuple(mesh.mesh_dim_names or ()) != ("replicate", "shard"):
-        raise ValueError(f"mesh must be 2-D with the dimensions ('replicate', 'shard') (init_device_mesh(device, "
-                         f"(replicas, shards), mesh_dim_names=('replicate', 'shard'))), got {mesh.ndim}-D with "
-                         f"names {mesh.mesh_dim_names}")
+    if tuple(mesh.mesh_dim_names or ()) != dims:
+        sizes = "(replicas, shards)" if len(dims) == 2 else "(shards,)"
+        raise ValueError(f"mesh must be {len(dims)}-D with the dimensions {dims} (init_device_mesh(device, {sizes}, "
+                         f"mesh_dim_names={dims})), got {mesh.ndim}-D with names {mesh.mesh_dim_names}")
     if process_group is not None:
         raise ValueError("process_group: give mesh or process_group, not both (with a mesh, DiLoCo syncs over "
                          "its 'replicate' dimension)")
