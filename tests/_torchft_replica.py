@@ -33,7 +33,7 @@ from datetime import timedelta
 import torch
 from torchft import Manager, ProcessGroupGloo
 
-from pycomm.integrations.torchft import FaultTolerantDiLoCo
+from pycomm.integrations.torchft import FaultTolerantDiLoCo, replica_mesh
 
 
 def emit(event: str, **fields) -> None:
@@ -91,6 +91,8 @@ def main() -> None:
     p.add_argument("--store-port", type=int, default=0)
     p.add_argument("--wait-for-go", action="store_true")
     p.add_argument("--hold-quorum", action="store_true")
+    p.add_argument("--rotate", action="store_true")
+    p.add_argument("--compress-update", action="store_true")
     p.add_argument("--report", required=True)
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -108,13 +110,9 @@ def main() -> None:
                                        wait_for_workers=False, timeout=timedelta(seconds=60))
     mesh = None
     if args.shards > 1:
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        # The replica's own group (FSDP's), beside the Manager's keys in its store.
-        torch.distributed.init_process_group("gloo", store=torch.distributed.PrefixStore("replica", store),
-                                             rank=args.shard, world_size=args.shards, timeout=timeout)
-        mesh = init_device_mesh("cpu", (args.shards,), mesh_dim_names=("shard",))
+        mesh = replica_mesh(store, args.shard, args.shards, timeout)  # the replica's own group (FSDP's)
         for layer in (model[0], model[2]):
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -133,7 +131,8 @@ def main() -> None:
     inner = torch.optim.AdamW(model.parameters(), lr=3e-3)
     PausingDiLoCo.pause_at = args.pause_at
     opt = PausingDiLoCo(manager, model, inner, sync_every=args.sync_every, compressor=args.compressor, mesh=mesh,
-                        error_feedback=True, outer_lr=1.0, outer_momentum=0.5, block_size=32)
+                        error_feedback=True, outer_lr=1.0, outer_momentum=0.5, block_size=32, rotate=args.rotate,
+                        compress_update=args.compress_update)
     records, refused, groups = [], None, []  # weak references to every engine group it ran on
     while manager.current_step() < args.outer_steps:
         # Each replica its own data, drawn from its step (a healed replica

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import plugin_int8  # noqa: F401  (registers "int8-absmax")
-from _dist import RankError, run_ranks
+from _dist import run_ranks
 from pycomm.distributed import spec
 from pycomm.optim import DiLoCo
 
@@ -140,13 +140,39 @@ def _on_a_pycomm_group(rank, world):
     return out
 
 
+def _rotated_and_updates(rank, world):
+    """``rotate`` and ``compress_update`` leave the exact average as it is
+    (streaming, Nesterov, AdamW); with onebit, both keep every replica
+    identical and train."""
+    out = {}
+    for kw in ({}, {"rotate": True}, {"compress_update": True}, {"rotate": True, "compress_update": True}):
+        model = _model()
+        opt = DiLoCo(model, torch.optim.AdamW(model.parameters(), lr=0.01), sync_every=4, fragments=2, delay=1,
+                     compressor="none", **kw)
+        _train(model, opt, rank, 15)
+        out[tuple(sorted(kw))] = (_flat(model), opt.syncs, opt.bytes_per_sync(world_size=2))
+    losses = {}
+    for kw in ({}, {"rotate": True, "compress_update": True}):
+        model = _model()
+        opt = DiLoCo(model, torch.optim.AdamW(model.parameters(), lr=0.02), sync_every=4, outer_momentum=0.5,
+                     compressor="onebit", block_size=32, **kw)
+        with torch.no_grad():
+            first = float(_loss(model, 0, 999))
+        _train(model, opt, rank, 64)
+        with torch.no_grad():
+            losses[tuple(sorted(kw))] = (first, float(_loss(model, 0, 999)), _flat(model))
+    out["onebit"] = losses
+    return out
+
+
 def _scenarios(rank, world):
     """Every check but the resumed run, in one run of 2 ranks (each run
     costs seconds of start-up on a shared machine); the resumed run starts
     fresh processes from the state the full run saved here."""
     return {"exact": _exact_and_streaming(rank, world), "converge": _converge(rank, world),
             "nonfinite": _nonfinite(rank, world), "mismatch": _mismatch(rank, world),
-            "pycomm_group": _on_a_pycomm_group(rank, world), "full": _full_run(rank, world)}
+            "pycomm_group": _on_a_pycomm_group(rank, world), "full": _full_run(rank, world),
+            "rotated": _rotated_and_updates(rank, world)}
 
 
 @pytest.fixture(scope="module")
@@ -163,6 +189,36 @@ def test_exact_h1_is_data_parallel_and_streaming_matches_reference(scenarios):
         assert r["sends"]
         assert r["stream_diff"] < 1e-6
         assert r["stream_syncs"] == 6 and r["pending"]
+
+
+def test_rotation_and_compressed_updates_keep_the_exact_average(scenarios):
+    for r in scenarios["rotated"]:
+        plain = r[()]  # this rank's: a replica holds a step of its own progress
+        for kw, (params, syncs, nbytes) in ((k, v) for k, v in r.items() if k != "onebit"):
+            assert syncs == plain[1] == 7, kw  # sent at 2, 4, ..., 14, applied a step later
+            assert float((params - plain[0]).abs().max()) < 1e-6, kw  # float32 rounding only
+            # Fragments of 128 and 33 elements: one 256-element rotation block each.
+            assert nbytes == (4 * (256 + 256) if "rotate" in kw else 4 * 161), kw
+    both = ("compress_update", "rotate")
+    assert not torch.equal(plain[0], scenarios["rotated"][-1][both][0])  # a real change of the arithmetic
+    a, b = (r["onebit"] for r in scenarios["rotated"])
+    for kw, (first, last, params) in a.items():
+        assert torch.equal(params, b[kw][2]), kw  # identical replicas after the last sync
+        assert last < 0.15 * first, (kw, first, last)
+    assert not torch.equal(a[()][2], a[both][2])
+
+
+def test_hadamard_is_orthonormal_and_its_own_inverse():
+    from pycomm.optim.diloco import ROTATION_SIZE, _ROTATION_SIGNS, _hadamard
+
+    x = torch.randn(3, ROTATION_SIZE, generator=torch.Generator().manual_seed(0))
+    y = _hadamard(x.clone())
+    assert torch.allclose(y.norm(dim=1), x.norm(dim=1), rtol=1e-5)
+    assert torch.allclose(_hadamard(y.clone()), x, atol=1e-5)
+    assert sorted(set(_ROTATION_SIGNS)) == [-1.0, 1.0] and 96 < _ROTATION_SIGNS.count(1.0) < 160
+    spike = torch.zeros(1, ROTATION_SIZE)
+    spike[0, 7] = 1.0  # one outlier is spread over the whole block
+    assert torch.allclose(_hadamard(spike).abs(), torch.full((1, ROTATION_SIZE), ROTATION_SIZE ** -0.5))
 
 
 # ------------------------------------------------------------- convergence ----
@@ -208,18 +264,25 @@ def _build(model, **kw):
     return DiLoCo(model, torch.optim.AdamW(model.parameters(), lr=0.01), **kw)
 
 
+#: A sync in flight saved rotated back, and each replica's own momentum.
+ROTATED = {"rotate": True, "compress_update": True}
+
+
 def _full_run(rank, world):
-    model = _model()
-    opt = _build(model)
-    _train(model, opt, rank, 6)
-    assert opt._pending is not None and "work" in opt._pending  # sent at step 6, in flight
-    # Copies: torch's state_dict() holds the live tensors the next steps change.
-    saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
-    _train(model, opt, rank, 13, start=6)
-    return saved, _flat(model), opt.syncs
+    out = []
+    for kw in ({}, ROTATED):
+        model = _model()
+        opt = _build(model, **kw)
+        _train(model, opt, rank, 6)
+        assert opt._pending is not None and "work" in opt._pending  # sent at step 6, in flight
+        # Copies: torch's state_dict() holds the live tensors the next steps change.
+        saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
+        _train(model, opt, rank, 13, start=6)
+        out.append((saved, _flat(model), opt.syncs))
+    return out[0] + (out[1],)
 
 
-def _resumed_run(rank, world, saved):
+def _resumed_run(rank, world, saved, rotated):
     model = _model()
     opt = _build(model)
     try:
@@ -231,26 +294,39 @@ def _resumed_run(rank, world, saved):
     model.load_state_dict(saved[rank]["model"])
     opt.load_state_dict(saved[rank]["opt"])
     _train(model, opt, rank, 13, start=opt.step_count)
-    return _flat(model), opt.syncs, wrong
+    model2 = _model()
+    opt2 = _build(model2, **ROTATED)
+    model2.load_state_dict(rotated[rank]["model"])
+    opt2.load_state_dict(rotated[rank]["opt"])
+    _train(model2, opt2, rank, 13, start=opt2.step_count)
+    return _flat(model), opt.syncs, wrong, _flat(model2)
 
 
 def test_resume_bit_exact_with_a_sync_in_flight(scenarios):
     full = scenarios["full"]
-    saved = [s for s, _, _ in full]
+    saved = [s for s, _, _, _ in full]
     for r, s in enumerate(saved):
         extra = s["opt"]["pycomm"]
         assert extra["step_count"] == 6 and extra["engine"]["rank"] == r
         assert extra["pending"]["fragment"] == 0 and extra["pending"]["apply_at"] == 7
         assert sorted(extra["engine"]["residuals"]) == [0, 1]  # both fragments' residuals
         assert extra["engine"]["residuals"][0]["calls"] == 2  # stochastic rounding's count, saved
-    resumed = run_ranks(_resumed_run, 2, saved, timeout=60)
-    for rank, ((_, params, syncs), (params2, syncs2, wrong)) in enumerate(zip(full, resumed)):
+    rotated = [r[0] for _, _, _, r in full]
+    resumed = run_ranks(_resumed_run, 2, saved, rotated, timeout=60)
+    for rank, ((_, params, syncs, rot), (params2, syncs2, wrong, rot2)) in enumerate(zip(full, resumed)):
         assert torch.equal(params, params2)
+        assert torch.equal(rot[1], rot2) and not torch.equal(rot[1], params)
         assert f"rank {1 - rank} of 2's residuals, this is rank {rank} of 2" in wrong
         assert syncs == syncs2 == 6  # applied at steps 3, 5, ..., 13
     assert not torch.equal(full[0][1], full[1][1])  # replicas differ between syncs: a real check
     with pytest.raises(ValueError, match="saved with delay=1, this DiLoCo has delay=0"):
         _build(_model(), delay=0).load_state_dict(saved[0]["opt"])
+    with pytest.raises(ValueError, match="saved with rotate=False, this DiLoCo has rotate=True"):
+        _build(_model(), rotate=True).load_state_dict(saved[0]["opt"])
+    old = copy.deepcopy(saved[0]["opt"])  # saved before the setting existed: it was off
+    for name in ("rotate", "compress_update"):
+        del old["pycomm"]["settings"][name]
+    _build(_model()).load_state_dict(old, reset_error_feedback=True)
 
 
 # -------------------------------------------------------------- non-finite ----
@@ -364,6 +440,10 @@ def test_on_a_pycomm_group(scenarios):
     ({"outer_lr": -1.0}, "outer_lr must be >= 0.0, got -1.0"),
     ({"key_base": -1}, r"key_base must be in \[0, "),
     ({"blocksize": 64}, "unknown compressor settings"),
+    ({"rotate": 1}, "rotate must be a bool, got 1"),
+    ({"compress_update": "yes"}, "compress_update must be a bool"),
+    ({"compressor": "topk", "density": 0.1, "rotate": True}, "rotate=True applies to the exact average and the block"),
+    ({"compressor": "bf16", "rotate": True}, "not to 'bf16'"),
 ])
 def test_bad_arguments_raise_naming_them(kwargs, match):
     model = _model()

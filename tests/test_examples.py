@@ -229,6 +229,20 @@ def test_torchft_example():
     assert "3 replicas finished; their parameters are identical" in out
 
 
+def test_torchft_example_with_sharded_replicas():
+    # The same with 2 replicas, each FSDP2-sharded over 2 processes (a
+    # Manager per process): replica 1 killed whole, both processes, and
+    # restarted; each of its shards heals from the same shard of replica 0.
+    pytest.importorskip("torchft")
+    out = _run([sys.executable, str(EXAMPLES / "diloco_torchft.py"), "--shards", "2", "--outer-steps", "8"])
+    assert "killed replica 1 (SIGKILL, all its processes) after outer step" in out
+    for s in (0, 1):
+        assert f"[replica1-restarted-shard{s}] replica 1 shard {s}: healed from a live peer" in out
+        assert f"[replica1-restarted-shard{s}] replica 1 shard {s}: done at outer step 8, 1 heal(s)" in out
+        assert f"[replica0-shard{s}] replica 0 shard {s}: done at outer step 8, 0 heal(s)" in out
+    assert "2 replicas finished; their parameters are identical shard by shard" in out
+
+
 @pytest.mark.parametrize("compressor,compile_,optimizer", [("onebit", False, False), ("int8", True, False),
                                                            ("onebit", False, True)])
 def test_transformers_trainer_example(tmp_path, compressor, compile_, optimizer):

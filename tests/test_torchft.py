@@ -184,11 +184,12 @@ def cluster(tmp_path, request):
             c.close()
 
 
-def _check_no_sync_applied_half(named_records) -> None:
+def _check_no_sync_applied_half(named_records, shared_momentum: bool = True) -> None:
     """On every rank, a sync is either committed (the Manager's step, the
     syncs and the anchor move on together) or dropped (none of them moves,
     nor the outer momentum); and every rank that committed a step holds the
-    same anchor and momentum after it as the others of its shard."""
+    same anchor (and, unless each replica keeps its own, momentum) after it
+    as the others of its shard."""
     by_step = {}
     for name, records in named_records:
         prev = None
@@ -202,7 +203,8 @@ def _check_no_sync_applied_half(named_records) -> None:
             assert rec["syncs"] == rec["manager_step"]  # every committed sync applied, nothing else
             prev = rec
             if rec["committed"]:
-                by_step.setdefault(rec["manager_step"], set()).add((rec["anchor_sha"], rec["momentum_sha"]))
+                by_step.setdefault(rec["manager_step"], set()).add(
+                    (rec["anchor_sha"], rec["momentum_sha"] if shared_momentum else None))
     assert sorted(by_step) == list(range(1, OUTER + 1))
     assert all(len(v) == 1 for v in by_step.values()), by_step
 
@@ -229,8 +231,12 @@ OUTER = 12  # outer steps (the Manager's step at the end)
 PAUSE = 5   # the victim stops at the sync that would commit step 6: about 40% of the run
 
 
-def test_a_replica_killed_mid_sync_rejoins_and_every_replica_ends_identical(cluster):
-    common = ("--outer-steps", OUTER, "--sync-every", 4, "--compressor", "int4")
+@pytest.mark.parametrize("codec", [("--compressor", "int4"),
+                                   # each replica's own momentum; the heal's averages rotated back
+                                   ("--compressor", "onebit", "--rotate", "--compress-update")],
+                         ids=["int4", "onebit-rotated-updates"])
+def test_a_replica_killed_mid_sync_rejoins_and_every_replica_ends_identical(cluster, codec):
+    common = ("--outer-steps", OUTER, "--sync-every", 4, *codec)
     # All three start together (each waits for the go once its imports are done).
     starters = [cluster.replica(r, f"replica{r}", *common, *(("--pause-at", PAUSE) if r == 2 else ()),
                                 "--wait-for-go", stdin=True) for r in range(3)]
@@ -263,7 +269,8 @@ def test_a_replica_killed_mid_sync_rejoins_and_every_replica_ends_identical(clus
     assert first["manager_step"] > PAUSE
 
     # No sync applied half, on every replica, the healed one included.
-    _check_no_sync_applied_half([*((n, r["records"]) for n, r in reports.items()), ("replica2", victim_syncs)])
+    _check_no_sync_applied_half([*((n, r["records"]) for n, r in reports.items()), ("replica2", victim_syncs)],
+                                shared_momentum="--compress-update" not in codec)
     for name in ("replica0", "replica1"):
         # An engine group per quorum, each released at the next change.
         r = reports[name]

@@ -449,7 +449,8 @@ class _RankTrainer:
         elif m.kind == "sparse":
             kw = {"density": m.density}
         return DiLoCo(model, inner, sync_every=m.sync_every, fragments=m.fragments, delay=m.delay,
-                      compressor=m.compressor, error_feedback=m.error_feedback,
+                      compressor=m.compressor, error_feedback=m.error_feedback, rotate=m.rotate,
+                      compress_update=m.compress_update,
                       outer_lr=self.cfg.get("outer_lr", DILOCO_OUTER_LR),
                       outer_momentum=self.cfg.get("outer_momentum", DILOCO_OUTER_MOMENTUM), **kw)
 

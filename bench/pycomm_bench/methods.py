@@ -27,6 +27,9 @@ Grammar: ``<base>[-sr][-noef][-backend]``, base one of
   (:data:`DILOCO_CODECS`; error feedback on for the codecs that keep
   residuals, as for the DDP hook, where ``DiLoCo`` itself defaults to the
   method's own, ``spec.error_feedback_for``: off for int8, for one);
+  ``-rot`` after the codec sends the pseudo-gradient in a randomized
+  Hadamard basis (``rotate=True``), ``-upd`` sends the outer update of a
+  per-replica momentum instead (``compress_update=True``);
 * ``torchft-diloco-H<H>`` (``torchft-diloco-H16``): torchft's own DiLoCo
   (``torchft.local_sgd.DiLoCo``, a context manager around the inner
   optimizer) over one torchft replica per rank, its pseudo-gradients
@@ -50,11 +53,11 @@ part of it that it can run (:data:`ALLREDUCE_BASES`, :data:`DDP_BASES`).
 Example::
 
     >>> parse_method("topk-0.01-noef")
-    Method(name='topk-0.01-noef', entry='hook', compressor='topk', error_feedback=False, density=0.01, rank=None, overlap=False, rounding='nearest', variance_every=None, sync_every=None, fragments=None, delay=None)
+    Method(name='topk-0.01-noef', entry='hook', compressor='topk', error_feedback=False, density=0.01, rank=None, overlap=False, rounding='nearest', variance_every=None, sync_every=None, fragments=None, delay=None, rotate=False, compress_update=False)
     >>> parse_method("plain").compressed, parse_method("onebit", bases=ALLREDUCE_BASES).density
     (False, None)
     >>> parse_method("int4-noef"), parse_method("optim-onebit").entry
-    (Method(name='int4-noef', entry='hook', compressor='int4', error_feedback=False, density=None, rank=None, overlap=False, rounding='nearest', variance_every=None, sync_every=None, fragments=None, delay=None), 'optim')
+    (Method(name='int4-noef', entry='hook', compressor='int4', error_feedback=False, density=None, rank=None, overlap=False, rounding='nearest', variance_every=None, sync_every=None, fragments=None, delay=None, rotate=False, compress_update=False), 'optim')
     >>> parse_method("int4-sr-noef").rounding, parse_method("optim-int4-overlap-sr").rounding
     ('stochastic', 'stochastic')
     >>> parse_method("optim-onebit-v16").variance_every, parse_method("optim-onebit").variance_every
@@ -64,6 +67,9 @@ Example::
     ('diloco', 'int4', 32, 4, 1, 'stochastic', False)
     >>> parse_method("diloco-H16").compressor, parse_method("diloco-H16").fragments
     ('none', 1)
+    >>> u = parse_method("diloco-H16-onebit-rot-upd")
+    >>> u.compressor, u.rotate, u.compress_update, parse_method("diloco-H16-rot").compressor
+    ('onebit', True, True, 'none')
     >>> t = parse_method("torchft-diloco-H16")
     >>> t.entry, t.compressor, t.sync_every, t.fragments, t.delay
     ('torchft', 'none', 16, 1, 0)
@@ -113,7 +119,8 @@ DILOCO_CODECS = (*spec.BLOCK_METHODS, SPARSE, *spec.CAST_METHODS)
 _PARAM_CODEC = {SPARSE: f"{SPARSE}-<density>"}
 _PARAM = {POWERSGD: f"{POWERSGD}-<rank>", SPARSE: f"{SPARSE}-<density>",
           OPTIM: f"{OPTIM}-<{'|'.join(OPTIM_COMPRESSORS)}>[-overlap][-v<K>]",
-          DILOCO: f"{DILOCO}-H<H>[-F<F>][-d<tau>][-<{'|'.join(_PARAM_CODEC.get(c, c) for c in DILOCO_CODECS)}>]",
+          DILOCO: f"{DILOCO}-H<H>[-F<F>][-d<tau>][-<{'|'.join(_PARAM_CODEC.get(c, c) for c in DILOCO_CODECS)}>]"
+                  "[-rot][-upd]",
           TORCHFT: f"{TORCHFT}-{DILOCO}-H<H>"}
 _BARE = "|".join(b for b in ALL_BASES if b not in _PARAM)
 _METHOD_RE = re.compile(
@@ -121,7 +128,8 @@ _METHOD_RE = re.compile(
     rf"|{SPARSE}-(?P<density>[0-9.eE+-]+?)|{OPTIM}-(?P<optim>[a-z0-9]+?)(?P<overlap>-overlap)?(?:-v(?P<variance>[0-9]+))?"
     # The codec is any word but a suffix, so that a wrong one gets its own error.
     rf"|{DILOCO}-H(?P<sync>[0-9]+)(?:-F(?P<fragments>[0-9]+))?(?:-d(?P<delay>[0-9]+))?"
-    r"(?:-(?!(?:sr|noef|backend)(?:-|$))(?P<codec>[a-z0-9]+)(?:-(?P<cdensity>[0-9][0-9.eE+-]*?))?)?"
+    r"(?:-(?!(?:sr|noef|backend|rot|upd)(?:-|$))(?P<codec>[a-z0-9]+)(?:-(?P<cdensity>[0-9][0-9.eE+-]*?))?)?"
+    r"(?P<rot>-rot)?(?P<upd>-upd)?"
     rf"|{TORCHFT}-{DILOCO}-H(?P<tsync>[0-9]+))"
     r"(?P<sr>-sr)?(?P<noef>-noef)?(?P<backend>-backend)?$"
 )
@@ -159,6 +167,10 @@ class Method:
     sync_every: Optional[int] = None
     fragments: Optional[int] = None
     delay: Optional[int] = None
+    #: "diloco" only: :class:`pycomm.optim.DiLoCo`'s ``rotate`` (``-rot``)
+    #: and ``compress_update`` (``-upd``)
+    rotate: bool = False
+    compress_update: bool = False
 
     @property
     def pycomm(self) -> bool:
@@ -305,6 +317,9 @@ def _diloco(name: str, m: "re.Match[str]") -> Method:
                          f"(one sync in flight at a time)")
     if m.group("backend"):
         raise ValueError(f"method {name!r}: -backend does not apply to diloco (DiLoCo runs its own engine group)")
+    if m.group("rot") and codec not in (EXACT, *spec.BLOCK_METHODS):
+        raise ValueError(f"method {name!r}: -rot (rotate) applies to the exact average and the block codecs "
+                         f"({_or(spec.BLOCK_METHODS)}) only")
     if m.group("sr") and codec not in spec.ROUNDING_METHODS:
         raise ValueError(f"method {name!r}: -sr (stochastic rounding) applies to "
                          f"{_or(spec.ROUNDING_METHODS)} only")
@@ -314,7 +329,8 @@ def _diloco(name: str, m: "re.Match[str]") -> Method:
                          f"({_or([c for c in DILOCO_CODECS if c in spec.EF_METHODS])})")
     return Method(name, DILOCO, codec, keeps and not m.group("noef"), density=density,
                   rounding="stochastic" if m.group("sr") else "nearest",
-                  sync_every=sync, fragments=fragments, delay=delay)
+                  sync_every=sync, fragments=fragments, delay=delay,
+                  rotate=bool(m.group("rot")), compress_update=bool(m.group("upd")))
 
 
 def _torchft(name: str, m: "re.Match[str]") -> Method:

@@ -151,7 +151,8 @@ class Arm:
 #: 2-bit (ternary) levels in the hook and as DiLoCo's pseudo-gradient codec;
 #: torchft's own DiLoCo (exact) at 4 and 2 replicas, beside pycomm's
 #: ``diloco-H16`` arms at the same ranks and batch; and pycomm's onebit
-#: pseudo-gradients at 2 replicas, to compare with torchft's there too.
+#: pseudo-gradients at 2 replicas, to compare with torchft's there too;
+#: then onebit rotated, sending the outer update (``-rot-upd``), at 4 and 2.
 ARMS: Tuple[Arm, ...] = (
     Arm(ALLREDUCE), Arm("diloco-H16"), Arm("diloco-H16-int4"), Arm("optim-onebit-v0"), Arm("int8"), Arm("int4"),
     Arm("fp16"), Arm("powersgd-4"), Arm(ALLREDUCE, 2), Arm("diloco-H16-int4", 2), Arm(ALLREDUCE, 1),
@@ -162,6 +163,7 @@ ARMS: Tuple[Arm, ...] = (
     Arm(ALLREDUCE, 2, batch_size=8), Arm("diloco-H16", 2, batch_size=8), Arm("diloco-H16-int4", 2, batch_size=8),
     Arm("onebit-noef"), Arm("int8-noef"), Arm("int4-noef"), Arm("int2"), Arm("diloco-H16-int2"),
     Arm("int2-noef"), Arm("torchft-diloco-H16"), Arm("torchft-diloco-H16", 2), Arm("diloco-H16-onebit", 2),
+    Arm("diloco-H16-onebit-rot-upd"), Arm("diloco-H16-onebit-rot-upd", 2),
 )
 
 

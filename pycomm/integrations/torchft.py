@@ -74,6 +74,7 @@ import tempfile
 import threading
 import time
 import warnings
+from datetime import timedelta
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -86,7 +87,7 @@ from ..distributed.checks import all_reduce_max, gather_json, settings_digest
 from ..optim._checks import _all_finite
 from ..optim.diloco import DILOCO_KEY_BASE, DiLoCo, _is_dtensor
 
-__all__ = ["FaultTolerantDiLoCo", "LocalRun", "STATE_KEY"]
+__all__ = ["FaultTolerantDiLoCo", "LocalRun", "STATE_KEY", "replica_mesh"]
 
 #: The key of :class:`FaultTolerantDiLoCo`'s state functions in the Manager
 #: (``manager.register_state_dict_fn``): what a healing replica receives.
@@ -297,9 +298,10 @@ class FaultTolerantDiLoCo(DiLoCo):
             # is replaced by the healed state, or by the new anchor).
             for p, a in zip(self._shards(), self.anchor):
                 p.copy_(a)
-        super()._send(f)
+        super()._send(f, zeros=not participating)
         if not self._wait(self._pending.pop("work")):
             return False
+        self._received(f)
         avg = self._buf[:self.fragment_sizes()[f]]
         if 0 < counted != replicas:
             # The engine divided by the group's size; torchft's average is
@@ -499,6 +501,26 @@ class FaultTolerantDiLoCo(DiLoCo):
         """:meth:`DiLoCo.bytes_per_sync` in the current quorum (or ``world_size``)."""
         return super().bytes_per_sync(world_size if world_size is not None else self._engine_group().size())
 
+
+
+def replica_mesh(store: Any, shard: int, shards: int, timeout: timedelta) -> Any:
+    """The 1-D ``("shard",)`` DeviceMesh of one process of a replica sharded
+    over ``shards`` processes, this one ``shard``: the replica's own default
+    (Gloo) group, made over ``store`` (the replica's store, where its
+    Managers keep their keys too, under a prefix of its own). FSDP2
+    shards over it; :class:`FaultTolerantDiLoCo` takes it as ``mesh``.
+
+    Example (in each of the replica's processes)::
+
+        store = torch.distributed.TCPStore("127.0.0.1", port, is_master=shard == 0, wait_for_workers=False)
+        mesh = replica_mesh(store, shard, shards, timedelta(seconds=10))
+        fully_shard(model, mesh=mesh)
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", store=dist.PrefixStore("replica", store), rank=shard, world_size=shards,
+                            timeout=timeout)
+    return init_device_mesh("cpu", (shards,), mesh_dim_names=FaultTolerantDiLoCo._MESH_DIMS)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

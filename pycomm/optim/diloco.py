@@ -22,6 +22,18 @@ A replica sharded with FSDP2 over the "shard" dimension of a 2-D mesh
 (``mesh=``) syncs each rank's local shards over the "replicate" dimension:
 everything DiLoCo keeps is then per local shard.
 
+Two options for codecs of about one bit per element (onebit), where the
+codec's error dominates the loss (docs/across_sites.md, "onebit"):
+``rotate`` sends the pseudo-gradient in a randomized Hadamard basis (blocks
+of :data:`ROTATION_SIZE`; DRIVE, Vargaftik et al. 2021): the average is the
+same, but every block of the rotated vector is close to Gaussian, so a
+sign with one scale per block loses less of it. ``compress_update`` keeps
+the outer momentum on each replica, of its own pseudo-gradients, and sends
+the outer update (with Nesterov: ``delta + momentum * buffer``) instead of
+the pseudo-gradient, as 1-bit Adam sends the momentum: the codec's error,
+fed back, then no longer goes through the momentum. Exact averages are
+unchanged by either (to float32 rounding).
+
 Memory beyond the model and the inner optimizer: one copy of the parameters
 (the anchor, in their dtype), the outer momentum (another copy, when the
 outer momentum is not 0), a float32 buffer of the largest fragment (two with
@@ -48,18 +60,29 @@ from ..distributed.checks import agree, check_fields, check_int
 from ..distributed.session import KEY_SPAN, EngineSession, _release, check_version, nest_legacy
 from ._checks import _all_finite, _check_compressor, _check_float, _check_int, _unscale_
 
-__all__ = ["DILOCO_KEY_BASE", "DiLoCo"]
+__all__ = ["DILOCO_KEY_BASE", "DiLoCo", "ROTATION_SIZE"]
 
 #: Default engine key of fragment 0's residuals (fragment f: ``key_base +
 #: f``): 2^41, above the DDP hook's bucket indices and the default key range
 #: of :class:`pycomm.optim.OneBitAdam` (2^40 + [0, 2^20)).
 DILOCO_KEY_BASE = 1 << 41
+#: Elements per block of ``rotate``'s randomized Hadamard transform (a
+#: power of two; blocks of every block codec's default size hold whole ones).
+ROTATION_SIZE = 256
+#: The random signs of the transform, one per element of a block, the same
+#: on every rank and in every release (from a fixed multiplicative hash).
+_ROTATION_SIGNS = [1.0 - 2.0 * (((i * 2654435761 + 40503) >> 13) & 1) for i in range(ROTATION_SIZE)]
 #: The version of ``state_dict()["pycomm"]``; version 1 (the engine
 #: state's fields at its top level) loads too (``nest_legacy``).
 _STATE_VERSION = 2
 #: The settings every rank must share; compared at the first sync.
 _SHARED = ("sync_every", "fragments", "delay", "compressor", "error_feedback", "compressor_settings",
-           "outer_lr", "outer_momentum", "nesterov", "key_base", "parameters")
+           "outer_lr", "outer_momentum", "nesterov", "rotate", "compress_update", "key_base", "parameters")
+#: The settings a loaded state must share, with their values in a state
+#: saved before the setting existed.
+_LOADED = {"sync_every": None, "fragments": None, "delay": None, "compressor": None, "error_feedback": None,
+           "parameters": None, "outer_lr": None, "outer_momentum": None, "nesterov": None,
+           "rotate": False, "compress_update": False}
 
 
 class DiLoCo:
@@ -88,6 +111,14 @@ class DiLoCo:
         error_feedback: keep the compression error and add it to the next
             sync of the same fragment (engine key ``key_base + f``); None:
             the method's default (``spec.method_spec(m).error_feedback``).
+        rotate: send the pseudo-gradient (or update) rotated by a randomized
+            Hadamard transform in blocks of :data:`ROTATION_SIZE` (each
+            fragment zero-padded to whole blocks: the bytes count the
+            padding), and rotate the average back. With "none" or a block
+            codec only.
+        compress_update: keep the outer momentum per replica and send the
+            outer update instead of the pseudo-gradient (see the module
+            docstring); the anchor then steps by the average update.
         process_group: the replicas' group (None: the default group): Gloo,
             NCCL (wrapped once, at the first sync, into a pycomm group with
             ``compressor`` and ``compressor_settings``) or a pycomm group
@@ -160,6 +191,8 @@ class DiLoCo:
         nesterov: bool = True,
         compressor: str = "none",
         error_feedback: Optional[bool] = None,
+        rotate: bool = False,
+        compress_update: bool = False,
         process_group: Optional[dist.ProcessGroup] = None,
         key_base: int = DILOCO_KEY_BASE,
         mesh: Any = None,
@@ -232,6 +265,15 @@ class DiLoCo:
             raise ValueError(f"compressor must be one of {list(spec.METHODS)} or a registered compressor, "
                              f"got {compressor!r}") from None
         error_feedback = spec.error_feedback_for(method.name, error_feedback)
+        for name, value in (("rotate", rotate), ("compress_update", compress_update)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool, got {value!r}")
+        if rotate and method.kind not in ("block", "exact"):
+            raise ValueError(f"rotate=True applies to the exact average and the block codecs "
+                             f"({', '.join(spec.BLOCK_METHODS)}), not to {compressor!r}: a rotation spreads "
+                             f"what a sparse or cast codec keeps over every element")
+        self.rotate = rotate
+        self.compress_update = compress_update
         self.compressor = compressor
         self.error_feedback = error_feedback
         self.compressor_settings = dict(compressor_settings)
@@ -280,9 +322,11 @@ class DiLoCo:
         # arrives in self._buf, the local pseudo-gradient sent is kept in
         # self._local (delay > 0).
         self._pending: Optional[Dict[str, Any]] = None
-        largest = max(n for n in self.fragment_sizes())
-        self._buf = torch.empty(largest, dtype=torch.float32, device=params[0].device)
+        largest = max(self._wire_sizes())
+        # Zeros: rotate's padding is sent as zeros.
+        self._buf = torch.zeros(largest, dtype=torch.float32, device=params[0].device)
         self._local = torch.empty_like(self._buf) if self.delay else None
+        self._signs = torch.tensor(_ROTATION_SIGNS, device=params[0].device) if rotate else None
 
     # -- the schedule -------------------------------------------------------------
     def fragment_sizes(self) -> List[int]:
@@ -290,6 +334,12 @@ class DiLoCo:
         replica: of its local shards)."""
         shards = self._shards()
         return [sum(p.numel() for p in shards[a:b]) for a, b in zip(self._bounds, self._bounds[1:])]
+
+    def _wire_sizes(self) -> List[int]:
+        """Elements of each fragment's all-reduce: :meth:`fragment_sizes`,
+        padded to whole rotation blocks with ``rotate``."""
+        sizes = self.fragment_sizes()
+        return [-(-n // ROTATION_SIZE) * ROTATION_SIZE for n in sizes] if self.rotate else sizes
 
     def _shards(self) -> List[torch.Tensor]:
         """The tensors this rank syncs: the parameters, or (a sharded
@@ -382,7 +432,8 @@ class DiLoCo:
             "sync_every": self.sync_every, "fragments": self.fragments, "delay": self.delay,
             "compressor": self.compressor, "error_feedback": self.error_feedback,
             "compressor_settings": sorted(self.compressor_settings.items()), "outer_lr": self.outer_lr,
-            "outer_momentum": self.outer_momentum, "nesterov": self.nesterov, "key_base": self.key_base,
+            "outer_momentum": self.outer_momentum, "nesterov": self.nesterov, "rotate": self.rotate,
+            "compress_update": self.compress_update, "key_base": self.key_base,
             "parameters": [p.numel() for p in self.params],
         }
 
@@ -413,19 +464,40 @@ class DiLoCo:
     def _engine_group(self) -> dist.ProcessGroup:
         return self._session.engine(self.params[0].device)
 
-    def _send(self, f: int) -> None:
-        """Start the average of fragment ``f``'s pseudo-gradient."""
+    def _send(self, f: int, zeros: bool = False) -> None:
+        """Start the average of fragment ``f``'s pseudo-gradient (of its
+        outer update, with ``compress_update``); ``zeros``: send zeros."""
         engine = self._engine_group()
         a, b = self._bounds[f], self._bounds[f + 1]
         shards = self._shards()[a:b]
         n = sum(p.numel() for p in shards)
         buf, offset = self._buf[:n], 0
+        beta = self.outer_momentum
         for p, anchor in zip(shards, self.anchor[a:b]):
             k = p.numel()
             torch.sub(anchor.reshape(-1), p.detach().reshape(-1), out=buf[offset:offset + k])
             offset += k
         if self._local is not None:
             self._local[:n].copy_(buf)
+        if zeros:
+            buf.zero_()
+        elif self.compress_update and beta > 0:
+            # torch's SGD: buffer' = beta * buffer + delta, update = delta +
+            # beta * buffer' (Nesterov) or buffer'; the buffer itself moves
+            # in _apply, once the sync is applied.
+            offset = 0
+            for anchor in self.anchor[a:b]:
+                k, u = anchor.numel(), buf[offset:offset + anchor.numel()]
+                m = self.outer.state[anchor]["momentum_buffer"].reshape(-1)
+                if self.nesterov:
+                    u.mul_(1 + beta).add_(m, alpha=beta * beta)
+                else:
+                    u.add_(m, alpha=beta)
+                offset += k
+        if self.rotate and n:
+            buf = self._buf[:self._wire_sizes()[f]]
+            buf[n:].zero_()
+            _hadamard(buf.view(-1, ROTATION_SIZE).mul_(self._signs))
         key = None
         if self.error_feedback:
             self._session.claim(f)
@@ -445,6 +517,15 @@ class DiLoCo:
             except BaseException:
                 self._pending = None  # a failed sync is never applied (nor saved) later
                 raise
+            self._received(self._pending["fragment"])
+
+    def _received(self, f: int) -> None:
+        """Fragment ``f``'s average, as the all-reduce left it in the buffer,
+        rotated back with ``rotate`` (once per all-reduce)."""
+        n = self.fragment_sizes()[f]
+        if self.rotate and n:
+            blocks = self._buf[:self._wire_sizes()[f]].view(-1, ROTATION_SIZE)
+            _hadamard(blocks).mul_(self._signs)
 
     def _apply(self) -> None:
         """The outer step of the in-flight fragment: skipped on every rank
@@ -466,14 +547,26 @@ class DiLoCo:
                           RuntimeWarning, stacklevel=3)
             return
         offset = 0
+        own = self.compress_update and self.outer_momentum > 0
         for p, anchor in zip(params, anchors):
             k = p.numel()
+            if own:
+                # This replica's momentum, of its own pseudo-gradient (sent
+                # delay steps ago: params - anchor is still it at delay 0).
+                delta = (self._local[offset:offset + k].view_as(p) if self._local is not None
+                         else anchor - p.detach())
+                self.outer.state[anchor]["momentum_buffer"].mul_(self.outer_momentum).add_(delta)
             if self._local is not None:
                 # params_now - params_at_send = params_now - anchor + local delta
                 p.sub_(anchor).add_(self._local[offset:offset + k].view_as(p).to(p.dtype))
-            anchor.grad = avg[offset:offset + k].view_as(anchor).to(anchor.dtype)
+            if own:
+                anchor.sub_(avg[offset:offset + k].view_as(anchor).to(anchor.dtype),
+                            alpha=self.outer.param_groups[0]["lr"])
+            else:
+                anchor.grad = avg[offset:offset + k].view_as(anchor).to(anchor.dtype)
             offset += k
-        self.outer.step()  # steps the anchors with a gradient: this fragment's
+        if not own:
+            self.outer.step()  # steps the anchors with a gradient: this fragment's
         for p, anchor in zip(params, anchors):
             anchor.grad = None
             if self._local is not None:
@@ -520,7 +613,7 @@ class DiLoCo:
         per fragment, ``spec.wire_bytes``); ``world_size``: the group's."""
         world = dist.get_world_size(self._plain_group()) if world_size is None else world_size
         settings = self._session.wire_settings(self.params[0].device)
-        return sum(spec.wire_bytes(self.compressor, n, world, **settings) for n in self.fragment_sizes())
+        return sum(spec.wire_bytes(self.compressor, n, world, **settings) for n in self._wire_sizes())
 
     def bytes_per_step(self, world_size: Optional[int] = None) -> float:
         """Bytes this rank sends per inner step, on average: :meth:`bytes_per_sync` / H."""
@@ -529,7 +622,8 @@ class DiLoCo:
     def memory_bytes(self) -> int:
         """Bytes this object holds beyond the model and the inner optimizer:
         the anchor (one copy of the parameters), the outer momentum (one
-        more, when ``outer_momentum > 0``), the fragment buffer(s), the
+        more, when ``outer_momentum > 0``), the fragment buffer(s) (and
+        ``rotate``'s signs), the
         residuals the engine holds now for this object's keys (allocated at
         each fragment's first sync with error feedback; counted twice: the
         engine keeps a second buffer of each for its rollback) and what the
@@ -540,6 +634,7 @@ class DiLoCo:
         copy = sum(p.numel() * p.element_size() for p in self._shards())
         total = copy * (2 if self.outer_momentum > 0 else 1)
         total += self._buf.numel() * self._buf.element_size() * (2 if self._local is not None else 1)
+        total += 0 if self._signs is None else self._signs.numel() * self._signs.element_size()
         return total + 2 * self._session.residual_nbytes() + self._session.kept_nbytes()
 
     # -- state ----------------------------------------------------------------------
@@ -687,9 +782,8 @@ class DiLoCo:
         saved, mine = extra["settings"], self._settings()
         if not isinstance(saved, dict):
             raise TypeError(f"{where}['settings'] must be a dict, got {type(saved).__name__}")
-        differ = [f"saved with {name}={saved.get(name)!r}, this DiLoCo has {name}={mine[name]!r}"
-                  for name in ("sync_every", "fragments", "delay", "compressor", "error_feedback", "parameters",
-                               "outer_lr", "outer_momentum", "nesterov") if saved.get(name) != mine[name]]
+        differ = [f"saved with {name}={saved.get(name, old)!r}, this DiLoCo has {name}={mine[name]!r}"
+                  for name, old in _LOADED.items() if saved.get(name, old) != mine[name]]
         if differ:  # every difference named at once, as the ranks' comparison does
             raise ValueError("cannot load this DiLoCo state: it was " + "; ".join(differ))
         anchors = state_dict["anchor"]
@@ -724,7 +818,28 @@ class DiLoCo:
     def __repr__(self) -> str:
         return (f"DiLoCo(sync_every={self.sync_every}, fragments={self.fragments}, delay={self.delay}, "
                 f"compressor={self.compressor!r}, error_feedback={self.error_feedback}, "
-                f"outer_lr={self.outer_lr}, outer_momentum={self.outer_momentum}, nesterov={self.nesterov})")
+                f"outer_lr={self.outer_lr}, outer_momentum={self.outer_momentum}, nesterov={self.nesterov}"
+                + (", rotate=True" if self.rotate else "") + (", compress_update=True" if self.compress_update else "")
+                + ")")
+
+
+def _hadamard(blocks: torch.Tensor) -> torch.Tensor:
+    """``blocks`` (rows of a power-of-two length k) times the orthonormal
+    Hadamard matrix ``H / sqrt(k)``, in place (its own inverse): the fast
+    Walsh-Hadamard transform, log2(k) passes of sums and differences.
+
+    >>> x = torch.tensor([[1.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
+    >>> _hadamard(x.clone())
+    tensor([[0.5000, 0.5000, 0.5000, 0.5000],
+            [2.0000, 0.0000, 0.0000, 0.0000]])
+    """
+    rows, k = blocks.shape
+    y, h = blocks, 1
+    while h < k:
+        pairs = y.reshape(rows, k // (2 * h), 2, h)
+        y = torch.stack((pairs[:, :, 0] + pairs[:, :, 1], pairs[:, :, 0] - pairs[:, :, 1]), dim=2)
+        h *= 2
+    return blocks.copy_(y.reshape(rows, k)).mul_(k ** -0.5)
 
 
 def _fragment_bounds(numels: List[int], fragments: int) -> List[int]:
