@@ -7,16 +7,17 @@ interrupted run end where the uninterrupted ones do (its final held-out
 loss within their spread over seeds), and how long do the survivors wait?
 
     python benchmarks/kill_rejoin.py                      # 3 seeds x {uninterrupted, killed}, resumable
-    python benchmarks/kill_rejoin.py --seeds 1 --model tiny --steps 96 --out /tmp/kr   # a smoke run
+    python benchmarks/kill_rejoin.py --seeds 1 --model tiny --steps 1600 --out /tmp/kr   # a smoke run
 
 Each finished run is written at once to
 benchmarks/results/quality/runs-kill-rejoin/<mode>-s<seed>.json (a run
 whose file exists is not run again); the summary goes to
 benchmarks/results/quality/kill-rejoin.json, listed in the folder's
 INDEX.md. Every replica is a process of its own with its own Manager, the
-lighthouse is torchft's console script; the restarted process is started
-ahead and waits on its stdin until the kill (its imports then take no part
-in the wait). The regime: quality.REGIME (512 tokens per replica per step,
+lighthouse is torchft's console script. The restart is cold: a new
+process started after the kill, as a user or a scheduler would restart it
+(its imports, model and Manager built while the survivors go on); the
+record says how long from the kill to its heal. The regime: quality.REGIME (512 tokens per replica per step,
 AdamW with its warm-up and floored cosine, the held-out text), DiLoCo with
 H=16, the inner lr of the study's rule for 3 replicas, outer 1.0/0.5,
 int4 pseudo-gradients with error feedback; no exact start (the same in both
@@ -125,7 +126,7 @@ def replica(a: argparse.Namespace) -> None:
 # ----------------------------------------------------------------- launcher --
 def run_one(a: argparse.Namespace, mode: str, seed: int) -> Dict[str, Any]:
     """A lighthouse and 3 replicas over the run; in mode "killed" replica 2
-    is killed at 40% of the outer steps and its standby started."""
+    is killed at 40% of the outer steps and started again, a new process."""
     from pycomm.integrations.torchft import LocalRun
 
     outer_steps = a.steps // SYNC_EVERY
@@ -134,36 +135,40 @@ def run_one(a: argparse.Namespace, mode: str, seed: int) -> Dict[str, Any]:
     with LocalRun(timeout=600) as run:
         address = run.lighthouse(min_replicas=2, join_timeout_ms=LIGHTHOUSE_MS, heartbeat_timeout_ms=LIGHTHOUSE_MS)
         common = ["--lighthouse", address, "--seed", str(seed), "--steps", str(a.steps), "--model", a.model,
-                  "--compressor", a.compressor, "--standby"]
+                  "--compressor", a.compressor]
         here = os.path.abspath(__file__)
-        starters = [run.start([sys.executable, here, "--replica", str(r), *common], f"replica{r}", stdin=True)
-                    for r in range(REPLICAS)]
-        standby = (run.start([sys.executable, here, "--replica", "2", *common], "restarted", stdin=True)
-                   if mode == "killed" else None)
-        run.ready([f"replica{r}" for r in range(REPLICAS)] + (["restarted"] if standby else []))
+        # The first three start together: each stands by once its imports are done.
+        starters = [run.start([sys.executable, here, "--replica", str(r), *common, "--standby"], f"replica{r}",
+                              stdin=True) for r in range(REPLICAS)]
+        run.ready([f"replica{r}" for r in range(REPLICAS)])
         for p in starters:
             run.send(p, "go")
-        want = {"replica0", "replica1", "restarted" if standby else "replica2"}
-        finished, done, commits, killed_at_time = set(), {}, {}, None
+        killing = mode == "killed"
+        want = {"replica0", "replica1", "restarted" if killing else "replica2"}
+        finished, done, commits, killed_at_time, rejoin_s = set(), {}, {}, None, None
         while not want <= finished:
             tag, line = run.next_event()
             if line is None:
                 finished.add(tag)
                 if tag in want and tag not in done:
-                    raise RuntimeError(f"{tag} ended without finishing; logs in {run.logs}")
+                    # a restart that finds the survivors gone ends at its quorum timeout
+                    hint = " (did the survivors finish before it rejoined? try more --steps)" if tag == "restarted" else ""
+                    raise RuntimeError(f"{tag} ended without finishing{hint}; logs in {run.logs}")
                 continue
             if not line.startswith("{"):
                 continue
             e = json.loads(line)
             if e["event"] == "done":
                 done[tag] = e
+            elif e["event"] == "healed" and tag == "restarted" and rejoin_s is None:
+                rejoin_s = e["time"] - killed_at_time
             elif e["event"] == "committed":
                 commits.setdefault(tag, []).append((e["outer_step"], e["time"]))
-                if standby and tag == "replica2" and killed_at_time is None and e["outer_step"] >= kill_at:
+                if killing and tag == "replica2" and killed_at_time is None and e["outer_step"] >= kill_at:
                     starters[2].send_signal(signal.SIGKILL)
                     killed_at_time = time.time()
                     finished.add("replica2")
-                    run.send(standby, "go")
+                    run.start([sys.executable, here, "--replica", "2", *common], "restarted")  # cold
         for p in run.procs[1:]:
             p.wait(timeout=120)
     survivors = [commits.get(t, []) for t in ("replica0", "replica1")]
@@ -171,7 +176,8 @@ def run_one(a: argparse.Namespace, mode: str, seed: int) -> Dict[str, Any]:
     losses = {t: d["heldout_loss"] for t, d in done.items()}
     return {"mode": mode, "seed": seed, "steps": a.steps, "model": a.model, "compressor": a.compressor,
             "replicas": REPLICAS, "sync_every": SYNC_EVERY, "outer_steps": outer_steps,
-            "killed_after_outer_step": kill_at if standby else None,
+            "killed_after_outer_step": kill_at if killing else None, "restart": "cold" if killing else None,
+            "kill_to_heal_s": rejoin_s,
             "heldout_loss": losses["replica0"], "heldout_loss_per_replica": losses,
             "replicas_identical": len({d["parameters"] for d in done.values()}) == 1 and len(done) == REPLICAS,
             "heals": {t: d["heals"] for t, d in done.items()}, "dropped_syncs": {t: d["dropped"] for t, d in done.items()},

@@ -526,14 +526,19 @@ def _view_hierarchy(doc: Dict[str, Any]) -> str:
 
 def _view_kill_rejoin(doc: Dict[str, Any]) -> str:
     """One row per run: the final held-out loss, the killed run against the
-    uninterrupted one of its seed, whether the replicas ended identical, and
-    the survivors' longest and median wait between two syncs."""
+    uninterrupted one of its seed (and, for a restart, how long after the
+    kill it healed), whether the replicas ended identical, and the
+    survivors' longest and median wait between two syncs."""
     rows = []
     plain = {r["seed"]: r["heldout_loss"] for r in doc["runs"] if r["mode"] == "uninterrupted"}
     for r in sorted(doc["runs"], key=lambda r: (r["seed"], r["mode"] != "uninterrupted")):
         vs = "" if r["mode"] == "uninterrupted" or r["seed"] not in plain else _pct(r["heldout_loss"] / plain[r["seed"]])
-        rows.append([r["seed"], r["mode"] + (f" after outer step {r['killed_after_outer_step']}"
-                                             if r.get("killed_after_outer_step") else ""),
+        label = r["mode"]
+        if r.get("killed_after_outer_step"):
+            label += f" after outer step {r['killed_after_outer_step']}"
+        if r.get("kill_to_heal_s") is not None:
+            label += f", restarted {r['restart']}, healed {r['kill_to_heal_s']:.0f} s after the kill"
+        rows.append([r["seed"], label,
                      f"{r['heldout_loss']:.4f}", vs, "yes" if r["replicas_identical"] else "NO",
                      f"{r['survivor_sync_gap_max_s']:.1f} / {r['survivor_sync_gap_median_s']:.2f}"])
     s = doc["summary"]
