@@ -439,14 +439,14 @@ def compress(
     for name, value in (("compressor", compressor), ("weights", weights), ("replicate", replicate)):
         if value is not None and value not in GROUP_METHODS and not is_plugin(value):
             raise ValueError(f"{name} must be one of {list(GROUP_METHODS)} or a registered compressor, got {value!r}")
-    if compressor == "auto" or weights == "auto" or replicate == "auto":
+    if spec.AUTO_METHOD in (compressor, weights, replicate):
         raise ValueError("compressor='auto' is for all-reduces; name a compressor for FSDP")
     if weights is not None and spec.method_spec(weights).kind != "plugin" and spec.method_spec(weights).bits < 4:
         # Weights are not corrected by error feedback: a forward pass on
         # sign bits or on a few percent of the entries is another model.
         raise ValueError(f"weights={weights!r} would run the forward pass on weights that keep "
-                         f"{'their signs only' if weights == 'onebit' else 'a few entries'}; weights take a "
-                         f"codec of 4 bits or more ({[m for m in GROUP_METHODS if m != 'auto' and spec.method_spec(m).bits >= 4]})")
+                         f"{'their signs only' if spec.method_spec(weights).bits == 1 else 'a few entries'}; weights take a "
+                         f"codec of 4 bits or more ({[m for m in spec.METHODS if spec.method_spec(m).bits >= 4]})")
     if getattr(model, "_pycomm_fsdp", None) is not None:
         raise ValueError("pycomm.fsdp.compress was already called on this model (its collectives are installed); "
                          "call it once, after fully_shard, with every setting")
@@ -468,7 +468,7 @@ def compress(
     for fqn, m in modules:
         g = _check_param_group(m, fqn)
         param_groups.append(g)
-    if any(g is not None and _is_hsdp(g) for g in param_groups) and shard == "exact" and replicate == "none":
+    if any(g is not None and _is_hsdp(g) for g in param_groups) and shard == "exact" and replicate == spec.EXACT_METHOD:
         log.warning("pycomm.fsdp: shard='exact' and replicate='none': nothing is compressed")
     replicate = compressor if replicate is None else replicate
 
@@ -491,7 +491,7 @@ def compress(
         roles.append(("grad", compressor, all_shard))
     if weights is not None:
         roles.append(("weight", weights, all_shard))
-    if replicate != "none" and all_repl:
+    if replicate != spec.EXACT_METHOD and all_repl:
         roles.append(("replicate", replicate, all_repl))
     for role, method, sets in roles:
         for ranks in sets:

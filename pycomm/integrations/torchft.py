@@ -169,7 +169,7 @@ class FaultTolerantDiLoCo(DiLoCo):
 
     def __init__(self, manager: Any, model: torch.nn.Module, inner: Optimizer, sync_every: int = 16, *,
                  mesh: Any = None, outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: bool = True,
-                 compressor: str = "none", error_feedback: Optional[bool] = None,
+                 compressor: str = pd.spec.EXACT_METHOD, error_feedback: Optional[bool] = None,
                  key_base: int = DILOCO_KEY_BASE, **compressor_settings: Any) -> None:
         for name in sorted(set(compressor_settings) & set(_NOT_HERE)):
             raise TypeError(f"FaultTolerantDiLoCo takes no {name}: {_NOT_HERE[name]}")

@@ -80,9 +80,8 @@ _SHARED = ("sync_every", "fragments", "delay", "compressor", "error_feedback", "
            "outer_lr", "outer_momentum", "nesterov", "rotate", "compress_update", "key_base", "parameters")
 #: The settings a loaded state must share, with their values in a state
 #: saved before the setting existed.
-_LOADED = {"sync_every": None, "fragments": None, "delay": None, "compressor": None, "error_feedback": None,
-           "parameters": None, "outer_lr": None, "outer_momentum": None, "nesterov": None,
-           "rotate": False, "compress_update": False}
+_LOADED = {name: {"rotate": False, "compress_update": False}.get(name) for name in _SHARED
+           if name not in ("compressor_settings", "key_base")}
 
 
 class DiLoCo:
@@ -105,9 +104,10 @@ class DiLoCo:
         outer_lr, outer_momentum, nesterov: the outer optimizer,
             ``torch.optim.SGD(lr, momentum, nesterov)`` over the anchor
             (Nesterov applies when ``outer_momentum > 0``).
-        compressor: the engine's method for the pseudo-gradient: "none"
-            (exact), "bf16", "fp16", "int8", "int4", "onebit", "topk" or a
-            compressor registered with ``pycomm.register_compressor``.
+        compressor: the engine's method for the pseudo-gradient, one of
+            ``pycomm.distributed.spec.METHODS`` (the default,
+            ``spec.EXACT_METHOD``, is the exact average), or a compressor
+            registered with ``pycomm.register_compressor``.
         error_feedback: keep the compression error and add it to the next
             sync of the same fragment (engine key ``key_base + f``); None:
             the method's default (``spec.method_spec(m).error_feedback``).
@@ -189,7 +189,7 @@ class DiLoCo:
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
         nesterov: bool = True,
-        compressor: str = "none",
+        compressor: str = spec.EXACT_METHOD,
         error_feedback: Optional[bool] = None,
         rotate: bool = False,
         compress_update: bool = False,
